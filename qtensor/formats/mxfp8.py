@@ -110,7 +110,7 @@ def dequantize(
     """Decode to the input's layout: e4m3 value * 2**(code - 127), exact in fp32."""
     s = scale_values(scale)
     if columnwise:
-        s = s.repeat_interleave(BLOCK, dim=0)
+        s = s.repeat_interleave(BLOCK, dim=-2)
     else:
         s = s.repeat_interleave(BLOCK, dim=-1)
     return (qdata.float() * s).to(dtype)

@@ -1,0 +1,50 @@
+"""qtensor: NVFP4, MXFP8 and hybrid quantized tensors for PyTorch.
+
+`import qtensor` neither initialises CUDA nor imports Triton.
+"""
+
+import torch as _torch
+
+from qtensor.formats import MXFP8Spec, NVFP4Spec
+from qtensor.ops import gemm as _gemm  # registers the GEMM ops and F.linear
+from qtensor.ops.gemm import quantized_mm
+from qtensor.tensors import HybridTensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
+
+__version__ = "0.1.0"
+
+# Quantized tensors and their specs load with torch.load(weights_only=True).
+_torch.serialization.add_safe_globals(
+    [NVFP4Tensor, MXFP8Tensor, HybridTensor, NVFP4Spec, MXFP8Spec]
+)
+
+_LAZY = {  # these import torchao, so they load on first use
+    "MXFP8DynamicActivationMXFP8WeightConfig",
+    "MXFP8WeightOnlyConfig",
+    "NVFP4DynamicActivationNVFP4WeightConfig",
+    "NVFP4WeightOnlyConfig",
+    "quantize_",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        from qtensor import quantize
+
+        return getattr(quantize, name)
+    raise AttributeError(f"module 'qtensor' has no attribute {name!r}")
+
+
+__all__ = [
+    "HybridTensor",
+    "MXFP8DynamicActivationMXFP8WeightConfig",
+    "MXFP8Spec",
+    "MXFP8Tensor",
+    "MXFP8WeightOnlyConfig",
+    "NVFP4DynamicActivationNVFP4WeightConfig",
+    "NVFP4Spec",
+    "NVFP4Tensor",
+    "NVFP4WeightOnlyConfig",
+    "QuantizedTensor",
+    "quantize_",
+    "quantized_mm",
+]

@@ -1,0 +1,1 @@
+"""Operations on quantized tensors: the GEMM layer (emulated reference backend for now)."""

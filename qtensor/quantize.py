@@ -1,0 +1,167 @@
+"""quantize_(model, config): swap nn.Linear weights for quantized tensors, torchao-style.
+
+The configs are registered with torchao's handler registry, so
+`torchao.quantization.quantize_(model, config)` takes them too. Weight-only configs keep the
+activation in high precision (F.linear multiplies it by the decoded weight, exactly); dynamic
+configs store the activation's spec on the weight, and F.linear quantizes the activation with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import nn
+from torchao.core.config import AOBaseConfig
+from torchao.quantization.transform_module import register_quantize_module_handler
+
+from qtensor.formats.mxfp8 import MXFP8Spec
+from qtensor.formats.nvfp4 import NVFP4Spec
+from qtensor.tensors import MXFP8Tensor, NVFP4Tensor, quantize_spec
+
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+def _check_inference_spec(spec, role: str) -> None:
+    if spec.columnwise:
+        raise ValueError(f"The {role} spec must be rowwise (columnwise=False) for F.linear.")
+    if isinstance(spec, NVFP4Spec) and (spec.rht or spec.stochastic_rounding):
+        raise ValueError(
+            f"RHT and stochastic rounding are gradient (training) options; the {role} spec of "
+            "an inference config must not set them."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4WeightOnlyConfig(AOBaseConfig):
+    """NVFP4 weights, high-precision activations."""
+
+    weight: NVFP4Spec = NVFP4Spec()
+    # Leave layers whose shapes NVFP4 cannot take in high precision instead of raising.
+    skip_incompatible: bool = False
+
+    def __post_init__(self):
+        _check_inference_spec(self.weight, "weight")
+
+    def specs(self):
+        return self.weight, None
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4DynamicActivationNVFP4WeightConfig(AOBaseConfig):
+    """NVFP4 weights and activations quantized on the fly (row-scaled and 4over6 allowed)."""
+
+    weight: NVFP4Spec = NVFP4Spec()
+    activation: NVFP4Spec = NVFP4Spec()
+    skip_incompatible: bool = False
+
+    def __post_init__(self):
+        _check_inference_spec(self.weight, "weight")
+        _check_inference_spec(self.activation, "activation")
+        if self.activation.block_2d:
+            raise ValueError("2D (16x16) blocks are for weights; set activation.block_2d=False.")
+
+    def specs(self):
+        return self.weight, self.activation
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8WeightOnlyConfig(AOBaseConfig):
+    """MXFP8 weights, high-precision activations."""
+
+    weight: MXFP8Spec = MXFP8Spec()
+    skip_incompatible: bool = False
+
+    def __post_init__(self):
+        _check_inference_spec(self.weight, "weight")
+
+    def specs(self):
+        return self.weight, None
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8DynamicActivationMXFP8WeightConfig(AOBaseConfig):
+    """MXFP8 weights and activations quantized on the fly."""
+
+    weight: MXFP8Spec = MXFP8Spec()
+    activation: MXFP8Spec = MXFP8Spec()
+    skip_incompatible: bool = False
+
+    def __post_init__(self):
+        _check_inference_spec(self.weight, "weight")
+        _check_inference_spec(self.activation, "activation")
+
+    def specs(self):
+        return self.weight, self.activation
+
+
+CONFIGS = (
+    NVFP4WeightOnlyConfig,
+    NVFP4DynamicActivationNVFP4WeightConfig,
+    MXFP8WeightOnlyConfig,
+    MXFP8DynamicActivationMXFP8WeightConfig,
+)
+
+
+def linear_shape_error(module: nn.Linear, config) -> str | None:
+    """Why this layer's shape cannot take the config, or None."""
+    weight_spec, _ = config.specs()
+    n, k = module.weight.shape
+    block = 16 if isinstance(weight_spec, NVFP4Spec) else 32
+    fmt = "NVFP4" if block == 16 else "MXFP8"
+    if k % block:
+        return f"{fmt} needs in_features divisible by {block}; got {k}"
+    if getattr(weight_spec, "block_2d", False) and n % 16:
+        return f"NVFP4 2D blocks need out_features divisible by 16; got {n}"
+    return None
+
+
+def quantize_linear(module: nn.Linear, config, name: str = "") -> nn.Module:
+    """Replace module.weight with its quantized form (in place); returns the module."""
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"{type(config).__name__} applies to nn.Linear; got {type(module).__name__}.")
+    why = linear_shape_error(module, config)
+    if why:
+        if config.skip_incompatible:
+            return module
+        label = f"layer {name!r}" if name else f"layer {module}"
+        raise ValueError(
+            f"{why} at {label}. Exclude it with filter_fn, or pass skip_incompatible=True to "
+            "leave such layers in high precision."
+        )
+    weight_spec, act_spec = config.specs()
+    with torch.no_grad():
+        w = quantize_spec(module.weight.detach(), weight_spec)
+    if act_spec is not None:
+        w = w.replace(act_spec=act_spec)
+    module.weight = nn.Parameter(w, requires_grad=False)
+    module.extra_repr = _extra_repr.__get__(module)
+    return module
+
+
+def _extra_repr(self) -> str:
+    return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.weight!r}"
+
+
+for _cfg in CONFIGS:
+    register_quantize_module_handler(_cfg)(lambda module, config: quantize_linear(module, config))
+
+
+def _is_linear(module: nn.Module, name: str) -> bool:
+    return isinstance(module, nn.Linear)
+
+
+def quantize_(model: nn.Module, config: AOBaseConfig, filter_fn: FilterFn | None = None) -> nn.Module:
+    """Quantize every nn.Linear of `model` that filter_fn(module, name) selects, in place."""
+    if not isinstance(config, CONFIGS):
+        names = ", ".join(c.__name__ for c in CONFIGS)
+        raise TypeError(f"quantize_ takes one of {names}; got {type(config).__name__}.")
+    filter_fn = filter_fn or _is_linear
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and filter_fn(module, name):
+            quantize_linear(module, config, name)
+    return model
+
+
+__all__ = [c.__name__ for c in CONFIGS] + ["quantize_"]

@@ -1,0 +1,136 @@
+"""Ops every quantized tensor class shares: detach, clone, to/_to_copy, copy_, and input checks."""
+
+from __future__ import annotations
+
+import torch
+
+from qtensor.tensors.base import QuantizedTensor
+
+aten = torch.ops.aten
+
+ROWWISE = "rowwise"
+COLUMNWISE = "columnwise"
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_hp_input(x: torch.Tensor, fmt: str, check_finite: bool) -> None:
+    """Validate a high-precision tensor before quantization, naming the rule broken."""
+    if isinstance(x, QuantizedTensor):
+        raise TypeError(f"{fmt} quantizes a high-precision tensor; got {type(x).__name__}.")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{fmt} quantizes float32, bfloat16 or float16 tensors; got {x.dtype}. "
+            "Convert with .to(torch.bfloat16) first."
+        )
+    if x.numel() == 0:
+        raise ValueError(f"{fmt} needs a non-empty tensor; got shape {tuple(x.shape)}.")
+    if check_finite and not torch.compiler.is_compiling() and not _is_fake(x):
+        bad = int((~torch.isfinite(x)).sum())
+        if bad:
+            raise ValueError(
+                f"{fmt} input has {bad} non-finite value(s) (NaN or Inf) in a tensor of shape "
+                f"{tuple(x.shape)}. Fix the producer of this tensor, or pass "
+                "check_finite=False to get the documented hardware rule (docs/formats.md)."
+            )
+
+
+def _is_fake(x: torch.Tensor) -> bool:
+    return isinstance(x, torch._subclasses.fake_tensor.FakeTensor) or x.device.type == "meta"
+
+
+@QuantizedTensor.implements([aten.detach.default, aten.alias.default])
+def _detach(func, args, kwargs):
+    return args[0].map_data(func)
+
+
+@QuantizedTensor.implements(aten.clone.default)
+def _clone(func, args, kwargs):
+    return args[0].map_data(lambda t: t.clone(memory_format=torch.contiguous_format))
+
+
+@QuantizedTensor.implements(aten._to_copy.default)
+def _to_copy(func, args, kwargs):
+    """`.to(device)` moves the bytes; `.to(dtype)` changes the dtype products are returned in."""
+    x = args[0]
+    dtype = kwargs.get("dtype") or x.dtype
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{type(x).__name__}.to(dtype) sets the output dtype of its products and takes "
+            f"float32, bfloat16 or float16; got {dtype}."
+        )
+    device = kwargs.get("device") or x.device
+    return x.map_data(lambda t: t.to(device=device, copy=True), dtype=dtype)
+
+
+@QuantizedTensor.implements(aten.copy_.default)
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if type(src) is not type(dst):
+        raise TypeError(
+            f"copy_ into a {type(dst).__name__} needs a {type(dst).__name__} source; got "
+            f"{type(src).__name__}. Quantize the source first (it is never requantized "
+            "implicitly)."
+        )
+    if src.shape != dst.shape or _attrs(src) != _attrs(dst):
+        raise ValueError(
+            f"copy_ needs the same shape and decode metadata; destination {dst!r}, "
+            f"source {src!r}."
+        )
+    for name in dst.tensor_data_names:
+        d, s = getattr(dst, name), getattr(src, name)
+        if (d is None) != (s is None):
+            raise ValueError(f"copy_: inner tensor {name!r} is present on one side only.")
+        if d is not None:
+            d.copy_(s)
+    return dst
+
+
+def _attrs(t: QuantizedTensor):
+    return tuple(getattr(t, n) for n in t.tensor_attribute_names)
+
+
+def normalize_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def infer_shape(shape, numel: int) -> torch.Size:
+    """Resolve one -1 in a view shape."""
+    shape = list(shape)
+    if -1 in shape:
+        known = 1
+        for s in shape:
+            known *= s if s != -1 else 1
+        shape[shape.index(-1)] = numel // known if known else 0
+    return torch.Size(shape)
+
+
+def slice_bounds(x, dim=0, start=None, end=None, step=1):
+    """(x, dim, start, length) of aten.slice.Tensor's arguments, clamped like Python slicing."""
+    if step != 1:
+        raise ValueError(f"{type(x).__name__} slices with step 1 only; got step {step}.")
+    dim = normalize_dim(dim, x.dim())
+    size = x.shape[dim]
+    start = 0 if start is None else max(0, min(size, start + size if start < 0 else start))
+    end = size if end is None else max(start, min(size, end + size if end < 0 else end))
+    return x, dim, start, end - start
+
+
+@QuantizedTensor.implements(aten.split.Tensor)
+def _split(func, args, kwargs):
+    x, size = args[0], args[1]
+    dim = normalize_dim(args[2] if len(args) > 2 else kwargs.get("dim", 0), x.dim())
+    return [
+        aten.slice.Tensor(x, dim, s, min(s + size, x.shape[dim]))
+        for s in range(0, x.shape[dim], size)
+    ]
+
+
+@QuantizedTensor.implements(aten.split_with_sizes.default)
+def _split_with_sizes(func, args, kwargs):
+    x, sizes = args[0], args[1]
+    dim = normalize_dim(args[2] if len(args) > 2 else kwargs.get("dim", 0), x.dim())
+    out, start = [], 0
+    for s in sizes:
+        out.append(aten.slice.Tensor(x, dim, start, start + s))
+        start += s
+    return out

@@ -1,0 +1,113 @@
+"""HybridTensor: a rowwise operand in one format and a columnwise operand in another.
+
+Each side is a full quantized tensor with its own metadata; a GEMM takes the side whose blocks
+run along its reduction dim (the rowwise side as a left operand, the columnwise side as a right
+operand), so one hybrid weight serves fprop in NVFP4 and dgrad in MXFP8. `columnwise_source`
+records where the columnwise bytes came from: "original" (the high-precision input quantized
+again) or "rowwise_dequantized" (the rowwise side decoded to the input's dtype, then quantized:
+that intermediate rounding is part of the contract).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from qtensor.formats.mxfp8 import MXFP8Spec
+from qtensor.formats.nvfp4 import NVFP4Spec
+from qtensor.tensors.base import QuantizedTensor
+from qtensor.tensors.common import check_hp_input, normalize_dim
+from qtensor.tensors.mxfp8 import MXFP8Tensor
+from qtensor.tensors.nvfp4 import NVFP4Tensor
+
+aten = torch.ops.aten
+Spec = NVFP4Spec | MXFP8Spec
+SOURCES = ("original", "rowwise_dequantized")
+
+
+def tensor_class(spec: Spec) -> type[QuantizedTensor]:
+    if isinstance(spec, NVFP4Spec):
+        return NVFP4Tensor
+    if isinstance(spec, MXFP8Spec):
+        return MXFP8Tensor
+    raise TypeError(f"expected an NVFP4Spec or MXFP8Spec; got {type(spec).__name__}.")
+
+
+def quantize_spec(x, spec: Spec, *, generator=None, check_finite=True) -> QuantizedTensor:
+    """Quantize x with a spec, whatever its format."""
+    return tensor_class(spec).from_spec(x, spec, generator=generator, check_finite=check_finite)
+
+
+class HybridTensor(QuantizedTensor):
+    tensor_data_names = ("rowwise", "columnwise")
+    tensor_attribute_names = ("columnwise_source",)
+
+    @classmethod
+    def from_hp(
+        cls,
+        x: torch.Tensor,
+        *,
+        rowwise: Spec,
+        columnwise: Spec,
+        columnwise_source: str = "original",
+        generator: torch.Generator | None = None,
+        check_finite: bool = True,
+    ) -> "HybridTensor":
+        """Quantize a 2-D tensor into both sides. The slot decides each side's orientation."""
+        if columnwise_source not in SOURCES:
+            raise ValueError(
+                f"columnwise_source must be one of {SOURCES}; got {columnwise_source!r}."
+            )
+        check_hp_input(x, "HybridTensor", check_finite)
+        if x.dim() != 2:
+            raise ValueError(f"HybridTensor takes a 2-D tensor; got shape {tuple(x.shape)}.")
+        row_spec = dataclasses.replace(rowwise, columnwise=False)
+        col_spec = dataclasses.replace(columnwise, columnwise=True)
+        row = quantize_spec(x, row_spec, generator=generator, check_finite=False)
+        src = row.dequantize(x.dtype) if columnwise_source == "rowwise_dequantized" else x
+        col = quantize_spec(src, col_spec, generator=generator, check_finite=False)
+        return cls(x.shape, x.dtype, x.device, rowwise=row, columnwise=col,
+                   columnwise_source=columnwise_source)
+
+    def __repr__(self):
+        return (
+            f"HybridTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"columnwise_source={self.columnwise_source},\n  rowwise={self.rowwise!r},\n  "
+            f"columnwise={self.columnwise!r})"
+        )
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The rowwise side decoded (the forward operand)."""
+        return self.rowwise.dequantize(dtype or self.dtype)
+
+
+@HybridTensor.implements([aten.t.default, aten.transpose.int])
+def _transpose(func, args, kwargs):
+    x = args[0]
+    dims = (0, 1) if func is aten.t.default else args[1:3]
+    if sorted(normalize_dim(d, x.dim()) for d in dims) == [0, 0] or dims[0] == dims[1]:
+        return x
+    # The rowwise side of the transpose is the transposed columnwise side, and vice versa.
+    return x.replace(
+        shape=(x.shape[1], x.shape[0]),
+        rowwise=x.columnwise.t(),
+        columnwise=x.rowwise.t(),
+    )
+
+
+@HybridTensor.implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
+def _view(func, args, kwargs):
+    x = args[0]
+    if torch.Size(args[1]) != x.shape:
+        raise ValueError(f"HybridTensor cannot be reshaped: {tuple(x.shape)} -> {tuple(args[1])}.")
+    return x.replace()
+
+
+@HybridTensor.implements([aten.slice.Tensor, aten.select.int])
+def _slice(func, args, kwargs):
+    x = args[0]
+    row, col = func(x.rowwise, *args[1:]), func(x.columnwise, *args[1:])
+    if row.dim() != 2:
+        raise ValueError("HybridTensor.select would leave a 1-D tensor; slice instead.")
+    return x.replace(shape=row.shape, rowwise=row, columnwise=col)

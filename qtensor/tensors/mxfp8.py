@@ -1,0 +1,158 @@
+"""MXFP8Tensor: E4M3 data with one UE8M0 scale per 32 elements.
+
+Layout [Note: MXFP8 storage]: qdata always has the logical shape (columnwise data is not
+transposed). Rowwise scale is [*lead, R, C/32]; columnwise (32x1 blocks along dim -2) scale is
+[*lead, R/32, C]. Transposing the last two dims transposes both views and flips `axis`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qtensor.formats import mxfp8 as ref
+from qtensor.formats.mxfp8 import MXFP8Spec
+from qtensor.tensors.base import QuantizedTensor
+from qtensor.tensors.common import (
+    COLUMNWISE,
+    ROWWISE,
+    check_hp_input,
+    infer_shape,
+    normalize_dim,
+    slice_bounds,
+)
+
+aten = torch.ops.aten
+BLOCK = ref.BLOCK
+
+
+class MXFP8Tensor(QuantizedTensor):
+    tensor_data_names = ("qdata", "scale")
+    tensor_attribute_names = (
+        "axis",  # "rowwise" (1x32 blocks along the last dim) or "columnwise" (32x1 along dim -2)
+        "scale_rule",  # "rceil" or "floor": how the scales were chosen (decode ignores it)
+        "scale_layout",  # "compact": unswizzled scales
+        "act_spec",  # spec that F.linear uses to quantize the activation, or None (weight-only)
+    )
+
+    @classmethod
+    def from_hp(
+        cls,
+        x: torch.Tensor,
+        *,
+        scale_rule: str = "rceil",
+        columnwise: bool = False,
+        check_finite: bool = True,
+    ) -> "MXFP8Tensor":
+        """Quantize a high-precision tensor. Columnwise takes a 2-D tensor [M, K]."""
+        return cls.from_spec(x, MXFP8Spec(scale_rule, columnwise), check_finite=check_finite)
+
+    @classmethod
+    def from_spec(cls, x, spec: MXFP8Spec, *, generator=None, check_finite=True) -> "MXFP8Tensor":
+        check_hp_input(x, "MXFP8", check_finite)
+        qdata, scale = ref.quantize(x, spec)
+        return cls(
+            x.shape,
+            x.dtype,
+            x.device,
+            qdata=qdata,
+            scale=scale,
+            axis=COLUMNWISE if spec.columnwise else ROWWISE,
+            scale_rule=spec.scale_rule,
+            scale_layout="compact",
+            act_spec=None,
+        )
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The decoded tensor (exact in fp32), in the logical layout."""
+        out = ref.dequantize(self.qdata, self.scale, self.axis == COLUMNWISE)
+        return out.to(dtype or self.dtype).contiguous()
+
+    def unit_values(self) -> torch.Tensor:
+        """The exact fp32 values a GEMM multiplies (MXFP8 has no per-tensor factor)."""
+        return ref.dequantize(self.qdata, self.scale, self.axis == COLUMNWISE)
+
+    def block_dim(self) -> int:
+        return self.dim() - 1 if self.axis == ROWWISE else self.dim() - 2
+
+
+@MXFP8Tensor.implements([aten.t.default, aten.transpose.int])
+def _transpose(func, args, kwargs):
+    x = args[0]
+    if x.dim() < 2:
+        return x
+    dims = (0, 1) if func is aten.t.default else args[1:3]
+    dims = sorted(normalize_dim(d, x.dim()) for d in dims)
+    if dims[0] == dims[1]:
+        return x
+    if dims != [x.dim() - 2, x.dim() - 1]:
+        raise ValueError(
+            f"MXFP8Tensor transposes only its last two dims (a rowwise/columnwise flip); got "
+            f"dims {tuple(args[1:3])} for shape {tuple(x.shape)}."
+        )
+    return x.replace(
+        shape=(*x.shape[:-2], x.shape[-1], x.shape[-2]),
+        qdata=x.qdata.transpose(-1, -2),
+        scale=x.scale.transpose(-1, -2),
+        axis=COLUMNWISE if x.axis == ROWWISE else ROWWISE,
+    )
+
+
+@MXFP8Tensor.implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
+def _view(func, args, kwargs):
+    x = args[0]
+    shape = infer_shape(args[1], x.numel())
+    if shape == x.shape:
+        return x.replace()
+    if x.axis != ROWWISE or len(shape) == 0 or shape[-1] != x.shape[-1]:
+        raise ValueError(
+            f"MXFP8Tensor can be reshaped only when it is rowwise and keeps its last dim "
+            f"(blocks stay intact); got {tuple(x.shape)} -> {tuple(shape)}."
+        )
+    return x.replace(
+        shape=shape,
+        qdata=x.qdata.reshape(shape),
+        scale=x.scale.reshape(*shape[:-1], x.scale.shape[-1]),
+    )
+
+
+@MXFP8Tensor.implements(aten.slice.Tensor)
+def _slice(func, args, kwargs):
+    x, dim, start, length = slice_bounds(*args)
+    shape = list(x.shape)
+    shape[dim] = length
+    if dim != x.block_dim():
+        return x.replace(
+            shape=shape,
+            qdata=x.qdata.narrow(dim, start, length),
+            scale=x.scale.narrow(dim, start, length),
+        )
+    if start % BLOCK or length % BLOCK:
+        raise ValueError(
+            f"MXFP8Tensor slices along its block dim only at multiples of {BLOCK}; got start "
+            f"{start}, length {length} on dim {dim} of {tuple(x.shape)}."
+        )
+    return x.replace(
+        shape=shape,
+        qdata=x.qdata.narrow(dim, start, length),
+        scale=x.scale.narrow(dim, start // BLOCK, length // BLOCK),
+    )
+
+
+@MXFP8Tensor.implements(aten.select.int)
+def _select(func, args, kwargs):
+    x, dim, index = args
+    dim = normalize_dim(dim, x.dim())
+    if dim == x.block_dim():
+        raise ValueError(
+            f"MXFP8Tensor cannot select along its block dim {dim} (shape {tuple(x.shape)}): "
+            "that would split a 32-element block."
+        )
+    index = index + x.shape[dim] if index < 0 else index
+    # Selecting the last dim of a columnwise tensor leaves blocks along the new last dim.
+    axis = ROWWISE if (x.axis == COLUMNWISE and dim == x.dim() - 1) else x.axis
+    return x.replace(
+        shape=[s for i, s in enumerate(x.shape) if i != dim],
+        qdata=x.qdata.select(dim, index),
+        scale=x.scale.select(dim, index),
+        axis=axis,
+    )

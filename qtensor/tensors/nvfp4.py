@@ -1,0 +1,241 @@
+"""NVFP4Tensor: packed E2M1 codes, E4M3 block scales and an fp32 amax (scalar or per row).
+
+Layout [Note: NVFP4 storage]: the logical tensor is [*lead, R, C]. Rowwise (blocks along the
+last dim) stores qdata [*lead, R, C/2] and scale [*lead, R, C/16]. Columnwise (blocks along dim
+-2) stores the transpose: qdata [*lead, C, R/2], scale [*lead, C, R/16]; "rows of the storage
+are columns of the tensor", as FORMATS.md puts it. A row-scaled amax has the storage's shape
+without its last dim. Transposing the last two dims flips `axis` and touches no byte.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qtensor.formats import nvfp4 as ref
+from qtensor.formats.nvfp4 import NVFP4Spec
+from qtensor.tensors.base import QuantizedTensor
+from qtensor.tensors.common import (
+    COLUMNWISE,
+    ROWWISE,
+    check_hp_input,
+    infer_shape,
+    normalize_dim,
+    slice_bounds,
+)
+
+aten = torch.ops.aten
+BLOCK = ref.BLOCK
+
+
+class NVFP4Tensor(QuantizedTensor):
+    tensor_data_names = ("qdata", "scale", "amax")
+    tensor_attribute_names = (
+        "axis",  # "rowwise" or "columnwise": which logical dim the 16-element blocks run along
+        "block_2d",  # scales shared by 16x16 tiles
+        "row_scaled",  # amax is one value per storage row
+        "fourover6",  # None, "mae" or "mse": how block scales were chosen (decode ignores it)
+        "e4m3_bound",  # 448 or 256: B of the decode factor A / (6 B)
+        "rht",  # values are Hadamard-transformed; only a product with another RHT operand is valid
+        "scale_layout",  # "compact": scale is [rows, cols/16], unswizzled
+        "act_spec",  # spec that F.linear uses to quantize the activation, or None (weight-only)
+    )
+
+    @classmethod
+    def from_hp(
+        cls,
+        x: torch.Tensor,
+        *,
+        block_2d: bool = False,
+        row_scaled: bool = False,
+        fourover6: str | None = None,
+        e4m3_bound: int = 448,
+        rht: bool = False,
+        stochastic_rounding: bool = False,
+        generator: torch.Generator | None = None,
+        columnwise: bool = False,
+        check_finite: bool = True,
+    ) -> "NVFP4Tensor":
+        """Quantize a high-precision tensor. Columnwise takes a 2-D tensor [M, K]."""
+        spec = NVFP4Spec(
+            block_2d=block_2d,
+            row_scaled=row_scaled,
+            fourover6=fourover6,
+            e4m3_bound=e4m3_bound,
+            rht=rht,
+            stochastic_rounding=stochastic_rounding,
+            columnwise=columnwise,
+        )
+        return cls.from_spec(x, spec, generator=generator, check_finite=check_finite)
+
+    @classmethod
+    def from_spec(cls, x, spec: NVFP4Spec, *, generator=None, check_finite=True) -> "NVFP4Tensor":
+        check_hp_input(x, "NVFP4", check_finite)
+        if spec.columnwise and x.dim() != 2:
+            raise ValueError(
+                f"NVFP4 columnwise quantization takes a 2-D tensor; got shape {tuple(x.shape)}. "
+                "Flatten the leading dims first (x.reshape(-1, x.shape[-1]))."
+            )
+        qdata, scale, amax = ref.quantize(x, spec, generator)
+        if not spec.columnwise:
+            lead = x.shape[:-1]
+            qdata = qdata.reshape(*lead, qdata.shape[-1])
+            scale = scale.reshape(*lead, scale.shape[-1])
+            amax = amax.reshape(lead) if spec.row_scaled else amax
+        return cls(
+            x.shape,
+            x.dtype,
+            x.device,
+            qdata=qdata,
+            scale=scale,
+            amax=amax,
+            axis=COLUMNWISE if spec.columnwise else ROWWISE,
+            block_2d=spec.block_2d,
+            row_scaled=spec.row_scaled,
+            fourover6=spec.fourover6,
+            e4m3_bound=spec.e4m3_bound,
+            rht=spec.rht,
+            scale_layout="compact",
+            act_spec=None,
+        )
+
+    # ---- decoding -----------------------------------------------------------------------------
+
+    def _storage_2d(self):
+        q = self.qdata.reshape(-1, self.qdata.shape[-1])
+        s = self.scale.reshape(-1, self.scale.shape[-1])
+        return q, s
+
+    def _to_logical(self, storage_values: torch.Tensor) -> torch.Tensor:
+        shape = (*self.qdata.shape[:-1], self.qdata.shape[-1] * 2)
+        v = storage_values.reshape(shape)
+        return v.transpose(-1, -2) if self.axis == COLUMNWISE else v
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The decoded tensor (FORMATS.md step 7) in the logical layout."""
+        q, s = self._storage_2d()
+        amax = self.amax.reshape(-1) if self.row_scaled else self.amax
+        out = ref.dequantize(q, s, amax, self.e4m3_bound)
+        return self._to_logical(out).to(dtype or self.dtype).contiguous()
+
+    def unit_values(self) -> torch.Tensor:
+        """value(q) * s_b in fp32, logical layout: the exact operand a GEMM multiplies."""
+        q, s = self._storage_2d()
+        return self._to_logical(ref.unit_values(q, s))
+
+    def amax_for(self, side: str) -> torch.Tensor:
+        """The amax broadcastable over a GEMM output: [.., M, 1] on the left, [.., 1, N] right."""
+        if not self.row_scaled:
+            return self.amax
+        return self.amax.unsqueeze(-1) if side == "left" else self.amax.unsqueeze(-2)
+
+    # ---- layout helpers for the op table --------------------------------------------------------
+
+    def storage_dim(self, dim: int) -> tuple[int, bool]:
+        """(storage dim, is block dim) for a logical dim."""
+        nd = self.dim()
+        dim = normalize_dim(dim, nd)
+        if self.axis == ROWWISE:
+            return dim, dim == nd - 1
+        if dim == nd - 2:
+            return nd - 1, True
+        return (nd - 2 if dim == nd - 1 else dim), False
+
+
+def _transposed(x: NVFP4Tensor) -> NVFP4Tensor:
+    shape = (*x.shape[:-2], x.shape[-1], x.shape[-2])
+    axis = COLUMNWISE if x.axis == ROWWISE else ROWWISE
+    return x.replace(shape=shape, axis=axis)
+
+
+@NVFP4Tensor.implements([aten.t.default, aten.transpose.int])
+def _transpose(func, args, kwargs):
+    x = args[0]
+    if x.dim() < 2:
+        return x
+    dims = (0, 1) if func is aten.t.default else args[1:3]
+    dims = sorted(normalize_dim(d, x.dim()) for d in dims)
+    if dims[0] == dims[1]:
+        return x
+    if dims != [x.dim() - 2, x.dim() - 1]:
+        raise ValueError(
+            f"NVFP4Tensor transposes only its last two dims (a rowwise/columnwise flip); got "
+            f"dims {tuple(args[1:3])} for shape {tuple(x.shape)}."
+        )
+    return _transposed(x)
+
+
+@NVFP4Tensor.implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
+def _view(func, args, kwargs):
+    x, shape = args[0], list(args[1])
+    shape = infer_shape(shape, x.numel())
+    if shape == x.shape:
+        return x.replace()
+    if x.axis != ROWWISE or len(shape) == 0 or shape[-1] != x.shape[-1] or x.block_2d:
+        raise ValueError(
+            f"NVFP4Tensor can be reshaped only when it is rowwise, 1D-blocked and keeps its "
+            f"last dim (blocks stay intact); got {tuple(x.shape)} -> {tuple(shape)} with {x!r}."
+        )
+    lead = shape[:-1]
+    return x.replace(
+        shape=shape,
+        qdata=x.qdata.reshape(*lead, x.qdata.shape[-1]),
+        scale=x.scale.reshape(*lead, x.scale.shape[-1]),
+        amax=x.amax.reshape(lead) if x.row_scaled else x.amax,
+    )
+
+
+def _narrow(x: NVFP4Tensor, dim: int, start: int, length: int) -> NVFP4Tensor:
+    sdim, is_block = x.storage_dim(dim)
+    shape = list(x.shape)
+    shape[normalize_dim(dim, x.dim())] = length
+    if is_block:
+        if start % BLOCK or length % BLOCK:
+            raise ValueError(
+                f"NVFP4Tensor slices along its block dim only at multiples of {BLOCK}; got "
+                f"start {start}, length {length} on dim {dim} of {tuple(x.shape)}."
+            )
+        return x.replace(
+            shape=shape,
+            qdata=x.qdata.narrow(sdim, start // 2, length // 2),
+            scale=x.scale.narrow(sdim, start // BLOCK, length // BLOCK),
+        )
+    if x.block_2d and sdim == x.qdata.dim() - 2 and (start % BLOCK or length % BLOCK):
+        raise ValueError(
+            f"NVFP4Tensor with 16x16 tiles slices rows only at multiples of {BLOCK}; got "
+            f"start {start}, length {length} on dim {dim} of {tuple(x.shape)}."
+        )
+    return x.replace(
+        shape=shape,
+        qdata=x.qdata.narrow(sdim, start, length),
+        scale=x.scale.narrow(sdim, start, length),
+        amax=x.amax.narrow(sdim, start, length) if x.row_scaled else x.amax,
+    )
+
+
+@NVFP4Tensor.implements(aten.slice.Tensor)
+def _slice(func, args, kwargs):
+    x, dim, start, length = slice_bounds(*args)
+    return _narrow(x, dim, start, length)
+
+
+@NVFP4Tensor.implements(aten.select.int)
+def _select(func, args, kwargs):
+    x, dim, index = args
+    sdim, is_block = x.storage_dim(dim)
+    if is_block:
+        raise ValueError(
+            f"NVFP4Tensor cannot select along its block dim {dim} (shape {tuple(x.shape)}): "
+            "that would split a 16-element block."
+        )
+    index = index + x.shape[dim] if index < 0 else index
+    shape = [s for i, s in enumerate(x.shape) if i != normalize_dim(dim, x.dim())]
+    # Selecting the tensor's last dim of a columnwise tensor leaves blocks along the new last dim.
+    axis = ROWWISE if (x.axis == COLUMNWISE and sdim == x.qdata.dim() - 2) else x.axis
+    return x.replace(
+        shape=shape,
+        qdata=x.qdata.select(sdim, index),
+        scale=x.scale.select(sdim, index),
+        amax=x.amax.select(sdim, index) if x.row_scaled else x.amax,
+        axis=axis,
+        block_2d=x.block_2d and sdim != x.qdata.dim() - 2,
+    )
