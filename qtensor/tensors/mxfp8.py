@@ -11,6 +11,7 @@ import torch
 
 from qtensor.formats import mxfp8 as ref
 from qtensor.formats.mxfp8 import MXFP8Spec
+from qtensor.backends import GemmBackend, QuantBackend
 from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.common import (
     COLUMNWISE,
@@ -32,6 +33,8 @@ class MXFP8Tensor(QuantizedTensor):
         "scale_rule",  # "rceil" or "floor": how the scales were chosen (decode ignores it)
         "scale_layout",  # "compact": unswizzled scales
         "act_spec",  # spec that F.linear uses to quantize the activation, or None (weight-only)
+        "quant_backend",  # QuantBackend value that produced the bytes (bytes never depend on it)
+        "gemm_backend",  # GemmBackend value its products run on
     )
 
     @classmethod
@@ -60,6 +63,8 @@ class MXFP8Tensor(QuantizedTensor):
             scale_rule=spec.scale_rule,
             scale_layout="compact",
             act_spec=None,
+            quant_backend=QuantBackend.REFERENCE.value,
+            gemm_backend=GemmBackend.EMULATED.value,
         )
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 
 from qtensor.formats import nvfp4 as ref
 from qtensor.formats.nvfp4 import NVFP4Spec
+from qtensor.backends import GemmBackend, QuantBackend
 from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.common import (
     COLUMNWISE,
@@ -38,6 +39,8 @@ class NVFP4Tensor(QuantizedTensor):
         "rht",  # values are Hadamard-transformed; only a product with another RHT operand is valid
         "scale_layout",  # "compact": scale is [rows, cols/16], unswizzled
         "act_spec",  # spec that F.linear uses to quantize the activation, or None (weight-only)
+        "quant_backend",  # QuantBackend value that produced the bytes (bytes never depend on it)
+        "gemm_backend",  # GemmBackend value its products run on
     )
 
     @classmethod
@@ -96,6 +99,8 @@ class NVFP4Tensor(QuantizedTensor):
             rht=spec.rht,
             scale_layout="compact",
             act_spec=None,
+            quant_backend=QuantBackend.REFERENCE.value,
+            gemm_backend=GemmBackend.EMULATED.value,
         )
 
     # ---- decoding -----------------------------------------------------------------------------
