@@ -5,6 +5,7 @@
 
 import torch as _torch
 
+from qtensor.checkpoint import load_file, save_file
 from qtensor.formats import MXFP8Spec, NVFP4Spec
 from qtensor.ops import gemm as _gemm  # registers the GEMM ops and F.linear
 from qtensor.ops.gemm import quantized_mm
@@ -45,6 +46,8 @@ __all__ = [
     "NVFP4Tensor",
     "NVFP4WeightOnlyConfig",
     "QuantizedTensor",
+    "load_file",
     "quantize_",
     "quantized_mm",
+    "save_file",
 ]

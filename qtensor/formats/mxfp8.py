@@ -17,8 +17,9 @@ from qtensor.formats.elements import e4m3, f32_exponent_bits, f32_from_bits, pow
 
 BLOCK = 32
 ScaleRule = Literal["rceil", "floor"]
-# r(1/448) in fp32 (0x3B124925); amax * r(1/448) is the unrounded scale of the RCEIL rule.
-RECIP_448 = f32_from_bits(0x3B124925)
+# r(1/448) in fp32 (0x3B124925); amax * r(1/448) is the unrounded scale of the RCEIL rule. A
+# Python float with that exact value, so torch.compile's fake tensors never meet a real one.
+RECIP_448 = f32_from_bits(0x3B124925).item()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +85,10 @@ def quantize_rows(xf: torch.Tensor, rule: ScaleRule) -> MXFP8Data:
     inv = pow2_f32((127 - codes).clamp(-127, 127))
     inv = torch.where(codes == 255, torch.full_like(inv, float("nan")), inv)
     data = e4m3(blocks * inv[..., None]).reshape(xf.shape)
-    return MXFP8Data(data, codes.to(torch.uint8).view(torch.float8_e8m0fnu))
+    # The scale is made by an exact value conversion (2**(code - 127), NaN for 255), not by a
+    # bitcast of the codes: CPU Inductor has no C++ type for e8m0 and can only run it as an
+    # eager op. The bytes are the codes either way (tests/test_compile_inference.py checks).
+    return MXFP8Data(data, scale_values_from_codes(codes).to(torch.float8_e8m0fnu))
 
 
 def quantize(x: torch.Tensor, spec: MXFP8Spec) -> MXFP8Data:
@@ -99,7 +103,14 @@ def quantize(x: torch.Tensor, spec: MXFP8Spec) -> MXFP8Data:
 
 def scale_values(scale: torch.Tensor) -> torch.Tensor:
     """fp32 2**(code - 127) of UE8M0 codes; code 255 decodes to NaN."""
-    codes = scale.view(torch.uint8).int()
+    # A value conversion (exact for every code), not a bitcast to uint8: see quantize_rows. The
+    # NaN of code 255 is rebuilt so its bits stay 0x7FC00000, as they were with the bitcast.
+    val = scale.to(torch.float32)
+    return torch.where(torch.isnan(val), torch.full_like(val, float("nan")), val)
+
+
+def scale_values_from_codes(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 2**(code - 127) of int32 UE8M0 codes; code 255 gives NaN."""
     val = pow2_f32((codes - 127).clamp(-127, 127))
     return torch.where(codes == 255, torch.full_like(val, float("nan")), val)
 

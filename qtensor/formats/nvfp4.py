@@ -150,13 +150,40 @@ def _sr_step(a: torch.Tensor) -> torch.Tensor:
 
 def _fourover6_scales(xf, b_amax, amax_b, s_enc, spec: NVFP4Spec) -> torch.Tensor:
     """Per-block E4M3 scale choosing map-to-4 where its error is strictly lower."""
+    s6, s4, map4 = _fourover6_choice(xf, b_amax, amax_b, s_enc, spec)
+    return torch.where(map4, s4, s6)
+
+
+def _fourover6_choice(xf, b_amax, amax_b, s_enc, spec: NVFP4Spec):
+    """(s6, s4, map4): both candidate scales and where map-to-4 wins (err4 < err6, ties to 6)."""
     base = fdiv(b_amax, 6.0) * s_enc
     s6 = e4m3(base.clamp(max=E4M3_MAX))
     s4 = e4m3((1.5 * base).clamp(max=E4M3_MAX))
     s_dec = fdiv(1.0, s_enc)
     err6 = _candidate_error(xf, s6, s_dec, amax_b, spec)
     err4 = _candidate_error(xf, s4, s_dec, amax_b, spec)
-    return torch.where(err4 < err6, s4, s6)
+    return s6, s4, err4 < err6
+
+
+def fourover6_map4(x: torch.Tensor, spec: NVFP4Spec) -> torch.Tensor:
+    """Where `quantize(x, spec)` picks map-to-4: bool [R, C/16] in the result's layout.
+
+    The stored scale already encodes the choice, so decoding never needs this; reports
+    (`qtensor analyze`) use it to show how often 4over6 leaves the default map-to-6.
+    """
+    if not spec.fourover6:
+        raise ValueError("fourover6_map4 needs a spec with fourover6 set; got fourover6=None.")
+    check_shape(x.shape, spec)
+    xf = as_matrix(x, spec.columnwise).to(torch.float32)
+    _, amax_b = _global_amax(xf, spec)
+    s_enc, _ = encode_scale(amax_b, spec.e4m3_bound)
+    return _fourover6_choice(xf, block_amax(xf, spec.block_2d), amax_b, s_enc, spec)[2]
+
+
+def _global_amax(xf: torch.Tensor, spec: NVFP4Spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax, amax broadcast over [R, C/16]): one per tensor, or one per row when row-scaled."""
+    amax = xf.abs().amax(dim=1) if spec.row_scaled else xf.abs().amax()
+    return amax, (amax[:, None] if spec.row_scaled else amax)
 
 
 def _candidate_error(xf, s_b, s_dec, amax_b, spec: NVFP4Spec) -> torch.Tensor:
@@ -189,8 +216,7 @@ def quantize(
     if spec.rht:
         xm = apply_rht(xm)
     xf = xm.to(torch.float32)
-    amax = xf.abs().amax(dim=1) if spec.row_scaled else xf.abs().amax()
-    amax_b = amax[:, None] if spec.row_scaled else amax  # broadcast over [R, C/16]
+    amax, amax_b = _global_amax(xf, spec)
     s_enc, s_dec = encode_scale(amax_b, spec.e4m3_bound)
     b_amax = block_amax(xf, spec.block_2d)
     if spec.fourover6:

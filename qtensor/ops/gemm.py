@@ -13,21 +13,39 @@ left, [1, N] on the right; 1 for other formats) and B its E4M3 bound.
 A left operand must have its blocks along its last dim (rowwise), a right operand along dim -2
 (columnwise); a HybridTensor hands over the matching side. Both quantized operands must share
 one format and, for NVFP4, the same RHT flag.
-"""
 
+[Note: GEMM backends]
+Each quantized tensor carries `gemm_backend` (qtensor.backends.GemmBackend), resolved once when
+it is made or moved; a product runs on its right operand's (the weight's) backend, or the left
+operand's when the right one is high precision:
+- `emulated`: this module's reference, any device.
+- `triton` (qtensor/kernels): decodes packed codes and scales in registers, bf16 tensor cores,
+  fp32 accumulation, this epilogue fused; equal to the reference up to fp32 accumulation order.
+  It covers NVFP4 x NVFP4, MXFP8 x MXFP8 and a bf16 left operand x NVFP4 / MXFP8, 2-D or 3-D.
+- `scaled_mm` (qtensor/ops/scaled_mm.py): native block-scaled torch._scaled_mm, sm_100+ only,
+  fp32 output, then this epilogue. Untested on hardware (docs/gemm.md).
+A product a backend has no kernel for (a quantized left operand times a high-precision right
+one, an fp32 / fp16 activation, more than 3 dims, a CPU operand) runs on the reference: the
+same numbers, never a different precision. `gemm_plan(a, b)` says which path a product takes.
+"""
 from __future__ import annotations
 
 import torch
 
+from qtensor.backends import GemmBackend, gemm_backend_problem
 from qtensor.formats.elements import fdiv
+from qtensor.ops.scaled_mm import scaled_mm_args, scaled_mm_problem
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.tensors.common import COLUMNWISE, ROWWISE
+from qtensor.tensors.common import COLUMNWISE, FLOAT_DTYPES, ROWWISE
 from qtensor.tensors.hybrid import HybridTensor
 from qtensor.tensors.mxfp8 import MXFP8Tensor
 from qtensor.tensors.nvfp4 import NVFP4Tensor
 
 aten = torch.ops.aten
 _WANT = {"left": ROWWISE, "right": COLUMNWISE}
+
+
+# ---- operands ---------------------------------------------------------------------------------
 
 
 def _side(x, side: str):
@@ -59,30 +77,167 @@ def _check_pair(a, b) -> None:
         raise ValueError("An RHT-transformed NVFP4 operand needs an RHT-transformed partner.")
 
 
+def operands(a, b):
+    """(left, right) operands of a @ b, checked: hybrids give their matching side."""
+    a_op, b_op = _side(a, "left"), _side(b, "right")
+    _check_pair(a_op, b_op)
+    return a_op, b_op
+
+
 def _units(x) -> torch.Tensor:
     return x.unit_values() if isinstance(x, QuantizedTensor) else x.float()
 
 
-def _epilogue(acc, a, b, bias, out_dtype):
+# ---- the epilogue, shared by every backend ---------------------------------------------------
+
+
+def epilogue_factors(a, b):
+    """(left, right) fp32 multipliers of the epilogue: left = A_a * inv (or inv), right = A_b.
+
+    None where a side has no factor (MXFP8 and high-precision operands). Every backend applies
+    exactly these tensors, so the factors are bit-identical across backends.
+    """
     nv_a, nv_b = isinstance(a, NVFP4Tensor), isinstance(b, NVFP4Tensor)
-    if nv_a or nv_b:
-        denom = (6.0 * a.e4m3_bound if nv_a else 1.0) * (6.0 * b.e4m3_bound if nv_b else 1.0)
-        inv = fdiv(1.0, torch.tensor(denom, device=acc.device))
-        left = a.amax_for("left") * inv if nv_a else inv
+    if not (nv_a or nv_b):
+        return None, None
+    denom = (6.0 * a.e4m3_bound if nv_a else 1.0) * (6.0 * b.e4m3_bound if nv_b else 1.0)
+    inv = fdiv(1.0, torch.tensor(denom, device=b.device))
+    left = a.amax_for("left") * inv if nv_a else inv
+    return left, (b.amax_for("right") if nv_b else None)
+
+
+def apply_epilogue(acc, left, right, bias, out_dtype) -> torch.Tensor:
+    """acc * left, then * right, then + bias, then the cast: [Note: emulated GEMM]'s order."""
+    if left is not None:
         acc = acc * left
-        if nv_b:
-            acc = acc * b.amax_for("right")
+    if right is not None:
+        acc = acc * right
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(out_dtype)
 
 
+# ---- backends ---------------------------------------------------------------------------------
+
+
+def emulated_mm(a_op, b_op, bias, out_dtype) -> torch.Tensor:
+    """The reference: exact fp32 unit values, torch.matmul, the epilogue."""
+    acc = torch.matmul(_units(a_op), _units(b_op))
+    return apply_epilogue(acc, *epilogue_factors(a_op, b_op), bias, out_dtype)
+
+
+def triton_problem(a_op, b_op, bias, out_dtype) -> str | None:
+    """Why the Triton kernels cannot run this product, or None."""
+    if not isinstance(b_op, (NVFP4Tensor, MXFP8Tensor)):
+        return "the right operand is not NVFP4 or MXFP8"
+    if not isinstance(a_op, QuantizedTensor) and a_op.dtype != torch.bfloat16:
+        return f"a high-precision left operand must be bfloat16 to be exact; got {a_op.dtype}"
+    if a_op.device.type != "cuda" or b_op.device.type != "cuda":
+        return "an operand is not on a CUDA device"
+    if a_op.dim() not in (2, 3) or b_op.dim() not in (2, 3):
+        return f"the kernels take 2-D or 3-D operands; got {a_op.dim()}-D x {b_op.dim()}-D"
+    if a_op.dim() == b_op.dim() == 3 and 1 < a_op.shape[0] != b_op.shape[0] > 1:
+        return "batch sizes differ"
+    if out_dtype not in FLOAT_DTYPES or (bias is not None and bias.dim() != 1):
+        return "the output dtype or the bias shape is not one the kernels write"
+    if a_op.numel() == 0 or b_op.numel() == 0:
+        return "an operand is empty"
+    return None
+
+
+def _kernel_operand(x, side: str, kernels):
+    """A kernel Operand: the operand's bytes as rows along K, with a leading batch dim."""
+
+    def batched(t):
+        return t if t.dim() == 3 else t.unsqueeze(0)
+
+    if not isinstance(x, QuantizedTensor):
+        return kernels.Operand(kernels.FMT_HP, batched(x), None)
+    if isinstance(x, NVFP4Tensor):  # rowwise storage, or columnwise storage [.., N, K/2]
+        return kernels.Operand(kernels.FMT_NVFP4, batched(x.qdata), batched(x.scale))
+    q, s = x.qdata, x.scale
+    if side == "right":  # MXFP8 columnwise data is [.., K, N]: its transpose view is rows along K
+        q, s = q.transpose(-1, -2), s.transpose(-1, -2)
+    return kernels.Operand(kernels.FMT_MXFP8, batched(q), batched(s.view(torch.uint8)))
+
+
+def triton_mm(a_op, b_op, bias, out_dtype, config=None) -> torch.Tensor:
+    from qtensor.kernels import qgemm
+
+    left, right = epilogue_factors(a_op, b_op)
+    out = qgemm.qgemm(
+        _kernel_operand(a_op, "left", qgemm),
+        _kernel_operand(b_op, "right", qgemm),
+        left=left, right=right, bias=bias, out_dtype=out_dtype,
+        m=a_op.shape[-2], n=b_op.shape[-1], k=a_op.shape[-1], config=config,
+    )
+    return out[0] if a_op.dim() == 2 and b_op.dim() == 2 else out
+
+
+def native_scaled_mm(a_op, b_op, bias, out_dtype) -> torch.Tensor:
+    """torch._scaled_mm with swizzled block scales, fp32 out, then the shared epilogue."""
+    args = scaled_mm_args(a_op, b_op)
+    acc = torch._scaled_mm(
+        args.mat_a, args.mat_b, args.scale_a, args.scale_b, out_dtype=torch.float32
+    )
+    return apply_epilogue(acc, *epilogue_factors(a_op, b_op), bias, out_dtype)
+
+
+def product_backend(a_op, b_op) -> GemmBackend:
+    """The backend the tensors ask for: the right operand's, or the left's if b is high precision."""
+    owner = b_op if isinstance(b_op, QuantizedTensor) else a_op
+    return GemmBackend(getattr(owner, "gemm_backend", GemmBackend.EMULATED.value))
+
+
+def plan(a_op, b_op, bias, out_dtype) -> GemmBackend:
+    """The backend that runs this product: the requested one if it has a kernel for it, else the
+    next one down (scaled_mm -> triton -> emulated)."""
+    backend = product_backend(a_op, b_op)
+    if backend is GemmBackend.SCALED_MM:
+        if scaled_mm_problem(a_op, b_op, bias) is None:
+            return backend
+        backend = GemmBackend.TRITON
+    if backend is GemmBackend.TRITON and triton_problem(a_op, b_op, bias, out_dtype) is None:
+        return backend
+    return GemmBackend.EMULATED
+
+
+_RUN = {
+    GemmBackend.EMULATED: emulated_mm,
+    GemmBackend.TRITON: triton_mm,
+    GemmBackend.SCALED_MM: native_scaled_mm,
+}
+
+
+def gemm_plan(a, b, bias=None, out_dtype=None) -> GemmBackend:
+    """Which backend `quantized_mm(a, b, bias, out_dtype)` would run on."""
+    a_op, b_op = operands(a, b)
+    return plan(a_op, b_op, bias, out_dtype or a.dtype)
+
+
 def quantized_mm(a, b, bias=None, out_dtype=None) -> torch.Tensor:
     """a [.., M, K] @ b [.., K, N] (+ bias [N]) where either operand may be quantized."""
-    a_op, b_op = _side(a, "left"), _side(b, "right")
-    _check_pair(a_op, b_op)
-    acc = torch.matmul(_units(a_op), _units(b_op))
-    return _epilogue(acc, a_op, b_op, bias, out_dtype or a.dtype)
+    a_op, b_op = operands(a, b)
+    out_dtype = out_dtype or a.dtype
+    return _RUN[plan(a_op, b_op, bias, out_dtype)](a_op, b_op, bias, out_dtype)
+
+
+def with_gemm_backend(x: QuantizedTensor, backend: GemmBackend | str) -> QuantizedTensor:
+    """x with its products forced onto `backend` (the explicit override); raises if that backend
+    cannot run on x's device."""
+    if isinstance(x, HybridTensor):
+        return x.replace(
+            rowwise=with_gemm_backend(x.rowwise, backend),
+            columnwise=with_gemm_backend(x.columnwise, backend),
+        )
+    backend = GemmBackend(backend)
+    problem = gemm_backend_problem(backend, x.device)
+    if problem:
+        raise ValueError(f"Cannot set gemm_backend={backend.value!r} on {x!r}: {problem}.")
+    return x.replace(gemm_backend=backend.value)
+
+
+# ---- op table ---------------------------------------------------------------------------------
 
 
 @QuantizedTensor.implements([aten.mm.default, aten.bmm.default, aten.matmul.default])
@@ -120,3 +275,6 @@ def linear(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
 
 
 QuantizedTensor._function_table[torch.nn.functional.linear] = linear
+
+# torch._grouped_mm's handler lives beside this layer and registers on import.
+from qtensor.ops import grouped_gemm as _grouped_gemm  # noqa: E402,F401

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from qtensor.backends import resolve_gemm_backend
 from qtensor.tensors.base import QuantizedTensor
 
 aten = torch.ops.aten
@@ -59,7 +60,11 @@ def _to_copy(func, args, kwargs):
             f"float32, bfloat16 or float16; got {dtype}."
         )
     device = kwargs.get("device") or x.device
-    return x.map_data(lambda t: t.to(device=device, copy=True), dtype=dtype)
+    changes = {"dtype": dtype}
+    if "gemm_backend" in x.tensor_attribute_names and torch.device(device).type != x.device.type:
+        # The GEMM backend belongs to the device: chosen again when the bytes change device.
+        changes["gemm_backend"] = resolve_gemm_backend(device).value
+    return x.map_data(lambda t: t.to(device=device, copy=True), **changes)
 
 
 @QuantizedTensor.implements(aten.copy_.default)
@@ -71,10 +76,12 @@ def _copy_(func, args, kwargs):
             f"{type(src).__name__}. Quantize the source first (it is never requantized "
             "implicitly)."
         )
-    if src.shape != dst.shape or _attrs(src) != _attrs(dst):
+    differ = metadata_mismatch(dst, src)
+    if src.shape != dst.shape or differ:
         raise ValueError(
-            f"copy_ needs the same shape and decode metadata; destination {dst!r}, "
-            f"source {src!r}."
+            f"copy_ needs the same shape and metadata; they differ in "
+            f"{differ or ['shape']} (destination {dst!r}, source {src!r}). Quantize the source "
+            "with the destination's config, or load with assign=True to take the source's format."
         )
     for name in dst.tensor_data_names:
         d, s = getattr(dst, name), getattr(src, name)
@@ -85,8 +92,18 @@ def _copy_(func, args, kwargs):
     return dst
 
 
-def _attrs(t: QuantizedTensor):
-    return tuple(getattr(t, n) for n in t.tensor_attribute_names)
+# Which code produced or multiplies the bytes: never part of what the bytes mean.
+INFORMATIONAL_ATTRIBUTES = ("quant_backend", "gemm_backend")
+
+
+def metadata_mismatch(dst: QuantizedTensor, src: QuantizedTensor) -> list[str]:
+    """Names of the attributes (informational ones aside) whose values differ, e.g.
+    ['e4m3_bound: 448 != 256']; [] when the two tensors mean their bytes the same way."""
+    return [
+        f"{n}: {getattr(dst, n)!r} != {getattr(src, n)!r}"
+        for n in dst.tensor_attribute_names
+        if n not in INFORMATIONAL_ATTRIBUTES and getattr(dst, n) != getattr(src, n)
+    ]
 
 
 def normalize_dim(dim: int, ndim: int) -> int:

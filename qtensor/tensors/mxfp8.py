@@ -11,7 +11,7 @@ import torch
 
 from qtensor.formats import mxfp8 as ref
 from qtensor.formats.mxfp8 import MXFP8Spec
-from qtensor.backends import GemmBackend, QuantBackend
+from qtensor.backends import QuantBackend, resolve_gemm_backend
 from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.common import (
     COLUMNWISE,
@@ -64,7 +64,7 @@ class MXFP8Tensor(QuantizedTensor):
             scale_layout="compact",
             act_spec=None,
             quant_backend=QuantBackend.REFERENCE.value,
-            gemm_backend=GemmBackend.EMULATED.value,
+            gemm_backend=resolve_gemm_backend(x.device).value,
         )
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 
 from qtensor.formats import nvfp4 as ref
 from qtensor.formats.nvfp4 import NVFP4Spec
-from qtensor.backends import GemmBackend, QuantBackend
+from qtensor.backends import QuantBackend, resolve_gemm_backend
 from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.common import (
     COLUMNWISE,
@@ -100,7 +100,7 @@ class NVFP4Tensor(QuantizedTensor):
             scale_layout="compact",
             act_spec=None,
             quant_backend=QuantBackend.REFERENCE.value,
-            gemm_backend=GemmBackend.EMULATED.value,
+            gemm_backend=resolve_gemm_backend(x.device).value,
         )
 
     # ---- decoding -----------------------------------------------------------------------------

@@ -1,0 +1,47 @@
+// Every op schema of qtensor's kernels, defined once. Implementations: quant_cpu.cpp (CPU) and
+// quant_cuda.cu (CUDA); fake (meta) implementations for torch.compile: qtensor/ops/quant.py.
+//
+// Conventions. NVFP4 ops work on the quantized matrix: the input flattened to [M, K], or its
+// transpose [K, M] when `columnwise`; a 1-D `amax` means one amax per row of that matrix.
+// fourover6: 0 off, 1 MAE, 2 MSE. scale_rule: 0 RCEIL, 1 FLOOR. Stochastic rounding draws the 8
+// bits of element i (row-major in the quantized matrix) from (seed, offset + i): quant_math.h
+// `sr_bits`, the same function as qtensor/formats/nvfp4.py `sr_bits`.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// `import qtensor._C` loads this library, whose static initializers register the ops below.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(qtensor, m) {
+  // max|x| as fp32: a scalar, or one per row of the quantized matrix (per_row); with rht the
+  // 16-runs along dim 0 are Hadamard-transformed (and rounded to bf16) first.
+  m.def("amax(Tensor x, bool columnwise, bool rht, bool per_row) -> Tensor");
+  // NVFP4 codes uint8 [R, C/2] and E4M3 block scales [R, C/16] given the amax.
+  m.def(
+      "nvfp4_quantize(Tensor x, Tensor amax, bool columnwise, bool block_2d, int fourover6, "
+      "int e4m3_bound, bool rht, bool stochastic, int seed, int offset) -> (Tensor, Tensor)");
+  // MXFP8 (rowwise data, rowwise scale, columnwise data, columnwise scale) from one read; a side
+  // not asked for comes back as empty tensors.
+  m.def(
+      "mxfp8_quantize(Tensor x, int scale_rule, bool rowwise, bool columnwise) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
+  // The gradient cast of the dgrad-in-MXFP8 recipe from one read of x [M, K]: MXFP8 rowwise
+  // (data, scale) and NVFP4 columnwise (codes, scales) given the columnwise amax.
+  m.def(
+      "hybrid_quantize(Tensor x, Tensor amax, int scale_rule, int fourover6, int e4m3_bound, "
+      "bool rht, bool stochastic, int seed, int offset) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "nvfp4_dequantize(Tensor qdata, Tensor scale, Tensor amax, int e4m3_bound, "
+      "ScalarType dtype) -> Tensor");
+  m.def("mxfp8_dequantize(Tensor qdata, Tensor scale, bool columnwise, ScalarType dtype) -> Tensor");
+  // MXFP4 projection values (non-finite blocks become NaN); autograd is straight-through.
+  m.def("mxfp4_fake_quantize(Tensor w) -> Tensor");
+  // Compact [rows, cols] scales <-> the 128x4-tiled layout of block-scaled GEMMs.
+  m.def("swizzle_scale(Tensor scale) -> Tensor");
+  m.def("unswizzle_scale(Tensor scale, int rows, int cols) -> Tensor");
+}

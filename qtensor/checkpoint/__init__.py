@@ -1,0 +1,9 @@
+"""Checkpoints of quantized models: state_dicts, safetensors files, sharded (DCP) checkpoints and
+export to the layouts serving engines read. docs/checkpoints.md walks through each."""
+
+from qtensor.checkpoint.safetensors import load_file, save_file
+from qtensor.checkpoint.schema import CheckpointError
+from qtensor.checkpoint.state_dict import check_state_dict, load, load_state_dict
+
+__all__ = ["CheckpointError", "check_state_dict", "load", "load_file", "load_state_dict",
+           "save_file"]

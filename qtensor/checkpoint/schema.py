@@ -1,0 +1,253 @@
+"""Versioned JSON metadata for quantized tensors: written from the declared fields, read back
+through an allowlist.
+
+[Note: checkpoint schema]
+A quantized tensor is stored as its inner tensors (plain tensors, under `KEY::NAME`, nested
+`KEY::rowwise::qdata` for a hybrid) plus one JSON entry per state_dict key:
+
+    {"class": "NVFP4Tensor", "shape": [32, 64], "dtype": "bfloat16",
+     "attributes": {"axis": "rowwise", "e4m3_bound": 256, ...},
+     "data": {"qdata": "0.weight::qdata", "scale": "0.weight::scale", "amax": "0.weight::amax"}}
+
+Reading never evaluates or imports anything named by the file: class, spec and dtype names are
+looked up in the fixed tables below, every attribute value is checked against the values the
+class accepts, and the inner tensors' shapes and dtypes must be exactly those the class derives
+from the outer shape and attributes (so a file cannot make a decoder read out of bounds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable, Mapping
+
+import torch
+
+from qtensor.backends import GemmBackend, QuantBackend
+from qtensor.formats.mxfp8 import MXFP8Spec
+from qtensor.formats.nvfp4 import NVFP4Spec
+from qtensor.tensors import HybridTensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
+
+FORMAT = "qtensor.checkpoint"
+VERSION = 1
+SEP = "::"  # joins a state_dict key and an inner tensor's name
+
+CLASSES: dict[str, type[QuantizedTensor]] = {
+    c.__name__: c for c in (NVFP4Tensor, MXFP8Tensor, HybridTensor)
+}
+SPECS = {c.__name__: c for c in (NVFP4Spec, MXFP8Spec)}
+DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32, torch.bfloat16, torch.float16, torch.uint8,
+        torch.float8_e4m3fn, torch.float8_e8m0fnu,
+    )
+}
+ENTRY_KEYS = {"class", "shape", "dtype", "attributes", "data"}
+HEADER_KEYS = {"format", "version", "tensors"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as it is; the message names the key and the field."""
+
+
+def _one_of(*allowed):
+    def check(v):
+        return v in allowed and type(v) is type(next(a for a in allowed if a == v))
+
+    check.allowed = allowed
+    return check
+
+
+_BOOL = _one_of(True, False)
+# Allowed values of every attribute a class declares; an attribute missing here (a field
+# added later) must still be a JSON scalar.
+ATTRIBUTE_RULES: dict[str, Callable[[Any], bool]] = {
+    "axis": _one_of("rowwise", "columnwise"),
+    "block_2d": _BOOL,
+    "row_scaled": _BOOL,
+    "fourover6": _one_of(None, "mae", "mse"),
+    "e4m3_bound": _one_of(448, 256),
+    "rht": _BOOL,
+    "scale_layout": _one_of("compact"),
+    "scale_rule": _one_of("rceil", "floor"),
+    "columnwise_source": _one_of("original", "rowwise_dequantized"),
+    "quant_backend": _one_of(*(b.value for b in QuantBackend)),
+    "gemm_backend": _one_of(*(b.value for b in GemmBackend)),
+}
+
+
+# ---- writing ------------------------------------------------------------------------------------
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise CheckpointError(f"dtype {dtype} cannot be stored; allowed: {sorted(DTYPES)}.")
+    return name
+
+
+def _encode_value(v):
+    if dataclasses.is_dataclass(v):
+        if type(v).__name__ not in SPECS:
+            raise CheckpointError(f"cannot store an attribute of type {type(v).__name__}.")
+        return {"spec": type(v).__name__, "fields": dataclasses.asdict(v)}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v.value if isinstance(v, str) and hasattr(v, "value") else v
+    raise CheckpointError(f"cannot store an attribute value {v!r} of type {type(v).__name__}.")
+
+
+def encode(key: str, t: QuantizedTensor) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(JSON entry, {flat name: inner tensor}) of one quantized tensor stored under `key`."""
+    if type(t).__name__ not in CLASSES:
+        raise CheckpointError(f"{key!r}: {type(t).__name__} is not a storable class.")
+    flat: dict[str, torch.Tensor] = {}
+    data: dict[str, Any] = {}
+    for name in t.tensor_data_names:
+        inner, sub = getattr(t, name), f"{key}{SEP}{name}"
+        if inner is None:
+            data[name] = None
+        elif isinstance(inner, QuantizedTensor):
+            data[name], more = encode(sub, inner)
+            flat.update(more)
+        else:
+            data[name], flat[sub] = sub, inner
+    entry = {
+        "class": type(t).__name__,
+        "shape": list(t.shape),
+        "dtype": dtype_name(t.dtype),
+        "attributes": {n: _encode_value(getattr(t, n)) for n in t.tensor_attribute_names},
+        "data": data,
+    }
+    return entry, flat
+
+
+def header(entries: Mapping[str, dict]) -> str:
+    return json.dumps({"format": FORMAT, "version": VERSION, "tensors": dict(entries)})
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+def parse_header(text: str, where: str) -> dict[str, dict]:
+    """The per-key entries of a header, after checking its format, version and keys."""
+    try:
+        head = json.loads(text)
+    except (json.JSONDecodeError, TypeError) as e:
+        raise CheckpointError(f"{where}: the qtensor metadata is not valid JSON ({e}).") from None
+    if not isinstance(head, dict) or set(head) != HEADER_KEYS:
+        got = sorted(head) if isinstance(head, dict) else type(head).__name__
+        raise CheckpointError(f"{where}: metadata needs exactly the keys {sorted(HEADER_KEYS)}; "
+                              f"got {got}.")
+    if head["format"] != FORMAT:
+        raise CheckpointError(f"{where}: metadata format is {head['format']!r}, not {FORMAT!r}.")
+    if head["version"] != VERSION:
+        raise CheckpointError(
+            f"{where}: metadata version {head['version']!r} is not readable by this qtensor "
+            f"(reads version {VERSION}). Load it with the qtensor release that wrote it."
+        )
+    if not isinstance(head["tensors"], dict):
+        raise CheckpointError(f"{where}: metadata 'tensors' must be an object.")
+    return head["tensors"]
+
+
+def _fail(key: str, field: str, why: str):
+    raise CheckpointError(f"{key!r}: field {field!r} {why}")
+
+
+def _decode_value(key, name, v):
+    if isinstance(v, dict):
+        if set(v) != {"spec", "fields"} or v["spec"] not in SPECS or not isinstance(v["fields"], dict):
+            _fail(key, name, f"must be null or a spec {{'spec': one of {sorted(SPECS)}, "
+                             f"'fields': {{...}}}}; got {v!r}.")
+        cls = SPECS[v["spec"]]
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(v["fields"]) != names or not all(_scalar(x) for x in v["fields"].values()):
+            _fail(key, name, f"needs exactly the {cls.__name__} fields {sorted(names)} with "
+                             f"scalar values; got {v['fields']!r}.")
+        try:
+            return cls(**v["fields"])
+        except ValueError as e:
+            _fail(key, name, f"is not a valid {cls.__name__}: {e}")
+    rule = ATTRIBUTE_RULES.get(name, _scalar)
+    if not rule(v):
+        allowed = getattr(rule, "allowed", "a JSON scalar")
+        _fail(key, name, f"must be one of {allowed}; got {v!r}.")
+    return v
+
+
+def _scalar(v) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def _shape(key, field, v) -> list[int]:
+    if not isinstance(v, list) or not all(type(s) is int and s >= 0 for s in v):
+        _fail(key, field, f"must be a list of non-negative integers; got {v!r}.")
+    return v
+
+
+def decode(key: str, entry: Any, fetch: Callable[[str, torch.Size, torch.dtype], torch.Tensor]):
+    """Rebuild the quantized tensor of `entry`. fetch(name, shape, dtype) returns an inner tensor
+    after checking it has that shape and dtype; shapes come from `expected_layout`."""
+    if not isinstance(entry, dict) or set(entry) != ENTRY_KEYS:
+        got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+        raise CheckpointError(f"{key!r}: an entry needs exactly the fields {sorted(ENTRY_KEYS)};"
+                              f" got {got}.")
+    cls = CLASSES.get(entry["class"]) if isinstance(entry["class"], str) else None
+    if cls is None:
+        _fail(key, "class", f"must be one of {sorted(CLASSES)}; got {entry['class']!r}.")
+    if entry["dtype"] not in DTYPES or DTYPES[entry["dtype"]] not in (
+        torch.float32, torch.bfloat16, torch.float16
+    ):
+        _fail(key, "dtype", f"must be float32, bfloat16 or float16; got {entry['dtype']!r}.")
+    shape = torch.Size(_shape(key, "shape", entry["shape"]))
+    attrs, data = entry["attributes"], entry["data"]
+    if not isinstance(attrs, dict) or set(attrs) != set(cls.tensor_attribute_names):
+        _fail(key, "attributes", f"needs exactly {list(cls.tensor_attribute_names)}; got "
+                                 f"{sorted(attrs) if isinstance(attrs, dict) else attrs!r}.")
+    if not isinstance(data, dict) or set(data) != set(cls.tensor_data_names):
+        _fail(key, "data", f"needs exactly {list(cls.tensor_data_names)}; got "
+                           f"{sorted(data) if isinstance(data, dict) else data!r}.")
+    fields = {n: _decode_value(key, n, attrs[n]) for n in cls.tensor_attribute_names}
+    layout = expected_layout(key, cls, shape, fields)
+    for name in cls.tensor_data_names:
+        sub, want = f"{key}{SEP}{name}", layout[name]
+        if cls is HybridTensor:
+            t = decode(sub, data[name], fetch)
+            if t.shape != shape or t.axis != want:
+                _fail(key, name, f"must be a {want} tensor of shape {list(shape)}; got {t!r}.")
+            fields[name] = t
+        elif data[name] is None:
+            _fail(key, name, "is null, but this tensor class needs it.")
+        elif data[name] != sub:
+            _fail(key, name, f"must name the stored tensor {sub!r}; got {data[name]!r}.")
+        else:
+            fields[name] = fetch(sub, *want)
+    device = next(iter(fields[n] for n in cls.tensor_data_names)).device
+    return cls(shape, DTYPES[entry["dtype"]], device, **fields)
+
+
+def expected_layout(key: str, cls, shape: torch.Size, attrs: dict) -> dict:
+    """{inner name: (shape, dtype)} a tensor of this class, shape and attributes must hold
+    (the storage notes in qtensor/tensors/nvfp4.py and mxfp8.py); for a hybrid, the axis each
+    side must have."""
+    if cls is HybridTensor:
+        if len(shape) != 2:
+            _fail(key, "shape", f"of a HybridTensor must have 2 dims; got {list(shape)}.")
+        return {"rowwise": "rowwise", "columnwise": "columnwise"}
+    block = 16 if cls is NVFP4Tensor else 32
+    col = attrs["axis"] == "columnwise"
+    lead, r, c = shape[:-2], (shape[-2] if len(shape) > 1 else None), shape[-1] if shape else 0
+    bdim = r if col else c
+    if not shape or (col and r is None) or bdim % block or (col and cls is NVFP4Tensor and r % 2):
+        _fail(key, "shape", f"{list(shape)} cannot hold {attrs['axis']} {block}-element blocks.")
+    if cls is MXFP8Tensor:
+        scale = [*lead, r // block, c] if col else [*shape[:-1], c // block]
+        return {"qdata": (shape, torch.float8_e4m3fn),
+                "scale": (torch.Size(scale), torch.float8_e8m0fnu)}
+    rows = [*lead, c] if col else list(shape[:-1])  # storage rows (columns of a columnwise one)
+    return {
+        "qdata": (torch.Size([*rows, bdim // 2]), torch.uint8),
+        "scale": (torch.Size([*rows, bdim // block]), torch.float8_e4m3fn),
+        "amax": (torch.Size(rows if attrs["row_scaled"] else []), torch.float32),
+    }

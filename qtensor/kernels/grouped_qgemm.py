@@ -1,0 +1,92 @@
+"""Grouped GEMM for MoE experts (torch._grouped_mm semantics) on quantized operands (Triton).
+
+out[rows of e] = epilogue_e(A[rows of e] @ B[e]^T), expert e owning rows [offs[e-1], offs[e]).
+No host sync: the grid has an upper bound of M tiles, cdiv(T, BM) + E + 1 (each expert wastes at
+most one partial tile, plus the zero tail), and each program finds its expert by walking offs
+(E scalar loads, negligible next to a K loop of K / BK tile loads). Programs past the experts'
+tiles zero the rows after offs[-1]; the rest exit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qtensor.kernels import tiles
+from qtensor.kernels.qgemm import Operand, _factor
+
+BM, BN, BK = 128, 128, 128
+
+
+def grouped_qgemm(a: Operand, b: Operand, offs, *, left, right, bias, out_dtype,
+                  t: int, n: int, k: int, config=(BM, BN, BK, 8, 3)) -> torch.Tensor:
+    """[T, N]; a is [1, T, K*], b is [E, N, K*] rows along K; left [T, 1], right [E, 1, N]."""
+    bm, bn, bk, warps, stages = config
+    experts = b.data.shape[0]
+    out = torch.empty((t, n), dtype=out_dtype, device=b.data.device)
+    (_, a_r, a_k), (_, as_r, as_k) = a.strides()
+    (b_e, b_r, b_k), (bs_e, bs_r, bs_k) = b.strides()
+    lf, _, l_r = _factor(left, (1, t, 1))
+    rf, r_e, r_c = _factor(right, (experts, 1, n))
+    dummy = b.data
+    grid = (triton.cdiv(t, bm) + experts + 1, triton.cdiv(n, bn))
+    _grouped_kernel[grid](
+        a.data, a.scale if a.scale is not None else dummy, a_r, a_k, as_r, as_k,
+        b.data, b.scale, b_e, b_r, b_k, bs_e, bs_r, bs_k, offs,
+        lf if lf is not None else dummy, l_r, rf if rf is not None else dummy, r_e, r_c,
+        bias if bias is not None else dummy, bias.stride(0) if bias is not None else 0,
+        out, experts, t, n, k,
+        FMT_A=a.fmt, FMT_B=b.fmt, HAS_LEFT=lf is not None, HAS_RIGHT=rf is not None,
+        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+        enable_fp_fusion=False,
+    )
+    return out
+
+
+@triton.jit
+def _grouped_kernel(
+    a_ptr, as_ptr, a_r, a_k, as_r, as_k,
+    b_ptr, bs_ptr, b_e, b_r, b_k, bs_e, bs_r, bs_k, offs_ptr,
+    left_ptr, l_r, right_ptr, r_e, r_c, bias_ptr, bias_e, out_ptr, E, T, N, K,
+    FMT_A: tl.constexpr, FMT_B: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    start = 0
+    seen = 0
+    expert = -1
+    row0 = 0
+    row_end = 0
+    for e in range(E):
+        end = tl.load(offs_ptr + e)
+        count = tl.cdiv(end - start, BM)
+        hit = (pid_m >= seen) & (pid_m < seen + count)
+        expert = tl.where(hit, e, expert)
+        row0 = tl.where(hit, start + (pid_m - seen) * BM, row0)
+        row_end = tl.where(hit, end, row_end)
+        seen += count
+        start = end
+    cols = pid_n * BN + tl.arange(0, BN)
+    cmask = cols < N
+    if expert >= 0:
+        rows = row0 + tl.arange(0, BM)
+        rmask = rows < row_end
+        acc = tiles.mainloop(
+            a_ptr, as_ptr, a_r, a_k, as_r, as_k, rows, rmask,
+            b_ptr + expert * b_e, bs_ptr + expert * bs_e, b_r, b_k, bs_r, bs_k, cols, cmask,
+            0, K, FMT_A, FMT_B, BM, BN, BK,
+        )
+        acc = tiles.epilogue(
+            acc, rows, cols, rmask, cmask, left_ptr, l_r, right_ptr + expert * r_e, r_c,
+            bias_ptr + expert * bias_e, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
+        )
+        mask = rmask[:, None] & cmask[None, :]
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        rows = start + (pid_m - seen) * BM + tl.arange(0, BM)
+        rmask = rows < T
+        zero = tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], zero,
+                 mask=rmask[:, None] & cmask[None, :])

@@ -1,0 +1,72 @@
+"""The `scaled_mm` GEMM backend: native block-scaled torch._scaled_mm on sm_100+.
+
+UNTESTED ON HARDWARE: the project's GPU machine is an H200 (sm_90), which has no block-scaled
+FP4/MX tensor cores, and this backend is never selected there (qtensor.backends). What is tested
+(on CPU) is the argument construction below: operand views, column-major right operand,
+swizzled scales ([Note: swizzled scales]) checked against torchao's layout helper.
+
+The call returns the fp32 block-scaled product `sum_k units_a * units_b` (what the emulated
+reference's matmul computes); the per-tensor factors, row scaling, bias and cast are then the
+shared epilogue of qtensor/ops/gemm.py, in the reference's order. torch._scaled_mm's own
+`scale_result`/bias are not used: they would reorder the epilogue.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from qtensor.ops.scale_layout import to_swizzled
+from qtensor.tensors.base import QuantizedTensor
+from qtensor.tensors.mxfp8 import MXFP8Tensor
+from qtensor.tensors.nvfp4 import NVFP4Tensor
+
+
+class ScaledMMArgs(NamedTuple):
+    mat_a: torch.Tensor  # [M, K/2] float4_e2m1fn_x2 or [M, K] float8_e4m3fn, row-major
+    mat_b: torch.Tensor  # [K/2, N] or [K, N], column-major
+    scale_a: torch.Tensor  # flat swizzled float8_e4m3fn (NVFP4) or float8_e8m0fnu (MXFP8)
+    scale_b: torch.Tensor
+
+
+def scaled_mm_problem(a_op, b_op, bias=None) -> str | None:
+    """Why the native call cannot run this product, or None."""
+    if not (isinstance(a_op, QuantizedTensor) and type(a_op) is type(b_op)):
+        return "both operands must be quantized in one format"
+    if not isinstance(b_op, (NVFP4Tensor, MXFP8Tensor)):
+        return f"no block-scaled GEMM for {type(b_op).__name__}"
+    if a_op.dim() != 2 or b_op.dim() != 2:
+        return "torch._scaled_mm takes 2-D operands"
+    if a_op.device.type != "cuda":
+        return "torch._scaled_mm runs on CUDA"
+    # cuBLAS wants 16-byte aligned leading dims: K/2 bytes (NVFP4) or K bytes (MXFP8), and N.
+    k, n = a_op.shape[1], b_op.shape[1]
+    if k % 32 or n % 16:
+        return f"K must be a multiple of 32 and N of 16; got K={k}, N={n}"
+    if bias is not None and bias.dim() != 1:
+        return "bias must be 1-D"
+    return None
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.t().is_contiguous() else t.t().contiguous().t()
+
+
+def scaled_mm_args(a_op, b_op) -> ScaledMMArgs:
+    """Arguments of torch._scaled_mm for a rowwise left and a columnwise right operand."""
+    if isinstance(a_op, NVFP4Tensor):
+        fp4 = torch.float4_e2m1fn_x2
+        # Columnwise storage [N, K/2] is B^T row-major, so its .t() is B column-major.
+        return ScaledMMArgs(
+            a_op.qdata.contiguous().view(fp4),
+            b_op.qdata.contiguous().view(fp4).t(),
+            to_swizzled(a_op.scale),  # [M, K/16]
+            to_swizzled(b_op.scale),  # [N, K/16]
+        )
+    return ScaledMMArgs(
+        a_op.qdata.contiguous(),
+        _column_major(b_op.qdata),  # [K, N]
+        to_swizzled(a_op.scale),  # [M, K/32]
+        to_swizzled(b_op.scale.t()),  # [K/32, N] -> [N, K/32]
+    )

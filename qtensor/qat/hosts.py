@@ -1,0 +1,125 @@
+"""The two host recipes of MXFP4 QAT: how each quantizes an operand for a role and multiplies two.
+
+[Note: host operands]
+An `Operand` is the bytes of one GEMM operand: E4M3 `qdata` in the tensor's logical layout and
+its scales, with `layout` naming the block shape and direction:
+    "mx_row"  1x32 UE8M0 blocks along the last dim      scale [M, K/32]     (MXFP8 host)
+    "mx_col"  32x1 blocks along dim 0                    scale [M/32, K]
+    "fb_row"  1x128 fp32 power-of-two blocks, last dim   scale [M, K/128]    (FP8 block host)
+    "fb_col"  1x128 blocks along dim 0                   scale [M/128, K]
+    "fb_tile" 128x128 tiles (weights)                    scale [N/128, K/128]
+`.t()` transposes the view without touching bytes (row <-> col, a tile stays a tile). A GEMM
+`mm(a, b)` = a [M, K] @ b [K, N] needs a's blocks along its last dim and b's along dim 0, the
+same convention as qtensor/ops/gemm.py.
+
+Backends, chosen once per device (`gemm_backend`): EMULATED decodes both operands to their exact
+fp32 values and runs one fp32 matmul (every platform; the reference); SCALED_MM runs the FP8
+block host natively through torch._scaled_mm on sm_90+ (1x128 x 128x128 for fprop and dgrad,
+1x128 x 1x128 for wgrad). The MXFP8 host has no native GEMM on Hopper (block-scaled MX needs
+sm_100) and stays emulated there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+
+import torch
+
+from qtensor.backends import GemmBackend
+from qtensor.formats import fp8_block, mxfp8
+from qtensor.formats.fp8_block import FP8BlockSpec
+from qtensor.formats.mxfp8 import MXFP8Spec
+
+
+class Host(str, enum.Enum):
+    MXFP8 = "mxfp8"  # E4M3 data, one UE8M0 scale per 1x32 block, every role
+    FP8_BLOCK128 = "fp8_block128"  # 1x128 activations/gradients, 128x128 weights, fp32 scales
+
+
+_FLIP = {"mx_row": "mx_col", "mx_col": "mx_row", "fb_row": "fb_col", "fb_col": "fb_row",
+         "fb_tile": "fb_tile"}
+_FB_SPECS = {"fb_row": FP8BlockSpec("1x128"), "fb_col": FP8BlockSpec("1x128", columnwise=True),
+             "fb_tile": FP8BlockSpec("128x128")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    qdata: torch.Tensor  # float8_e4m3fn, logical layout [rows, cols]
+    scale: torch.Tensor  # float8_e8m0fnu (mx_*) or float32 (fb_*), see the note
+    layout: str  # one of _FLIP's keys
+
+    def t(self) -> "Operand":
+        return Operand(self.qdata.t(), self.scale.t(), _FLIP[self.layout])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The exact decoded values (fp32 holds every e4m3 * 2**k exactly)."""
+        if self.layout.startswith("mx"):
+            return mxfp8.dequantize(self.qdata, self.scale, self.layout == "mx_col", dtype)
+        return fp8_block.dequantize(self.qdata, self.scale, _FB_SPECS[self.layout], dtype)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.qdata, self.scale
+
+
+def quantize(x: torch.Tensor, host: Host, columnwise: bool) -> Operand:
+    """An activation or gradient operand: rowwise (blocks along the last dim) or columnwise."""
+    if host is Host.MXFP8:
+        q, s = mxfp8.quantize(x, MXFP8Spec(columnwise=columnwise))
+        return Operand(q, s, "mx_col" if columnwise else "mx_row")
+    layout = "fb_col" if columnwise else "fb_row"
+    q, s = fp8_block.quantize(x, _FB_SPECS[layout])
+    return Operand(q, s, layout)
+
+
+def token_multiple(host: Host) -> int:
+    """Rows (tokens) a columnwise activation/gradient needs to be a multiple of."""
+    return mxfp8.BLOCK if host is Host.MXFP8 else fp8_block.BLOCK
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_backend(host: Host, device: torch.device) -> GemmBackend:
+    """Chosen once per (host, device): native FP8 block GEMMs on sm_90+, else exact emulation."""
+    if host is Host.FP8_BLOCK128 and device.type == "cuda":
+        if torch.cuda.get_device_capability(device) >= (9, 0):
+            return GemmBackend.SCALED_MM
+    return GemmBackend.EMULATED
+
+
+def mm(a: Operand, b: Operand, out_dtype: torch.dtype, backend: GemmBackend,
+       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a [M, K] @ b [K, N] (+ bias in fp32) cast to out_dtype."""
+    if a.layout not in ("mx_row", "fb_row") or b.layout not in ("mx_col", "fb_col", "fb_tile"):
+        raise ValueError(
+            f"mm needs a rowwise left operand and a columnwise or tile right operand; got "
+            f"{a.layout} x {b.layout}."
+        )
+    if backend is GemmBackend.SCALED_MM:
+        acc = _scaled_mm_block(a, b, torch.float32 if bias is not None else out_dtype)
+    else:
+        acc = torch.matmul(a.dequantize(), b.dequantize())
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(out_dtype)
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous().t()
+
+
+def _scaled_mm_block(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    """torch._scaled_mm with DeepSeek-style block scales (layouts verified on an H200).
+
+    The checks in ATen: a row-major with 1x128 scales (M, K/128) in column-major strides; b
+    column-major, its scales checked on b.t(): a 128x128 b wants (K/128, N/128) column-major,
+    a 1x128 b wants (K/128, N) row-major.
+    """
+    scale_b = _col_major(b.scale) if b.layout == "fb_tile" else b.scale.contiguous()
+    return torch._scaled_mm(
+        a.qdata.contiguous(),
+        _col_major(b.qdata),
+        scale_a=_col_major(a.scale),
+        scale_b=scale_b,
+        out_dtype=out_dtype,
+    )

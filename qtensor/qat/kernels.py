@@ -1,0 +1,92 @@
+"""The fused projection + quantize ops of MXFP4 QAT: one read of the weight, host bytes out.
+
+Schemas (csrc/qat/mxfp4_qat.cpp; CPU kernel there, CUDA kernel in csrc/qat/mxfp4_qat_cuda.cu):
+    qtensor::mxfp4_qat_mxfp8(Tensor w, bool direct, bool rowwise, bool columnwise)
+        -> (Tensor row_qdata, Tensor row_scale, Tensor col_qdata, Tensor col_scale)
+    qtensor::mxfp4_qat_fp8_block(Tensor w, bool direct) -> (Tensor qdata, Tensor scale)
+An output not asked for comes back empty. The bytes are those of qtensor/qat/convert.py (the
+composite-torch reference) bit for bit, in both modes; tests/test_qat_kernels.py checks it.
+The implementation is chosen once per device type (`quant_backend`): the compiled kernel when
+the extension registered one for that device, else the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from qtensor.backends import QuantBackend
+from qtensor.formats.fp8_block import FP8BlockData
+from qtensor.formats.mxfp8 import MXFP8Data
+from qtensor.qat import convert
+
+_OPS = ("mxfp4_qat_mxfp8", "mxfp4_qat_fp8_block")
+_DISPATCH_KEY = {"cpu": "CPU", "cuda": "CUDA"}
+
+
+@functools.lru_cache(maxsize=None)
+def quant_backend(device_type: str) -> QuantBackend:
+    """CPU/CUDA when the extension provides both fused ops for this device type."""
+    key = _DISPATCH_KEY.get(device_type)
+    if key is None or not _extension_loaded():
+        return QuantBackend.REFERENCE
+    for name in _OPS:
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"qtensor::{name}", key):
+            return QuantBackend.REFERENCE
+    return QuantBackend.CPU if device_type == "cpu" else QuantBackend.CUDA
+
+
+def _extension_loaded() -> bool:
+    try:  # the compiled extension registers its ops on import (built by setup.py from csrc/)
+        import qtensor._C  # noqa: F401
+    except ImportError:
+        pass
+    return all(hasattr(torch.ops.qtensor, n) for n in _OPS) if _has_namespace() else False
+
+
+def _has_namespace() -> bool:
+    try:
+        torch.ops.qtensor  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _check(w: torch.Tensor) -> None:
+    if w.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(
+            f"MXFP4 QAT converts bf16 or fp32 weights; got {w.dtype}. fp16 cannot hold the "
+            "MXFP4 grid (2**-127 .. 6 * 2**125)."
+        )
+    if w.dim() != 2:
+        raise ValueError(f"MXFP4 QAT converts a 2-D weight [N, K]; got shape {tuple(w.shape)}.")
+
+
+def mxfp4_qat_mxfp8(w: torch.Tensor, direct: bool, *, rowwise: bool = True,
+                    columnwise: bool = True) -> tuple[MXFP8Data | None, MXFP8Data | None]:
+    """(rowwise, columnwise) MXFP8 operands of the MXFP4 projection of w [N, K]."""
+    _check(w)
+    if quant_backend(w.device.type) is QuantBackend.REFERENCE:
+        row = convert.mxfp8_rowwise(w, direct) if rowwise else None
+        col = convert.mxfp8_columnwise(w, direct) if columnwise else None
+        return row, col
+    rq, rs, cq, cs = torch.ops.qtensor.mxfp4_qat_mxfp8(w, direct, rowwise, columnwise)
+    return (MXFP8Data(rq, rs) if rowwise else None), (MXFP8Data(cq, cs) if columnwise else None)
+
+
+def mxfp4_qat_fp8_block(w: torch.Tensor, direct: bool) -> FP8BlockData:
+    """FP8 128x128 operand of the MXFP4 projection of w [N, K]."""
+    _check(w)
+    if quant_backend(w.device.type) is QuantBackend.REFERENCE:
+        return convert.fp8_block_weight(w, direct)
+    return FP8BlockData(*torch.ops.qtensor.mxfp4_qat_fp8_block(w, direct))
+
+
+def reference_mxfp8(w, direct, rowwise=True, columnwise=True):
+    """The reference outputs in the op's 4-tensor form (empty where not asked), for tests."""
+    empty = torch.empty(0, dtype=torch.float8_e4m3fn, device=w.device)
+    empty_s = torch.empty(0, dtype=torch.float8_e8m0fnu, device=w.device)
+    row = convert.mxfp8_rowwise(w, direct) if rowwise else (empty, empty_s)
+    col = convert.mxfp8_columnwise(w, direct) if columnwise else (empty, empty_s)
+    return (*row, *col)

@@ -1,0 +1,195 @@
+"""Grouped linear for MoE experts: stacked expert weights, tokens sorted by expert.
+
+`GroupedLinear(E, K, N)(x [T, K], tokens_per_expert)` computes, for the contiguous rows of x
+that belong to expert e, `x_e @ W[e]^T + b[e]`, forward and backward with the same recipe and
+the same role pieces as TrainingLinear, so expert e is bitwise a TrainingLinear holding W[e]
+(tests/test_training_grouped.py checks it). Experts with zero tokens take no GEMM and get an
+exactly zero weight and bias gradient.
+
+Row-scaled activations (seed 003) are what make the input side grouped: a per-token amax
+depends on nothing outside the token's row, so the input's rowwise (fprop) operand is quantized
+once for all T tokens and sliced per expert without touching a byte. Its columnwise (wgrad)
+operand has one amax per column of x_e, so it is quantized per expert. Without row scaling
+each expert's input has its own per-tensor amax and is quantized per expert, as Transformer
+Engine's GroupedLinear does.
+
+Every NVFP4 columnwise operand blocks along tokens, so each expert's token count must be a
+multiple of 16 (32 with MXFP8 columnwise usages) for a quantized backward: pad per expert.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from qtensor.training.linear import (
+    LinearState,
+    _Operand,
+    backward_gemms,
+    compute_dtype,
+    forward_input,
+    quantize_weight,
+    saved_for_backward,
+    shape_error,
+)
+from qtensor.training.recipe import NVFP4TrainingRecipe
+from qtensor.training.roles import Generators, fprop, quantize_rowwise
+from qtensor.training.weight_cache import WeightCache
+
+
+def _bounds(splits: Sequence[int]):
+    start = 0
+    for m in splits:
+        yield start, m
+        start += m
+
+
+def shared_input_rowwise(x2: torch.Tensor, state: LinearState):
+    """The input's rowwise operand for all tokens at once when it is row-scaled, else None."""
+    spec = state.specs.input.rowwise
+    if x2.shape[0] == 0 or not getattr(spec, "row_scaled", False):
+        return None
+    return quantize_rowwise(x2, state.specs.input, "input")
+
+
+class GroupedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, w_holder: _Operand, state: LinearState, splits, dtype):
+        override = state.specs.backward_override
+        ys, x_saved, w_saved = [], [], []
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.to(dtype)
+            shared = shared_input_rowwise(x2, state)
+            for e, (start, m) in enumerate(_bounds(splits)):
+                if m == 0:
+                    x_saved.append(None)
+                    w_saved.append(None)
+                    continue
+                x_e = x2[start:start + m]
+                row = shared[start:start + m] if shared is not None else None
+                x_op = forward_input(x_e, state, rowwise=row)
+                b_e = bias[e].to(dtype) if bias is not None else None
+                ys.append(fprop(x_op, w_holder.op[e], b_e, dtype))
+                xs, ws = saved_for_backward(x_e, x_op, weight[e], w_holder.op[e], override)
+                x_saved.append(xs)
+                w_saved.append(ws)
+        ctx.save_for_backward(*x_saved, *w_saved)
+        ctx.state, ctx.splits, ctx.dtype, ctx.x_dtype = state, splits, dtype, x.dtype
+        ctx.w_meta = (weight.shape, weight.dtype)
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        if not ys:
+            return x2.new_zeros(0, weight.shape[1])
+        return torch.cat(ys)
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved = ctx.saved_tensors
+        n_exp = len(ctx.splits)
+        x_saved, w_saved = saved[:n_exp], saved[n_exp:]
+        (w_shape, w_dtype), dtype = ctx.w_meta, ctx.dtype
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        dxs = []
+        dw = torch.zeros(w_shape, dtype=w_dtype, device=dy.device) if need[1] else None
+        with torch.autocast(dy.device.type, enabled=False):
+            dy2 = dy.to(dtype)
+            for e, (start, m) in enumerate(_bounds(ctx.splits)):
+                if m == 0:
+                    continue
+                dx_e, dw_e = backward_gemms(dy2[start:start + m], x_saved[e], w_saved[e],
+                                            ctx.state, dtype, w_dtype, need)
+                dxs.append(dx_e)
+                if dw is not None:
+                    dw[e] = dw_e
+            db = None
+            if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
+                db = torch.stack([dy2[s:s + m].float().sum(0) for s, m in _bounds(ctx.splits)])
+                db = db.to(ctx.b_dtype)
+        dx = None
+        if need[0]:
+            k = w_shape[-1]
+            dx = torch.cat(dxs).to(ctx.x_dtype) if dxs else dy.new_zeros(0, k, dtype=ctx.x_dtype)
+        return dx, dw, db, None, None, None, None
+
+
+class GroupedLinear(nn.Module):
+    """E expert linears [E, out, in] applied to token groups; recipe as in TrainingLinear."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = True,
+                 *, recipe: NVFP4TrainingRecipe | None = None, seed_index: int = 0,
+                 device=None, dtype=None):
+        super().__init__()
+        recipe = recipe or NVFP4TrainingRecipe()
+        why = shape_error(in_features, out_features, recipe)
+        if why:
+            raise ValueError(f"{why}. Pad the expert's features.")
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be at least 1; got {num_experts}.")
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, **kw))
+        self.bias = nn.Parameter(torch.empty(num_experts, out_features, **kw)) if bias else None
+        self.reset_parameters()
+        self._setup(recipe, seed_index)
+
+    def _setup(self, recipe: NVFP4TrainingRecipe, seed_index: int) -> None:
+        self.recipe = recipe
+        self.state = LinearState(recipe.operand_specs(), Generators(recipe.seed, seed_index))
+        self.weight_cache = WeightCache()
+        self.skip_weight_update: torch.Tensor | None = None
+
+    def with_recipe(self, recipe: NVFP4TrainingRecipe, seed_index: int = 0) -> "GroupedLinear":
+        """A GroupedLinear sharing this one's Parameters, training with another recipe."""
+        why = shape_error(self.in_features, self.out_features, recipe)
+        if why:
+            raise ValueError(f"{why}. Pad the expert's features.")
+        new = GroupedLinear.__new__(GroupedLinear)
+        nn.Module.__init__(new)
+        new.num_experts, new.in_features = self.num_experts, self.in_features
+        new.out_features, new.weight, new.bias = self.out_features, self.weight, self.bias
+        new._setup(recipe, seed_index)
+        return new
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's initialisation, per expert: U(-1/sqrt(in), 1/sqrt(in)) for both.
+        bound = 1 / math.sqrt(self.in_features)
+        with torch.no_grad():
+            self.weight.uniform_(-bound, bound)
+            if self.bias is not None:
+                self.bias.uniform_(-bound, bound)
+
+    def _build_weight(self, w: torch.Tensor) -> list:
+        return [quantize_weight(w[e], self.state.specs) for e in range(self.num_experts)]
+
+    def forward(self, x: torch.Tensor, tokens_per_expert, is_first_microbatch=None):
+        """x [T, in] sorted by expert; tokens_per_expert: E ints (a tensor costs a host sync)."""
+        splits = self._splits(x, tokens_per_expert)
+        w_ops = self.weight_cache.get(
+            self.weight, self._build_weight,
+            is_first_microbatch=is_first_microbatch, skip_update=self.skip_weight_update,
+        )
+        return GroupedLinearFunction.apply(
+            x, self.weight, self.bias, _Operand(w_ops), self.state, splits, compute_dtype(x)
+        )
+
+    def _splits(self, x: torch.Tensor, tokens_per_expert) -> tuple[int, ...]:
+        if isinstance(tokens_per_expert, torch.Tensor):
+            tokens_per_expert = tokens_per_expert.tolist()
+        splits = tuple(int(m) for m in tokens_per_expert)
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(
+                f"GroupedLinear takes x [tokens, {self.in_features}]; got {tuple(x.shape)}."
+            )
+        if len(splits) != self.num_experts or min(splits) < 0 or sum(splits) != x.shape[0]:
+            raise ValueError(
+                f"tokens_per_expert needs {self.num_experts} non-negative counts summing to "
+                f"{x.shape[0]} tokens; got {list(splits)}."
+            )
+        return splits
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.bias is not None}, "
+                f"recipe={self.recipe}")

@@ -1,0 +1,181 @@
+"""The autograd linear of the NVFP4 training recipe, and the nn.Linear that uses it.
+
+Forward: Y = fprop(input, weight). Backward, by the recipe's backward_override:
+- None: quantize grad_output for its role, dX = dgrad(dY, W), dW = wgrad(dY, X) on the
+  operands the recipe prescribes (qtensor/training/roles.py);
+- "dequantized": both GEMMs in the compute dtype on the forward operands decoded;
+- "high_precision": both GEMMs in the compute dtype on the original input and weight.
+
+The compute dtype is the autocast dtype when autocast is on, else the input's dtype; the
+output and dX come back in it (dX in the input's dtype), dW in the weight's (master) dtype,
+straight from the fp32 accumulator. Autocast is switched off inside, so the emulated GEMMs keep
+their fp32 products exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from qtensor.tensors import QuantizedTensor
+from qtensor.training.recipe import NVFP4TrainingRecipe
+from qtensor.training.roles import (
+    Generators,
+    OperandSpecs,
+    dgrad,
+    fprop,
+    quantize_role,
+    wgrad,
+)
+from qtensor.training.weight_cache import WeightCache
+
+
+@dataclasses.dataclass
+class LinearState:
+    """What the autograd function needs besides tensors: the specs and the generators."""
+
+    specs: OperandSpecs
+    generators: Generators
+
+
+@dataclasses.dataclass
+class _Operand:
+    # Holds a quantized weight so autograd's apply() does not treat it as an input.
+    op: QuantizedTensor
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on for x's device, else x's dtype."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def quantize_weight(weight: torch.Tensor, specs: OperandSpecs) -> QuantizedTensor:
+    """The weight's operand (both usages unless the backward is overridden)."""
+    return quantize_role(weight, specs.weight, "weight")
+
+
+def forward_input(x2: torch.Tensor, state: LinearState, rowwise=None):
+    """The input's operand, 2-D [M, K] in the compute dtype."""
+    specs = state.specs
+    gens = state.generators.for_role("input", specs.input, x2.device)
+    return quantize_role(x2, specs.input, "input", gens, rowwise=rowwise)
+
+
+def saved_for_backward(x2, x_op, weight, w_op, override):
+    """(input, weight) the backward needs: originals for high_precision, else the operands."""
+    return (x2, weight) if override == "high_precision" else (x_op, w_op)
+
+
+def backward_gemms(dy2, x_saved, w_saved, state: LinearState, dtype, w_dtype, need):
+    """(dX [M, K] in dtype, dW [N, K] in w_dtype) from dY [M, N]; None where not needed."""
+    need_dx, need_dw = need
+    override = state.specs.backward_override
+    if override is None:
+        gens = state.generators.for_role("grad_output", state.specs.grad_output, dy2.device)
+        dy_op = quantize_role(dy2, state.specs.grad_output, "grad_output", gens)
+        dx = dgrad(dy_op, w_saved, dtype) if need_dx else None
+        dw = wgrad(dy_op, x_saved, w_dtype) if need_dw else None
+        return dx, dw
+    if override == "high_precision":
+        x_hp, w_hp = x_saved.to(dtype), w_saved.to(dtype)
+    else:
+        x_hp, w_hp = x_saved.dequantize(dtype), w_saved.dequantize(dtype)
+    dx = dy2 @ w_hp if need_dx else None
+    dw = (dy2.t() @ x_hp).to(w_dtype) if need_dw else None
+    return dx, dw
+
+
+class TrainingLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, w_holder: _Operand, state: LinearState, dtype):
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+            x_op = forward_input(x2, state)
+            b = bias.to(dtype) if bias is not None else None
+            y = fprop(x_op, w_holder.op, b, dtype)
+        override = state.specs.backward_override
+        ctx.save_for_backward(*saved_for_backward(x2, x_op, weight, w_holder.op, override))
+        ctx.state, ctx.dtype, ctx.x_meta = state, dtype, (x.shape, x.dtype)
+        ctx.w_dtype = weight.dtype
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_saved, w_saved = ctx.saved_tensors
+        x_shape, x_dtype = ctx.x_meta
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        with torch.autocast(dy.device.type, enabled=False):
+            dy2 = dy.reshape(-1, dy.shape[-1]).to(ctx.dtype)
+            dx, dw = backward_gemms(dy2, x_saved, w_saved, ctx.state, ctx.dtype, ctx.w_dtype,
+                                    need)
+            db = None
+            if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
+                db = dy2.float().sum(0).to(ctx.b_dtype)
+        if dx is not None:
+            dx = dx.reshape(x_shape).to(x_dtype)
+        return dx, dw, db, None, None, None
+
+
+class TrainingLinear(nn.Linear):
+    """nn.Linear whose GEMMs follow an NVFP4TrainingRecipe; the weight stays high precision.
+
+    `forward(x, is_first_microbatch=None)` reuses the quantized weight as [Note: weight cache]
+    describes; set `skip_weight_update` to a bool tensor for the graph-safe mode.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, *, recipe=None, seed_index=0,
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self._setup(recipe or NVFP4TrainingRecipe(), seed_index)
+
+    def _setup(self, recipe: NVFP4TrainingRecipe, seed_index: int) -> None:
+        why = shape_error(self.in_features, self.out_features, recipe)
+        if why:
+            raise ValueError(f"{why}. Exclude this layer (filter_fn) or pad its features.")
+        if isinstance(self.weight, QuantizedTensor):
+            raise TypeError(
+                f"TrainingLinear trains a high-precision master weight; got {self.weight!r}. "
+                "Apply the training config to the unquantized model."
+            )
+        self.recipe = recipe
+        self.state = LinearState(recipe.operand_specs(), Generators(recipe.seed, seed_index))
+        self.weight_cache = WeightCache()
+        self.skip_weight_update: torch.Tensor | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: NVFP4TrainingRecipe, seed_index: int = 0):
+        """A TrainingLinear sharing linear's Parameters (optimizer state stays valid)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias
+        new._setup(recipe, seed_index)
+        return new
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        w_op = self.weight_cache.get(
+            self.weight, lambda w: quantize_weight(w, self.state.specs),
+            is_first_microbatch=is_first_microbatch, skip_update=self.skip_weight_update,
+        )
+        return TrainingLinearFunction.apply(
+            x, self.weight, self.bias, _Operand(w_op), self.state, compute_dtype(x)
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe}"
+
+
+def shape_error(in_features: int, out_features: int, recipe: NVFP4TrainingRecipe) -> str | None:
+    """Why a layer of this shape cannot train with the recipe, or None."""
+    if in_features % 16:
+        return f"NVFP4 needs in_features divisible by 16; got {in_features}"
+    quantized_bwd = recipe.backward_override is None
+    if (recipe.weight_2d or quantized_bwd) and out_features % 16:
+        return f"NVFP4 weights need out_features divisible by 16 here; got {out_features}"
+    if recipe.dgrad_mxfp8 and out_features % 32:
+        return f"dgrad_mxfp8 needs out_features divisible by 32 (MXFP8 blocks); got {out_features}"
+    return None

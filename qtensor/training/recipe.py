@@ -1,0 +1,222 @@
+"""The NVFP4 training recipe: one frozen dataclass, validated at construction.
+
+[Note: roles and usages]
+A linear layer multiplies three tensors in three GEMMs. Each tensor has a role (input, weight,
+grad_output) and is needed in up to two usages: rowwise (blocks along its last dim, a left GEMM
+operand) and columnwise (blocks along dim 0, a right operand):
+
+    fprop  Y  = X  @ W^T    input.rowwise       x weight.rowwise
+    dgrad  dX = dY @ W      grad_output.rowwise x weight.columnwise
+    wgrad  dW = dY^T @ X    grad_output.columnwise x input.columnwise
+
+The recipe decides one spec per (role, usage) in `operand_specs()`; the autograd linear only
+quantizes operands for their roles and multiplies them (qtensor/training/roles.py). Defaults
+follow Transformer Engine's NVFP4BlockScaling: 2D weight tiles, RHT on the wgrad operands and
+stochastic rounding of gradients, 4over6 off. docs/training.md has the table of knobs, their
+QTENSOR_* variables and Transformer Engine's names for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal, Mapping
+
+from qtensor.formats.mxfp8 import MXFP8Spec
+from qtensor.formats.nvfp4 import NVFP4Spec
+from qtensor.training.roles import OperandSpecs, RoleSpec
+
+Scope = Literal["none", "weights", "activations", "all"]
+BackwardOverride = Literal["high_precision", "dequantized"]
+SCOPES = ("none", "weights", "activations", "all")
+ERR_MODES = ("mae", "mse")
+OVERRIDES = (None, "high_precision", "dequantized")
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4TrainingRecipe:
+    """NVFP4 forward, NVFP4 (or MXFP8-dgrad, or high-precision) backward."""
+
+    # 16x16 weight tiles: the weight's rowwise and columnwise bytes are then transposes, so
+    # fprop and dgrad see the same quantized weight.
+    weight_2d: bool = True
+    # Random Hadamard transform of the two wgrad operands (input and grad_output columnwise).
+    rht: bool = True
+    # Stochastic rounding of grad_output's NVFP4 codes (both usages); unbiased gradients.
+    stochastic_rounding: bool = True
+    # One amax per token for the input (per column for its wgrad operand), so one outlier
+    # token does not flatten the others' scales (seed 003); excludes RHT, 2D and SR.
+    row_scaled_activation: bool = False
+    # Which forward roles choose map-to-4 vs map-to-6 per block (4over6, arXiv 2512.02010).
+    fourover6: Scope = "none"
+    # Error that picks the 4over6 candidate: mean absolute ("mae") or squared ("mse").
+    fourover6_err: str = "mae"
+    # Roles whose 4over6 tensors use E4M3 bound 256 (so the largest block's map-to-4 scale is
+    # 384, exact) instead of 448. Gradients follow "all".
+    fourover6_e4m3_256: Scope = "all"
+    # 4over6 for both usages of grad_output (needs rht=False and stochastic_rounding=False).
+    fourover6_grad: bool = False
+    # dgrad on MXFP8 operands: weight = NVFP4 rowwise + MXFP8 columnwise requantized from the
+    # dequantized NVFP4 weight; grad_output = MXFP8 rowwise + NVFP4 columnwise. About half the
+    # NVFP4 backward error (seed 000), fprop and wgrad unchanged.
+    dgrad_mxfp8: bool = False
+    # None: quantized backward. "high_precision": both backward GEMMs in the compute dtype on
+    # the original input and weight. "dequantized": on the dequantized forward operands.
+    backward_override: BackwardOverride | None = None
+    # Base seed of the stochastic-rounding generators (docs/training.md, "Randomness").
+    seed: int = 0
+
+    def __post_init__(self):
+        _check_choice("fourover6", self.fourover6, SCOPES)
+        _check_choice("fourover6_e4m3_256", self.fourover6_e4m3_256, SCOPES)
+        _check_choice("fourover6_err", self.fourover6_err, ERR_MODES)
+        _check_choice("backward_override", self.backward_override, OVERRIDES)
+        for name in ("weight_2d", "rht", "stochastic_rounding", "row_scaled_activation",
+                     "fourover6_grad", "dgrad_mxfp8"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}.")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative int; got {self.seed!r}.")
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        if self.dgrad_mxfp8 and self.backward_override is not None:
+            raise ValueError(
+                f"dgrad_mxfp8=True quantizes the dgrad operands to MXFP8, but "
+                f"backward_override={self.backward_override!r} replaces the quantized backward; "
+                "set one of them, not both."
+            )
+        if self.fourover6_grad and (self.rht or self.stochastic_rounding):
+            raise ValueError(
+                f"fourover6_grad=True needs rht=False and stochastic_rounding=False (4over6 "
+                f"compares deterministic codes of untransformed blocks); got rht={self.rht}, "
+                f"stochastic_rounding={self.stochastic_rounding}."
+            )
+        if self.row_scaled_activation and (self.rht or self.weight_2d or self.stochastic_rounding):
+            raise ValueError(
+                "row_scaled_activation=True needs rht=False, weight_2d=False and "
+                "stochastic_rounding=False (the per-token amax is defined on untransformed 1x16 "
+                f"blocks); got rht={self.rht}, weight_2d={self.weight_2d}, "
+                f"stochastic_rounding={self.stochastic_rounding}."
+            )
+        if self.fourover6 in ("activations", "all") and self.rht:
+            raise ValueError(
+                f"fourover6={self.fourover6!r} applies 4over6 to the input's wgrad operand, "
+                "which rht=True transforms; 4over6 excludes RHT. Set rht=False or "
+                "fourover6='weights'."
+            )
+
+    # ---- per-role choices --------------------------------------------------------------------
+
+    def fourover6_for(self, role: str) -> str | None:
+        """The 4over6 error mode of a role's NVFP4 operands, or None."""
+        if role == "grad_output":
+            return self.fourover6_err if self.fourover6_grad else None
+        return self.fourover6_err if _in_scope(self.fourover6, role) else None
+
+    def e4m3_bound_for(self, role: str) -> int:
+        """E4M3 bound B: 256 only for 4over6 operands of a role in the 256 scope."""
+        if self.fourover6_for(role) is None:
+            return 448
+        if role == "grad_output":
+            return 256 if self.fourover6_e4m3_256 == "all" else 448
+        return 256 if _in_scope(self.fourover6_e4m3_256, role) else 448
+
+    def nvfp4_spec(self, role: str, columnwise: bool) -> NVFP4Spec:
+        """The NVFP4 spec of one (role, usage)."""
+        grad = role == "grad_output"
+        return NVFP4Spec(
+            block_2d=self.weight_2d and role == "weight",
+            row_scaled=self.row_scaled_activation and role == "input",
+            fourover6=self.fourover6_for(role),
+            e4m3_bound=self.e4m3_bound_for(role),
+            rht=self.rht and columnwise and role != "weight",
+            stochastic_rounding=self.stochastic_rounding and grad,
+            columnwise=columnwise,
+        )
+
+    def operand_specs(self) -> OperandSpecs:
+        """What each role is quantized to, per usage: the whole recipe as data."""
+        x_row, w_row = self.nvfp4_spec("input", False), self.nvfp4_spec("weight", False)
+        if self.backward_override is not None:
+            # Only the forward operands are quantized; the backward runs in high precision.
+            return OperandSpecs(
+                input=RoleSpec(x_row), weight=RoleSpec(w_row), grad_output=RoleSpec(None),
+                backward_override=self.backward_override,
+            )
+        x = RoleSpec(x_row, self.nvfp4_spec("input", True))
+        dy_col = self.nvfp4_spec("grad_output", True)
+        if self.dgrad_mxfp8:
+            w = RoleSpec(w_row, MXFP8Spec(columnwise=True), "rowwise_dequantized")
+            dy = RoleSpec(MXFP8Spec(), dy_col)
+        else:
+            w = RoleSpec(w_row, self.nvfp4_spec("weight", True))
+            dy = RoleSpec(self.nvfp4_spec("grad_output", False), dy_col)
+        return OperandSpecs(input=x, weight=w, grad_output=dy)
+
+    # ---- the environment ---------------------------------------------------------------------
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "NVFP4TrainingRecipe":
+        """Build a recipe from QTENSOR_* variables (read once, here); keyword args win."""
+        env = os.environ if environ is None else environ
+        fields: dict = {}
+        for var, (name, parse) in ENV_VARS.items():
+            raw = env.get(var)
+            if raw is not None and raw.strip() != "":
+                fields[name] = parse(var, raw.strip())
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def _in_scope(scope: str, role: str) -> bool:
+    return scope == "all" or (scope == "weights" and role == "weight") or (
+        scope == "activations" and role == "input"
+    )
+
+
+def _check_choice(name, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}; got {value!r}.")
+
+
+def _flag(var: str, raw: str) -> bool:
+    if raw not in ("0", "1"):
+        raise ValueError(f"{var} must be 0 or 1; got {raw!r}.")
+    return raw == "1"
+
+
+def _not_flag(var: str, raw: str) -> bool:
+    return not _flag(var, raw)
+
+
+def _lower(var: str, raw: str) -> str:
+    return raw.lower()
+
+
+def _override(var: str, raw: str) -> str | None:
+    return None if raw.lower() == "none" else raw.lower()
+
+
+def _int(var: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{var} must be an integer; got {raw!r}.") from None
+
+
+# QTENSOR_* variable -> (recipe field, parser). Each mirrors the NVTE_* variable of the same
+# suffix in Transformer Engine (docs/training.md lists both), so one setting maps to the other.
+ENV_VARS = {
+    "QTENSOR_NVFP4_DISABLE_2D_QUANTIZATION": ("weight_2d", _not_flag),
+    "QTENSOR_NVFP4_DISABLE_RHT": ("rht", _not_flag),
+    "QTENSOR_NVFP4_DISABLE_STOCHASTIC_ROUNDING": ("stochastic_rounding", _not_flag),
+    "QTENSOR_NVFP4_ROW_SCALED_ACTIVATION": ("row_scaled_activation", _flag),
+    "QTENSOR_NVFP4_4OVER6": ("fourover6", _lower),
+    "QTENSOR_NVFP4_4OVER6_ERR_MODE": ("fourover6_err", _lower),
+    "QTENSOR_NVFP4_4OVER6_E4M3_USE_256": ("fourover6_e4m3_256", _lower),
+    "QTENSOR_NVFP4_4OVER6_GRAD": ("fourover6_grad", _flag),
+    "QTENSOR_NVFP4_DGRAD_MXFP8": ("dgrad_mxfp8", _flag),
+    "QTENSOR_BACKWARD_OVERRIDE": ("backward_override", _override),
+    "QTENSOR_NVFP4_SEED": ("seed", _int),
+}

@@ -1,0 +1,197 @@
+"""Operands by role: quantize a tensor for its role, multiply two operands.
+
+The autograd linear (linear.py) and the grouped linear (grouped.py) are compositions of the
+small pieces here; a recipe only chooses the specs ([Note: roles and usages] in recipe.py).
+
+A role's operand is one quantized tensor when only its rowwise usage is needed (the backward
+overrides), or a HybridTensor holding both usages, possibly in two formats. A GEMM takes the
+side it needs through the HybridTensor slots of qtensor/ops/gemm.py, so the three products are
+the same three lines for every recipe:
+
+    fprop(x, w) = x @ w.t()      dgrad(dy, w) = dy @ w      wgrad(dy, x) = dy.t() @ x
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import torch
+
+from qtensor.formats.mxfp8 import MXFP8Spec
+from qtensor.formats.nvfp4 import NVFP4Spec
+from qtensor.ops.gemm import quantized_mm
+from qtensor.tensors import HybridTensor, QuantizedTensor, quantize_spec
+from qtensor.tensors.hybrid import SOURCES
+
+Spec = NVFP4Spec | MXFP8Spec
+ROLES = ("input", "weight", "grad_output")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleSpec:
+    """The specs of one role's two usages (None: that usage is not quantized)."""
+
+    rowwise: Spec | None  # blocks along the last dim
+    columnwise: Spec | None = None  # blocks along dim 0
+    # "original": the columnwise side quantizes the high-precision tensor again;
+    # "rowwise_dequantized": it quantizes the rowwise side decoded to the input's dtype.
+    columnwise_source: str = "original"
+
+    def __post_init__(self):
+        if self.columnwise_source not in SOURCES:
+            raise ValueError(
+                f"columnwise_source must be one of {SOURCES}; got {self.columnwise_source!r}."
+            )
+        if self.rowwise is not None and self.rowwise.columnwise:
+            raise ValueError(f"The rowwise spec must have columnwise=False; got {self.rowwise}.")
+        if self.columnwise is not None and not self.columnwise.columnwise:
+            raise ValueError(f"The columnwise spec must have columnwise=True; got {self.columnwise}.")
+        if self.columnwise is not None and self.rowwise is None:
+            raise ValueError("A columnwise usage needs a rowwise one (the forward operand).")
+
+
+@dataclasses.dataclass(frozen=True)
+class OperandSpecs:
+    """Specs of the three roles; the GEMM pairs they form are checked at construction."""
+
+    input: RoleSpec
+    weight: RoleSpec
+    grad_output: RoleSpec
+    backward_override: str | None = None
+
+    def __post_init__(self):
+        _check_pair("fprop", "input.rowwise", self.input.rowwise, "weight.rowwise",
+                    self.weight.rowwise)
+        if self.backward_override is not None:
+            quantized = (self.input.columnwise, self.weight.columnwise, self.grad_output.rowwise)
+            if any(s is not None for s in quantized):
+                raise ValueError(
+                    f"backward_override={self.backward_override!r} runs the backward in high "
+                    "precision; the backward usages (input.columnwise, weight.columnwise, "
+                    "grad_output) must be None."
+                )
+            return
+        _check_pair("dgrad", "grad_output.rowwise", self.grad_output.rowwise,
+                    "weight.columnwise", self.weight.columnwise)
+        _check_pair("wgrad", "grad_output.columnwise", self.grad_output.columnwise,
+                    "input.columnwise", self.input.columnwise)
+
+    def role(self, name: str) -> RoleSpec:
+        return getattr(self, name)
+
+
+def _check_pair(gemm: str, name_a: str, a: Spec | None, name_b: str, b: Spec | None) -> None:
+    if a is None or b is None:
+        missing = name_a if a is None else name_b
+        raise ValueError(f"The {gemm} GEMM needs a spec for {missing}; got None.")
+    if type(a) is not type(b):
+        raise ValueError(
+            f"The {gemm} GEMM needs both operands in one format; got {name_a} "
+            f"{type(a).__name__} x {name_b} {type(b).__name__}."
+        )
+    if isinstance(a, NVFP4Spec) and a.rht != b.rht:
+        raise ValueError(
+            f"The {gemm} GEMM needs RHT on both NVFP4 operands or neither; got {name_a} "
+            f"rht={a.rht} x {name_b} rht={b.rht}."
+        )
+
+
+# ---- randomness ------------------------------------------------------------------------------
+
+
+class Generators:
+    """One torch.Generator per (slot, device) for stochastic rounding, created on first use.
+
+    The seed of a slot is crc32("{seed}/{index}/{slot}"): deterministic, distinct per module
+    (index) and per usage, and independent of the order the other slots draw in. That is why a
+    recipe whose grad_output rowwise side stops drawing (dgrad_mxfp8) keeps the NVFP4
+    columnwise (wgrad) bytes of the full NVFP4 recipe bit for bit.
+    """
+
+    def __init__(self, seed: int = 0, index: int = 0):
+        self.seed, self.index = seed, index
+        self._gens: dict[tuple[str, torch.device], torch.Generator] = {}
+
+    def seed_for(self, slot: str) -> int:
+        return zlib.crc32(f"{self.seed}/{self.index}/{slot}".encode())
+
+    def get(self, slot: str, device: torch.device) -> torch.Generator:
+        key = (slot, torch.device(device))
+        gen = self._gens.get(key)
+        if gen is None:
+            gen = torch.Generator(device=key[1])
+            gen.manual_seed(self.seed_for(slot))
+            self._gens[key] = gen
+        return gen
+
+    def reset(self) -> None:
+        """Reseed every generator to its initial state."""
+        for (slot, _), gen in self._gens.items():
+            gen.manual_seed(self.seed_for(slot))
+
+    def for_role(self, name: str, role: RoleSpec, device) -> tuple:
+        """(rowwise, columnwise) generators; None for a usage without stochastic rounding."""
+        return tuple(
+            self.get(f"{name}.{usage}", device) if getattr(spec, "stochastic_rounding", False)
+            else None
+            for usage, spec in (("rowwise", role.rowwise), ("columnwise", role.columnwise))
+        )
+
+
+# ---- quantize an operand for its role --------------------------------------------------------
+
+
+def quantize_rowwise(x: torch.Tensor, role: RoleSpec, name: str, generator=None):
+    """The rowwise usage of a 2-D tensor [R, C]."""
+    return _quantize(x, role.rowwise, name, "rowwise", generator)
+
+
+def quantize_role(x: torch.Tensor, role: RoleSpec, name: str, generators=(None, None),
+                  rowwise: QuantizedTensor | None = None):
+    """A 2-D tensor [R, C] quantized for its role: one tensor, or a HybridTensor of both usages.
+
+    `rowwise` passes a rowwise side quantized earlier (a row-scaled activation quantized once
+    for all experts and sliced); it must be what `quantize_rowwise` would return.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_role takes a 2-D tensor; got shape {tuple(x.shape)}.")
+    row = rowwise if rowwise is not None else quantize_rowwise(x, role, name, generators[0])
+    if role.columnwise is None:
+        return row
+    src = row.dequantize(x.dtype) if role.columnwise_source == "rowwise_dequantized" else x
+    col = _quantize(src, role.columnwise, name, "columnwise", generators[1])
+    return HybridTensor(x.shape, x.dtype, x.device, rowwise=row, columnwise=col,
+                        columnwise_source=role.columnwise_source)
+
+
+def _quantize(x, spec, name, usage, generator):
+    try:
+        # Not checked for NaN/Inf: the check costs a device sync per operand; a non-finite
+        # value poisons its amax and decodes to NaN, which the loss then shows.
+        return quantize_spec(x, spec, generator=generator, check_finite=False)
+    except ValueError as err:
+        raise ValueError(
+            f"Cannot quantize the {name} {usage} operand of shape {tuple(x.shape)}: {err} "
+            "A training linear needs in/out features divisible by 16 (32 for MXFP8 usages) "
+            "and, for a quantized backward, token counts divisible by 16 (32 for MXFP8 "
+            "columnwise): pad the batch (per expert for a grouped linear) or exclude the layer."
+        ) from None
+
+
+# ---- multiply two operands -------------------------------------------------------------------
+
+
+def fprop(x_op, w_op, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """Y [M, N] = X [M, K] @ W [N, K]^T (+ bias): input rowwise x weight rowwise."""
+    return quantized_mm(x_op, w_op.t(), bias, out_dtype=out_dtype)
+
+
+def dgrad(dy_op, w_op, out_dtype: torch.dtype) -> torch.Tensor:
+    """dX [M, K] = dY [M, N] @ W [N, K]: grad_output rowwise x weight columnwise."""
+    return quantized_mm(dy_op, w_op, out_dtype=out_dtype)
+
+
+def wgrad(dy_op, x_op, out_dtype: torch.dtype) -> torch.Tensor:
+    """dW [N, K] = dY [M, N]^T @ X [M, K]: grad_output columnwise x input columnwise."""
+    return quantized_mm(dy_op.t(), x_op, out_dtype=out_dtype)
