@@ -44,4 +44,11 @@ TORCH_LIBRARY(qtensor, m) {
   // Compact [rows, cols] scales <-> the 128x4-tiled layout of block-scaled GEMMs.
   m.def("swizzle_scale(Tensor scale) -> Tensor");
   m.def("unswizzle_scale(Tensor scale, int rows, int cols) -> Tensor");
+  // MXFP4 weight QAT (mxfp4_qat.cpp, mxfp4_qat_cuda.cu; reference qtensor/qat/convert.py): the
+  // fused projection + host quantization of a weight [N, K]. MXFP8 rowwise and columnwise
+  // (data, scale) pairs, empty where not asked; FP8 128x128 (data, fp32 tile scales).
+  m.def(
+      "mxfp4_qat_mxfp8(Tensor w, bool direct, bool rowwise, bool columnwise) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
+  m.def("mxfp4_qat_fp8_block(Tensor w, bool direct) -> (Tensor, Tensor)");
 }

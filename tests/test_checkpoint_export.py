@@ -77,10 +77,12 @@ def test_4over6_bound_256_global_scale_absorbs_the_bound(tmp_path):
     w = model[0].weight
     g = sd["0.weight_global_scale"].item()
     assert g == pytest.approx(6 * 256 / w.amax.item(), rel=2**-23)  # not 6 * 448 / amax
-    # 4over6 with B = 256 uses scales up to 384 (map-to-4 on the amax block): the exported
-    # scales must carry them unchanged.
-    assert w.scale.float().max().item() == 384.0
-    assert sd["0.weight_scale"].float().max().item() == 384.0
+    # A reader that assumed 6 * 448 would decode the outlier (40, the tensor's amax, map-to-6
+    # code 6 with block scale 256) as 40 * 256 / 448; with the bound absorbed it reads 40.
+    s_b = sd["0.weight_scale"][3, 0].float().item()
+    code = sd["0.weight_packed"][3, 2].item() >> 4  # element 5: high nibble of byte 2
+    assert (s_b, code) == (256.0, 7)
+    assert 6.0 * (s_b / g) == pytest.approx(40.0, rel=2**-22)  # 1536 / 40 is inexact in fp32
 
 
 def test_nvfp4_activation_scale_and_errors(tmp_path):

@@ -174,7 +174,7 @@ def test_dgrad_mxfp8_keeps_forward_and_wgrad_bitwise(kw):
     assert not torch.equal(dx_nv, dx_mx)
 
 
-@pytest.mark.parametrize("kw", [RL_ROW, RL], ids=["rl_row_scaled", "rl"])
+@pytest.mark.parametrize("kw", [RL_ROW, {}], ids=["rl_row_scaled", "default"])
 def test_dgrad_mxfp8_halves_the_dgrad_error(kw):
     _, dx_ref, _ = run(*make(NVFP4TrainingRecipe(backward_override="dequantized", **kw)))
     _, dx_nv, _ = run(*make(NVFP4TrainingRecipe(**kw)))
@@ -274,6 +274,10 @@ def test_3d_input_and_shape_errors():
     assert y.shape == (2, 32, N) and x.grad.shape == x.shape
     with pytest.raises(ValueError, match="token counts divisible by 16"):
         m(torch.randn(24, K))
+    with torch.no_grad():  # no backward: only the rowwise (fprop) operands, any token count
+        x24 = torch.randn(24, K)
+        ref = NVFP4Tensor.from_hp(x24).dequantize(F32) @ deq(NVFP4Tensor.from_hp(m.weight)).T
+        assert rel(m(x24), ref + m.bias) < 1e-5
     with pytest.raises(ValueError, match="in_features divisible by 16"):
         TrainingLinear(40, N, recipe=NVFP4TrainingRecipe(**RL))
     with pytest.raises(ValueError, match="divisible by 32"):

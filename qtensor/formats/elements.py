@@ -81,7 +81,9 @@ def pow2_f32(e: torch.Tensor) -> torch.Tensor:
     """Exact fp32 2**e for integer e in [-127, 127] (2**-127 is the subnormal 0x00400000)."""
     e = e.to(torch.int32)
     normal = ((e + 127).clamp(min=1) << 23).view(torch.float32)
-    return torch.where(e >= -126, normal, f32_from_bits(0x00400000).to(e.device))
+    # 2**-127 as a fill value (exact in fp32): no host-to-device copy, so this runs inside a
+    # CUDA graph capture.
+    return torch.where(e >= -126, normal, torch.full_like(normal, 2.0**-127))
 
 
 def f32_exponent_bits(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

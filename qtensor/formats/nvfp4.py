@@ -13,6 +13,7 @@ their 16 rows), `amax` an fp32 scalar or, row-scaled, one value per result row [
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal, NamedTuple
 
 import torch
@@ -90,7 +91,7 @@ def check_shape(shape: torch.Size, spec: NVFP4Spec) -> None:
             f"NVFP4 needs the last dim divisible by {BLOCK}; got shape {tuple(shape)}. "
             "Pad the features or exclude this tensor."
         )
-    rows = shape.numel() // shape[-1]
+    rows = math.prod(shape[:-1])  # not Size.numel(): it specializes torch.compile's dynamic dims
     if (spec.columnwise or spec.block_2d) and rows % BLOCK:
         why = "columnwise blocks run along dim 0" if spec.columnwise else "2D tiles are 16x16"
         raise ValueError(
@@ -130,11 +131,47 @@ def _blocks(xf: torch.Tensor) -> torch.Tensor:
     return xf.reshape(xf.shape[0], -1, BLOCK)
 
 
-def round_codes(v: torch.Tensor, generator: torch.Generator | None, stochastic: bool) -> torch.Tensor:
+class SRSeed(NamedTuple):
+    """Counter-based stochastic rounding: the 8 bits of element i come from (seed, offset + i).
+
+    i is the element's row-major index in the result [R, C]; the kernels in csrc/ draw the same
+    bits (quant_math.h sr_bits), so a given (seed, offset) gives the same bytes on every backend.
+    """
+
+    seed: int
+    offset: int = 0
+
+
+_U32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # A 32-bit xorshift-multiply hash on int64 holding uint32; multipliers < 2**31 keep products exact.
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _U32
+    x = x ^ (x >> 15)
+    x = (x * 0x1B873593) & _U32
+    return x ^ (x >> 16)
+
+
+def sr_bits(shape: torch.Size, sr: SRSeed, device) -> torch.Tensor:
+    """int32 bits in [0, 256): mix32(((offset + i) mod 2**32) ^ mix32(seed mod 2**32)) >> 24."""
+    key = _mix32(torch.tensor(sr.seed & _U32, dtype=torch.int64, device=device))
+    n = torch.Size(shape).numel()
+    counter = (torch.arange(n, dtype=torch.int64, device=device) + (sr.offset & _U32)) & _U32
+    return (_mix32(counter ^ key) >> 24).to(torch.int32).reshape(shape)
+
+
+def round_codes(
+    v: torch.Tensor, generator: torch.Generator | SRSeed | None, stochastic: bool
+) -> torch.Tensor:
     """E2M1 codes of scaled values: nearest-even, or stochastic with 8 random bits each."""
     if not stochastic:
         return e2m1_encode(v)
-    r8 = torch.randint(0, 256, v.shape, generator=generator, device=v.device, dtype=torch.int32)
+    if isinstance(generator, SRSeed):
+        r8 = sr_bits(v.shape, generator, v.device)
+    else:
+        r8 = torch.randint(0, 256, v.shape, generator=generator, device=v.device, dtype=torch.int32)
     u = r8.to(torch.float32) * (1.0 / 256.0)  # exact: a power of two
     a = v.abs()
     t = a + u * _sr_step(a)
@@ -208,7 +245,7 @@ def _candidate_error(xf, s_b, s_dec, amax_b, spec: NVFP4Spec) -> torch.Tensor:
 
 
 def quantize(
-    x: torch.Tensor, spec: NVFP4Spec, generator: torch.Generator | None = None
+    x: torch.Tensor, spec: NVFP4Spec, generator: torch.Generator | SRSeed | None = None
 ) -> NVFP4Data:
     """Quantize x (any float dtype, [..., K]) to NVFP4 bytes per FORMATS.md."""
     check_shape(x.shape, spec)

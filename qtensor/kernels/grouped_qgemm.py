@@ -53,11 +53,12 @@ def _grouped_kernel(
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    start = 0
-    seen = 0
-    expert = -1
-    row0 = 0
-    row_end = 0
+    # Loop-carried scalars need one type throughout the loop: int32 from the start.
+    start = tl.full([], 0, tl.int32)
+    seen = tl.full([], 0, tl.int32)
+    expert = tl.full([], -1, tl.int32)
+    row0 = tl.full([], 0, tl.int32)
+    row_end = tl.full([], 0, tl.int32)
     for e in range(E):
         end = tl.load(offs_ptr + e)
         count = tl.cdiv(end - start, BM)

@@ -100,7 +100,7 @@ def qgemm(a: Operand, b: Operand, *, left=None, right=None, bias=None, out_dtype
         lf if lf is not None else dummy, l_b, l_r, rf if rf is not None else dummy, r_b, r_c,
         bias if bias is not None else dummy, out, ws, batch, m, n, k, k_per_split,
         FMT_A=a.fmt, FMT_B=b.fmt, HAS_LEFT=lf is not None, HAS_RIGHT=rf is not None,
-        HAS_BIAS=bias is not None, SPLIT=split, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
+        HAS_BIAS=bias is not None, FUSED=split == 1, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
         GROUP_M=cfg.group_m, num_warps=cfg.warps, num_stages=cfg.stages,
         enable_fp_fusion=False,
     )
@@ -110,7 +110,7 @@ def qgemm(a: Operand, b: Operand, *, left=None, right=None, bias=None, out_dtype
         _splitk_epilogue_kernel[grid](
             ws, out, lf if lf is not None else dummy, l_b, l_r,
             rf if rf is not None else dummy, r_b, r_c, bias if bias is not None else dummy,
-            batch, m, n, SPLIT=split, HAS_LEFT=lf is not None, HAS_RIGHT=rf is not None,
+            batch, m, n, split, HAS_LEFT=lf is not None, HAS_RIGHT=rf is not None,
             HAS_BIAS=bias is not None, BM=eb_m, BN=eb_n, num_warps=4, enable_fp_fusion=False,
         )
     return out
@@ -123,7 +123,7 @@ def _qgemm_kernel(
     left_ptr, l_b, l_r, right_ptr, r_b, r_c, bias_ptr, out_ptr, ws_ptr,
     B, M, N, K, k_per_split,
     FMT_A: tl.constexpr, FMT_B: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FUSED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid, pid_k, bat = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -145,7 +145,7 @@ def _qgemm_kernel(
     )
     mask = rmask[:, None] & cmask[None, :]
     offs = (bat * M + rows)[:, None] * N + cols[None, :]
-    if SPLIT == 1:
+    if FUSED:
         acc = tiles.epilogue(
             acc, rows, cols, rmask, cmask, left_ptr + bat * l_b, l_r, right_ptr + bat * r_b,
             r_c, bias_ptr, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
@@ -157,8 +157,8 @@ def _qgemm_kernel(
 
 @triton.jit
 def _splitk_epilogue_kernel(
-    ws_ptr, out_ptr, left_ptr, l_b, l_r, right_ptr, r_b, r_c, bias_ptr, B, M, N,
-    SPLIT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    ws_ptr, out_ptr, left_ptr, l_b, l_r, right_ptr, r_b, r_c, bias_ptr, B, M, N, SPLIT,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
     """Sum the K splits in order 0..SPLIT-1, then the epilogue and the cast."""
@@ -170,7 +170,7 @@ def _splitk_epilogue_kernel(
     mask = rmask[:, None] & cmask[None, :]
     offs = (bat * M + rows)[:, None] * N + cols[None, :]
     acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
+    for s in range(1, SPLIT):
         acc += tl.load(ws_ptr + s * B * M * N + offs, mask=mask, other=0.0)
     acc = tiles.epilogue(
         acc, rows, cols, rmask, cmask, left_ptr + bat * l_b, l_r, right_ptr + bat * r_b, r_c,

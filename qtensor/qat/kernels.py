@@ -6,8 +6,8 @@ Schemas (csrc/qat/mxfp4_qat.cpp; CPU kernel there, CUDA kernel in csrc/qat/mxfp4
     qtensor::mxfp4_qat_fp8_block(Tensor w, bool direct) -> (Tensor qdata, Tensor scale)
 An output not asked for comes back empty. The bytes are those of qtensor/qat/convert.py (the
 composite-torch reference) bit for bit, in both modes; tests/test_qat_kernels.py checks it.
-The implementation is chosen once per device type (`quant_backend`): the compiled kernel when
-the extension registered one for that device, else the reference.
+The implementation is chosen once per device type (`quant_backend`), following the project's
+choice (qtensor.ops.quant: QTENSOR_QUANT_BACKEND, extension built), else the reference.
 """
 
 from __future__ import annotations
@@ -19,38 +19,52 @@ import torch
 from qtensor.backends import QuantBackend
 from qtensor.formats.fp8_block import FP8BlockData
 from qtensor.formats.mxfp8 import MXFP8Data
+from qtensor.ops import quant
 from qtensor.qat import convert
 
 _OPS = ("mxfp4_qat_mxfp8", "mxfp4_qat_fp8_block")
 _DISPATCH_KEY = {"cpu": "CPU", "cuda": "CUDA"}
 
 
-@functools.lru_cache(maxsize=None)
 def quant_backend(device_type: str) -> QuantBackend:
-    """CPU/CUDA when the extension provides both fused ops for this device type."""
-    key = _DISPATCH_KEY.get(device_type)
-    if key is None or not _extension_loaded():
+    """The project's choice for this device type (qtensor.ops.quant: extension built, policy),
+    narrowed to REFERENCE when the loaded extension lacks these two ops for the device."""
+    return _backend_for(device_type, quant.quant_backend(device_type))
+
+
+@functools.lru_cache(maxsize=None)
+def _backend_for(device_type: str, project_choice: QuantBackend) -> QuantBackend:
+    if project_choice is QuantBackend.REFERENCE:
         return QuantBackend.REFERENCE
-    for name in _OPS:
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"qtensor::{name}", key):
+    key = _DISPATCH_KEY[device_type]
+    for name in _OPS:  # an extension built from an older tree may lack them
+        if not hasattr(torch.ops.qtensor, name) or not torch._C._dispatch_has_kernel_for_dispatch_key(
+            f"qtensor::{name}", key
+        ):
             return QuantBackend.REFERENCE
-    return QuantBackend.CPU if device_type == "cpu" else QuantBackend.CUDA
+    return project_choice
 
 
-def _extension_loaded() -> bool:
-    try:  # the compiled extension registers its ops on import (built by setup.py from csrc/)
-        import qtensor._C  # noqa: F401
-    except ImportError:
-        pass
-    return all(hasattr(torch.ops.qtensor, n) for n in _OPS) if _has_namespace() else False
+def _register_fakes() -> None:
+    @torch.library.register_fake("qtensor::mxfp4_qat_mxfp8")
+    def _(w, direct, rowwise, columnwise):
+        n, k = w.shape
+        q = torch.float8_e4m3fn
+        s = torch.float8_e8m0fnu
+        return (w.new_empty((n, k) if rowwise else (0,), dtype=q),
+                w.new_empty((n, k // 32) if rowwise else (0,), dtype=s),
+                w.new_empty((n, k) if columnwise else (0,), dtype=q),
+                w.new_empty((n // 32, k) if columnwise else (0,), dtype=s))
+
+    @torch.library.register_fake("qtensor::mxfp4_qat_fp8_block")
+    def _(w, direct):
+        n, k = w.shape
+        return (w.new_empty((n, k), dtype=torch.float8_e4m3fn),
+                w.new_empty((n // 128, k // 128), dtype=torch.float32))
 
 
-def _has_namespace() -> bool:
-    try:
-        torch.ops.qtensor  # noqa: B018
-    except (AttributeError, RuntimeError):
-        return False
-    return True
+if quant.EXTENSION_ERROR is None and all(hasattr(torch.ops.qtensor, n) for n in _OPS):
+    _register_fakes()
 
 
 def _check(w: torch.Tensor) -> None:

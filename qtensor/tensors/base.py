@@ -86,6 +86,18 @@ class QuantizedTensor(torch.Tensor):
         device = inner_tensors[next(iter(inner_tensors))].device
         return cls(outer_size if outer_size is not None else shape, dtype, device, **fields)
 
+    # ---- FSDP2 all-gather hooks ([Note: quantized FSDP2 shards], qtensor/distributed/fsdp.py) --
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        from qtensor.distributed.fsdp import pre_all_gather
+
+        return pre_all_gather(self, mesh, outer_size, module)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        from qtensor.distributed.fsdp import post_all_gather
+
+        return post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
+
     def __repr__(self):
         attrs = ", ".join(f"{n}={_fmt(getattr(self, n))}" for n in self.tensor_attribute_names)
         return (

@@ -64,7 +64,15 @@ def _to_copy(func, args, kwargs):
     if "gemm_backend" in x.tensor_attribute_names and torch.device(device).type != x.device.type:
         # The GEMM backend belongs to the device: chosen again when the bytes change device.
         changes["gemm_backend"] = resolve_gemm_backend(device).value
-    return x.map_data(lambda t: t.to(device=device, copy=True), **changes)
+    return x.map_data(lambda t: _move(t, device, dtype), **changes)
+
+
+def _move(t: torch.Tensor, device, dtype) -> torch.Tensor:
+    # A nested quantized tensor (a HybridTensor's side) takes the same _to_copy; `.to()` on it
+    # would reach its op table as aten.to.dtype_layout, which no table implements.
+    if isinstance(t, QuantizedTensor):
+        return aten._to_copy.default(t, dtype=dtype, device=device)
+    return t.to(device=device, copy=True)
 
 
 @QuantizedTensor.implements(aten.copy_.default)
@@ -151,3 +159,17 @@ def _split_with_sizes(func, args, kwargs):
         out.append(aten.slice.Tensor(x, dim, start, start + s))
         start += s
     return out
+
+
+@QuantizedTensor.implements(aten.expand.default)
+def _expand(func, args, kwargs):
+    """Only the identity expand, which torch.matmul's decomposition of N-D products emits."""
+    x, size = args[0], list(args[1])
+    want = [s if n == -1 else n for n, s in zip(size, x.shape)] if len(size) == x.dim() else size
+    if torch.Size(want) != x.shape:
+        raise ValueError(
+            f"{type(x).__name__} cannot be broadcast (expand {tuple(x.shape)} -> {tuple(size)}): "
+            "its blocks and scales would be repeated. Give both matmul operands the same batch "
+            "dims."
+        )
+    return x.replace()

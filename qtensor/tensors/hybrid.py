@@ -99,6 +99,10 @@ def _transpose(func, args, kwargs):
 @HybridTensor.implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
 def _view(func, args, kwargs):
     x = args[0]
+    if len(args[1]) == 1 and x.dim() > 1:  # view(-1), as FSDP2 takes of every parameter
+        from qtensor.distributed.ops import flat_view
+
+        return flat_view(x)
     if torch.Size(args[1]) != x.shape:
         raise ValueError(f"HybridTensor cannot be reshaped: {tuple(x.shape)} -> {tuple(args[1])}.")
     return x.replace()

@@ -108,6 +108,10 @@ def _view(func, args, kwargs):
     shape = infer_shape(args[1], x.numel())
     if shape == x.shape:
         return x.replace()
+    if len(shape) == 1 and x.dim() > 1:  # view(-1), as FSDP2 takes of every parameter
+        from qtensor.distributed.ops import flat_view
+
+        return flat_view(x)
     if x.axis != ROWWISE or len(shape) == 0 or shape[-1] != x.shape[-1]:
         raise ValueError(
             f"MXFP8Tensor can be reshaped only when it is rowwise and keeps its last dim "

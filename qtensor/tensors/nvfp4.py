@@ -175,6 +175,10 @@ def _view(func, args, kwargs):
     shape = infer_shape(shape, x.numel())
     if shape == x.shape:
         return x.replace()
+    if len(shape) == 1 and x.dim() > 1:  # view(-1), as FSDP2 takes of every parameter
+        from qtensor.distributed.ops import flat_view
+
+        return flat_view(x)
     if x.axis != ROWWISE or len(shape) == 0 or shape[-1] != x.shape[-1] or x.block_2d:
         raise ValueError(
             f"NVFP4Tensor can be reshaped only when it is rowwise, 1D-blocked and keeps its "

@@ -31,6 +31,7 @@ from qtensor.training.linear import (
     backward_gemms,
     compute_dtype,
     forward_input,
+    needs_backward,
     quantize_weight,
     saved_for_backward,
     shape_error,
@@ -57,7 +58,8 @@ def shared_input_rowwise(x2: torch.Tensor, state: LinearState):
 
 class GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, w_holder: _Operand, state: LinearState, splits, dtype):
+    def forward(ctx, x, weight, bias, w_holder: _Operand, state: LinearState, splits, dtype,
+                backward):
         override = state.specs.backward_override
         ys, x_saved, w_saved = [], [], []
         with torch.autocast(x.device.type, enabled=False):
@@ -70,7 +72,7 @@ class GroupedLinearFunction(torch.autograd.Function):
                     continue
                 x_e = x2[start:start + m]
                 row = shared[start:start + m] if shared is not None else None
-                x_op = forward_input(x_e, state, rowwise=row)
+                x_op = forward_input(x_e, state, backward, rowwise=row)
                 b_e = bias[e].to(dtype) if bias is not None else None
                 ys.append(fprop(x_op, w_holder.op[e], b_e, dtype))
                 xs, ws = saved_for_backward(x_e, x_op, weight[e], w_holder.op[e], override)
@@ -111,7 +113,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         if need[0]:
             k = w_shape[-1]
             dx = torch.cat(dxs).to(ctx.x_dtype) if dxs else dy.new_zeros(0, k, dtype=ctx.x_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 class GroupedLinear(nn.Module):
@@ -171,7 +173,8 @@ class GroupedLinear(nn.Module):
             is_first_microbatch=is_first_microbatch, skip_update=self.skip_weight_update,
         )
         return GroupedLinearFunction.apply(
-            x, self.weight, self.bias, _Operand(w_ops), self.state, splits, compute_dtype(x)
+            x, self.weight, self.bias, _Operand(w_ops), self.state, splits, compute_dtype(x),
+            needs_backward(x, self.weight, self.bias),
         )
 
     def _splits(self, x: torch.Tensor, tokens_per_expert) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ from qtensor.training.roles import (
     dgrad,
     fprop,
     quantize_role,
+    quantize_rowwise,
     wgrad,
 )
 from qtensor.training.weight_cache import WeightCache
@@ -57,11 +58,18 @@ def quantize_weight(weight: torch.Tensor, specs: OperandSpecs) -> QuantizedTenso
     return quantize_role(weight, specs.weight, "weight")
 
 
-def forward_input(x2: torch.Tensor, state: LinearState, rowwise=None):
-    """The input's operand, 2-D [M, K] in the compute dtype."""
+def forward_input(x2: torch.Tensor, state: LinearState, backward: bool, rowwise=None):
+    """The input's operand, 2-D [M, K] in the compute dtype; rowwise only without a backward."""
     specs = state.specs
+    if not backward:
+        return rowwise if rowwise is not None else quantize_rowwise(x2, specs.input, "input")
     gens = state.generators.for_role("input", specs.input, x2.device)
     return quantize_role(x2, specs.input, "input", gens, rowwise=rowwise)
+
+
+def needs_backward(*tensors) -> bool:
+    """Whether autograd will call the backward (else the wgrad operands are not built)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def saved_for_backward(x2, x_op, weight, w_op, override):
@@ -71,29 +79,38 @@ def saved_for_backward(x2, x_op, weight, w_op, override):
 
 def backward_gemms(dy2, x_saved, w_saved, state: LinearState, dtype, w_dtype, need):
     """(dX [M, K] in dtype, dW [N, K] in w_dtype) from dY [M, N]; None where not needed."""
-    need_dx, need_dw = need
     override = state.specs.backward_override
     if override is None:
-        gens = state.generators.for_role("grad_output", state.specs.grad_output, dy2.device)
-        dy_op = quantize_role(dy2, state.specs.grad_output, "grad_output", gens)
-        dx = dgrad(dy_op, w_saved, dtype) if need_dx else None
-        dw = wgrad(dy_op, x_saved, w_dtype) if need_dw else None
-        return dx, dw
+        return quantized_backward(dy2, x_saved, w_saved, state, dtype, w_dtype, need)
     if override == "high_precision":
         x_hp, w_hp = x_saved.to(dtype), w_saved.to(dtype)
     else:
         x_hp, w_hp = x_saved.dequantize(dtype), w_saved.dequantize(dtype)
-    dx = dy2 @ w_hp if need_dx else None
-    dw = (dy2.t() @ x_hp).to(w_dtype) if need_dw else None
+    return high_precision_backward(dy2, x_hp, w_hp, w_dtype, need)
+
+
+def quantized_backward(dy2, x_op, w_op, state: LinearState, dtype, w_dtype, need):
+    """grad_output quantized for its role, then dgrad and wgrad on the recipe's operands."""
+    gens = state.generators.for_role("grad_output", state.specs.grad_output, dy2.device)
+    dy_op = quantize_role(dy2, state.specs.grad_output, "grad_output", gens)
+    dx = dgrad(dy_op, w_op, dtype) if need[0] else None
+    dw = wgrad(dy_op, x_op, w_dtype) if need[1] else None
+    return dx, dw
+
+
+def high_precision_backward(dy2, x_hp, w_hp, w_dtype, need):
+    """dgrad and wgrad as plain GEMMs in the compute dtype (the overrides)."""
+    dx = dy2 @ w_hp if need[0] else None
+    dw = (dy2.t() @ x_hp).to(w_dtype) if need[1] else None
     return dx, dw
 
 
 class TrainingLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, w_holder: _Operand, state: LinearState, dtype):
+    def forward(ctx, x, weight, bias, w_holder: _Operand, state: LinearState, dtype, backward):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-            x_op = forward_input(x2, state)
+            x_op = forward_input(x2, state, backward)
             b = bias.to(dtype) if bias is not None else None
             y = fprop(x_op, w_holder.op, b, dtype)
         override = state.specs.backward_override
@@ -117,7 +134,7 @@ class TrainingLinearFunction(torch.autograd.Function):
                 db = dy2.float().sum(0).to(ctx.b_dtype)
         if dx is not None:
             dx = dx.reshape(x_shape).to(x_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 class TrainingLinear(nn.Linear):
@@ -161,8 +178,9 @@ class TrainingLinear(nn.Linear):
             self.weight, lambda w: quantize_weight(w, self.state.specs),
             is_first_microbatch=is_first_microbatch, skip_update=self.skip_weight_update,
         )
+        backward = needs_backward(x, self.weight, self.bias)
         return TrainingLinearFunction.apply(
-            x, self.weight, self.bias, _Operand(w_op), self.state, compute_dtype(x)
+            x, self.weight, self.bias, _Operand(w_op), self.state, compute_dtype(x), backward
         )
 
     def extra_repr(self) -> str:

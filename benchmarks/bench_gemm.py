@@ -1,0 +1,196 @@
+"""GEMM benchmark: bf16 cuBLAS, torchao NVFP4 weight-only, and qtensor's Triton paths, side by side.
+
+Run on one GPU (benchmarks/gpu_check.sh calls it):
+    python benchmarks/bench_gemm.py --out LOGDIR [--sweep]
+Prints one markdown table per section, each row a median time (triton.testing.do_bench) and the
+ratio to bf16 measured in the same run (>1 means faster than bf16), plus the weight-streaming
+bandwidth of the decode shapes next to the copy bandwidth. Weights smaller than 3x the 50 MB L2
+are rotated among copies so that no timing reads a cached weight. Every qtensor path is first
+checked against the emulated reference (relative Frobenius error of the fp32 result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from qtensor import MXFP8Tensor, NVFP4Tensor  # noqa: E402
+from qtensor.ops.gemm import emulated_mm, gemm_plan, operands, triton_mm  # noqa: E402
+
+L2_BYTES = 50 * 2**20
+ROWS: list[str] = []
+
+
+def median_ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def emit(line: str) -> None:
+    print(line, flush=True)
+    ROWS.append(line)
+
+
+def copy_bandwidth() -> float:
+    src = torch.randn(2**28, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / ms / 1e9  # TB/s: bytes read + written
+
+
+def nbytes(t) -> int:
+    return sum(getattr(t, n).numel() * getattr(t, n).element_size()
+               for n in t.tensor_data_names if getattr(t, n) is not None)
+
+
+def rotating(make, size_bytes: int):
+    """Enough copies that together they exceed 3x the L2, and a callable cycling them."""
+    copies = [make(i) for i in range(max(1, -(-3 * L2_BYTES // size_bytes)))]
+    state = {"i": 0}
+
+    def nxt():
+        state["i"] = (state["i"] + 1) % len(copies)
+        return copies[state["i"]]
+
+    return copies, nxt
+
+
+def check(a, b, name: str) -> None:
+    a_op, b_op = operands(a, b)
+    out = triton_mm(a_op, b_op, None, torch.float32)
+    ref = emulated_mm(a_op, b_op, None, torch.float32)
+    err = ((out - ref).norm() / ref.norm()).item()
+    assert err < 1e-5, f"{name}: relative error {err:.2e} against the emulated reference"
+
+
+def torchao_weight_only(w: torch.Tensor):
+    """torchao 0.18's NVFP4 weight-only linear, or None where it does not run."""
+    try:
+        from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig
+        from torchao.quantization import quantize_
+
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda",
+                              dtype=torch.bfloat16)
+        lin.weight.data.copy_(w)
+        quantize_(lin, NVFP4WeightOnlyConfig())
+        lin(torch.randn(1, w.shape[1], device="cuda", dtype=torch.bfloat16))
+        return lin
+    except Exception as e:  # reported in the table, not hidden
+        emit(f"torchao NVFP4 weight-only unavailable: {type(e).__name__}: {str(e)[:120]}")
+        return None
+
+
+def dense_section(n: int, k: int, ms_list, with_torchao: bool) -> None:
+    g = torch.Generator("cuda").manual_seed(n)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    nv_w, nv_next = rotating(lambda i: NVFP4Tensor.from_hp(w.roll(i, 0)), n * k * 9 // 16)
+    mx_w, mx_next = rotating(lambda i: MXFP8Tensor.from_hp(w.roll(i, 0)), n * k * 33 // 32)
+    ao = torchao_weight_only(w) if with_torchao else None
+    emit(f"\n### weight {n}x{k} (N x K)\n")
+    emit("| M | path | time us | vs bf16 | weight GB/s |")
+    emit("|---|---|---|---|---|")
+    for m in ms_list:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        nv_x, mx_x = NVFP4Tensor.from_hp(x), MXFP8Tensor.from_hp(x)
+        check(x, nv_w[0].t(), f"bf16 x nvfp4 M={m}")
+        check(nv_x, nv_w[0].t(), f"nvfp4 x nvfp4 M={m}")
+        check(mx_x, mx_w[0].t(), f"mxfp8 x mxfp8 M={m}")
+        assert gemm_plan(x, nv_w[0].t()).value == "triton"
+        paths = {
+            "bf16 F.linear (cuBLAS)": (lambda: F.linear(x, w), n * k * 2),
+            "qtensor bf16 x NVFP4 (weight-only)": (lambda: F.linear(x, nv_next()), nbytes(nv_w[0])),
+            "qtensor bf16 x MXFP8 (weight-only)": (lambda: F.linear(x, mx_next()), nbytes(mx_w[0])),
+            "qtensor NVFP4 x NVFP4": (lambda: torch.mm(nv_x, nv_next().t()), nbytes(nv_w[0])),
+            "qtensor MXFP8 x MXFP8": (lambda: torch.mm(mx_x, mx_next().t()), nbytes(mx_w[0])),
+        }
+        if ao is not None:
+            paths["torchao NVFP4 weight-only"] = (lambda: ao(x), n * k * 9 // 16)
+        base = None
+        for name, (fn, wbytes) in paths.items():
+            ms = median_ms(fn)
+            base = base or ms
+            emit(f"| {m} | {name} | {ms * 1e3:.1f} | {base / ms:.2f}x | {wbytes / ms / 1e6:.0f} |")
+
+
+def grouped_section(experts: int, tokens=8192, k=2048, n=1536) -> None:
+    g = torch.Generator("cuda").manual_seed(experts)
+    w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (tokens // experts)
+    wb = w.transpose(-1, -2)
+    nv_w = NVFP4Tensor.from_hp(w).transpose(-1, -2)
+    mx_w = MXFP8Tensor.from_hp(w).transpose(-1, -2)
+    nv_x, mx_x = NVFP4Tensor.from_hp(x, row_scaled=True), MXFP8Tensor.from_hp(x)
+    paths = {
+        "bf16 torch._grouped_mm": lambda: torch._grouped_mm(x, wb, offs),
+        "qtensor bf16 x NVFP4": lambda: torch._grouped_mm(x, nv_w, offs),
+        "qtensor NVFP4 (row-scaled) x NVFP4": lambda: torch._grouped_mm(nv_x, nv_w, offs),
+        "qtensor MXFP8 x MXFP8": lambda: torch._grouped_mm(mx_x, mx_w, offs),
+    }
+    emit(f"\n### grouped: {experts} experts, {tokens} tokens, {k} -> {n}\n")
+    emit("| path | time us | vs bf16 | TFLOP/s |")
+    emit("|---|---|---|---|")
+    base = None
+    for name, fn in paths.items():
+        ms = median_ms(fn)
+        base = base or ms
+        emit(f"| {name} | {ms * 1e3:.1f} | {base / ms:.2f}x | {2 * tokens * k * n / ms / 1e9:.0f} |")
+
+
+def sweep(n=8192, k=8192) -> None:
+    """Tile configs of the decode (M=16) and large-M (M=4096) kernels, to pick the defaults."""
+    from qtensor.kernels.qgemm import Config
+
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    nv_w, nv_next = rotating(lambda i: NVFP4Tensor.from_hp(w.roll(i, 0)), n * k * 9 // 16)
+    emit("\n### config sweep (bf16 x NVFP4 at M=16; NVFP4 x NVFP4 at M=4096), 8192x8192\n")
+    x16 = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+    for bn, bk, split, stages, warps in [(64, 256, 0, 4, 4), (32, 256, 0, 4, 4),
+                                         (128, 256, 0, 3, 4), (64, 512, 0, 3, 4),
+                                         (32, 512, 0, 4, 4), (64, 256, 1, 4, 4),
+                                         (128, 512, 0, 3, 8)]:
+        tiles = n // bn
+        split = split or max(1, min(k // bk // 4, -(-4 * 132 // tiles)))
+        cfg = Config(16, bn, bk, split, warps, stages)
+        ms = median_ms(lambda: triton_mm(x16, nv_next().t(), None, torch.bfloat16, cfg))
+        emit(f"- M=16 {cfg}: {ms * 1e3:.1f} us, {nbytes(nv_w[0]) / ms / 1e6:.0f} GB/s")
+    x = NVFP4Tensor.from_hp(torch.randn(4096, k, device="cuda"))
+    for bm, bn, bk, warps, stages in [(128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
+                                      (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)]:
+        cfg = Config(bm, bn, bk, 1, warps, stages)
+        ms = median_ms(lambda: triton_mm(x, nv_next().t(), None, torch.bfloat16, cfg))
+        emit(f"- M=4096 {cfg}: {ms * 1e3:.1f} us, {2 * 4096 * n * k / ms / 1e9:.0f} TFLOP/s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="folder for the markdown table")
+    p.add_argument("--sweep", action="store_true", help="also sweep tile configs")
+    p.add_argument("--ms", default="1,16,64,4096", help="comma-separated M values")
+    args = p.parse_args()
+    ms_list = [int(v) for v in args.ms.split(",")]
+    date = datetime.date.today().isoformat()
+    emit(f"## GEMM benchmark, {date}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    emit(f"copy bandwidth: {copy_bandwidth():.2f} TB/s (read + write)")
+    for n, k in [(8192, 8192), (28672, 8192)]:
+        dense_section(n, k, ms_list, with_torchao=True)
+    for experts in (8, 64):
+        grouped_section(experts)
+    if args.sweep:
+        sweep()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_gemm.md"), "w") as f:
+            f.write("\n".join(ROWS) + "\n")
+
+
+if __name__ == "__main__":
+    main()

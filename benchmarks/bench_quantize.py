@@ -1,0 +1,178 @@
+"""Quantization kernels against memory bandwidth, side by side with their peers.
+
+GPU: per kernel and shape, the median time (CUDA events, inputs rotated past the 50 MB L2), the
+effective bandwidth of the bytes that must move (input read once, outputs written once) and its
+ratio to the device-to-device copy measured in the same run; torchao's compiled `to_nvfp4` /
+`to_mx` and the compiled pure-torch reference beside them. CPU: the C++ kernels against the
+pure-torch reference on a 4096x4096 bf16 tensor.
+
+    python benchmarks/bench_quantize.py [--device cuda|cpu] [--out FILE] [--no-peers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+
+import torch
+
+from qtensor.formats import mxfp8, nvfp4
+from qtensor.formats.mxfp8 import MXFP8Spec
+from qtensor.formats.nvfp4 import NVFP4Spec, SRSeed
+from qtensor.ops import quant as Q
+
+SHAPES = ((16384, 8192), (8192, 5120), (1024, 2048))
+NV_OUT = 0.5 + 1 / 16  # bytes per element written by NVFP4: codes + one E4M3 scale per 16
+MX_OUT = 1 + 1 / 32  # MXFP8: one byte + one UE8M0 scale per 32
+
+
+def time_cuda(fn, inputs, iters=20) -> float:
+    """Median seconds of fn(x), cycling through `inputs` so each call misses the L2."""
+    for x in inputs[:2]:
+        fn(x)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        x = inputs[i % len(inputs)]
+        start.record()
+        fn(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return sorted(times)[len(times) // 2]
+
+
+def gpu_cases(shape):
+    """(name, fn(x), bytes per input element moved, peer name for the ratio column)."""
+    col, col_rht_sr = NVFP4Spec(columnwise=True), NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)
+    sr = SRSeed(1, 0)
+    amax = {}
+
+    def given(spec):  # the amax is computed once, outside the timed region
+        def fn(x):
+            key = (id(x), spec.columnwise, spec.rht, spec.row_scaled)
+            if key not in amax:
+                amax[key] = Q.amax(x, columnwise=spec.columnwise, rht=spec.rht, per_row=spec.row_scaled)
+            return Q.nvfp4_codes(x, amax[key], spec, sr if spec.stochastic_rounding else None)
+        return fn
+
+    def hybrid(x):
+        key = (id(x), True, False, False)
+        if key not in amax:
+            amax[key] = Q.amax(x, columnwise=True)
+        return torch.ops.qtensor.hybrid_quantize.default(x, amax[key], 0, 0, 448, False, False, 0, 0)
+
+    return [
+        ("copy", lambda x: x.clone(), 4, None),
+        ("amax", lambda x: Q.amax(x), 2, None),
+        ("nvfp4 row", given(NVFP4Spec()), 2 + NV_OUT, None),
+        ("nvfp4 col", given(col), 2 + NV_OUT, None),
+        ("nvfp4 col rht+sr", given(col_rht_sr), 2 + NV_OUT, "nvfp4 col"),
+        ("nvfp4 2d", given(NVFP4Spec(block_2d=True)), 2 + NV_OUT, None),
+        ("nvfp4 rowscaled", given(NVFP4Spec(row_scaled=True)), 2 + NV_OUT, "nvfp4 row"),
+        ("nvfp4 4o6 mae", given(NVFP4Spec(fourover6="mae", e4m3_bound=256)), 2 + NV_OUT, "nvfp4 row"),
+        ("nvfp4 4o6 mse 2d", given(NVFP4Spec(fourover6="mse", block_2d=True, e4m3_bound=256)), 2 + NV_OUT, "nvfp4 row"),
+        ("nvfp4 amax+row", lambda x: Q.quantize_nvfp4(x, NVFP4Spec()), 4 + NV_OUT, "nvfp4 row"),
+        ("mxfp8 row", lambda x: Q.mxfp8_both(x, "rceil", True, False), 2 + MX_OUT, None),
+        ("mxfp8 col", lambda x: Q.mxfp8_both(x, "rceil", False, True), 2 + MX_OUT, None),
+        ("mxfp8 both", lambda x: Q.mxfp8_both(x, "rceil", True, True), 2 + 2 * MX_OUT, None),
+        ("hybrid grad", hybrid, 2 + MX_OUT + NV_OUT, "nvfp4 col"),
+    ]
+
+
+def peer_cases():
+    """Compiled peers on the first shape: torchao's quantizers and the compiled reference."""
+    cases = []
+    try:
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+        from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+        def ao_nvfp4(x):
+            return NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(x.abs().amax()))
+
+        cases.append(("torchao to_nvfp4 (compiled)", torch.compile(ao_nvfp4), 2 + NV_OUT, "nvfp4 row"))
+        cases.append(("torchao to_mx e4m3 (compiled)", torch.compile(
+            lambda x: MXTensor.to_mx(x, torch.float8_e4m3fn, 32)), 2 + MX_OUT, "mxfp8 row"))
+    except ImportError as e:
+        print(f"# torchao not importable ({e}); its peers are skipped")
+    cases.append(("reference nvfp4 (compiled)", torch.compile(
+        lambda x: nvfp4.quantize(x, NVFP4Spec())), 2 + NV_OUT, "nvfp4 row"))
+    return cases
+
+
+def run_gpu(peers: bool, lines: list[str]) -> None:
+    dev = torch.cuda.get_device_name()
+    lines.append(f"# {datetime.date.today()} {dev}, torch {torch.__version__}, {Q.extension_status()}")
+    lines.append("| shape | kernel | us | GB/s | of copy | vs |")
+    lines.append("|---|---|---|---|---|---|")
+    for si, (m, k) in enumerate(SHAPES):
+        n = m * k
+        rotate = max(2, int(4 * 60e6 // (2 * n)) + 1)  # > 4x the L2 across the set
+        inputs = [torch.randn(m, k, device="cuda").bfloat16() for _ in range(rotate)]
+        cases = gpu_cases((m, k)) + (peer_cases() if peers and si == 0 else [])
+        times, copy_bw = {}, None
+        for name, fn, bpe, peer in cases:
+            try:
+                t = time_cuda(fn, inputs)
+            except Exception as e:  # a peer that fails to compile is reported, not fatal
+                lines.append(f"| {m}x{k} | {name} | failed: {type(e).__name__}: {str(e)[:80]} | | | |")
+                continue
+            times[name] = t
+            bw = bpe * n / t
+            copy_bw = copy_bw or bw
+            vs = f"{t / times[peer]:.2f}x the time of {peer}" if peer in times else ""
+            lines.append(f"| {m}x{k} | {name} | {t * 1e6:.1f} | {bw / 1e9:.0f} | {bw / copy_bw:.2f} | {vs} |")
+            print(lines[-1], flush=True)
+
+
+def run_cpu(lines: list[str]) -> None:
+    x = torch.randn(4096, 4096).bfloat16()
+    lines.append(f"# {datetime.date.today()} CPU x{torch.get_num_threads()} threads, 4096x4096 bf16, "
+                 f"{Q.extension_status()}")
+    lines.append("| op | reference s | C++ kernel s | speedup |")
+    lines.append("|---|---|---|---|")
+    cases = [
+        ("nvfp4 row (amax incl.)", lambda: nvfp4.quantize(x, NVFP4Spec()), lambda: Q.quantize_nvfp4(x, NVFP4Spec())),
+        ("nvfp4 col", lambda: nvfp4.quantize(x, NVFP4Spec(columnwise=True)),
+         lambda: Q.quantize_nvfp4(x, NVFP4Spec(columnwise=True))),
+        ("nvfp4 4o6 mae", lambda: nvfp4.quantize(x, NVFP4Spec(fourover6="mae", e4m3_bound=256)),
+         lambda: Q.quantize_nvfp4(x, NVFP4Spec(fourover6="mae", e4m3_bound=256))),
+        ("mxfp8 row", lambda: mxfp8.quantize(x, MXFP8Spec()), lambda: Q.quantize_mxfp8(x, MXFP8Spec())),
+    ]
+    for name, ref, ker in cases:
+        tr, tk = best_of(ref), best_of(ker)
+        lines.append(f"| {name} | {tr:.3f} | {tk:.3f} | {tr / tk:.1f}x |")
+        print(lines[-1], flush=True)
+
+
+def best_of(fn, n=3) -> float:
+    best = float("inf")
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", help="also write the table to this file")
+    p.add_argument("--no-peers", action="store_true", help="skip the compiled peers (faster)")
+    args = p.parse_args()
+    lines: list[str] = []
+    if args.device == "cuda":
+        run_gpu(not args.no_peers, lines)
+    else:
+        run_cpu(lines)
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The one GPU check of the project: build csrc for the GPU at hand, run the CUDA tests, run the
+# benchmarks; full logs go to a folder, a short table comes last.
+#
+#   benchmarks/gpu_check.sh [LOG_DIR]      (default: $OUT, else ./gpu_logs)
+#
+# To add a benchmark, add one `step NAME command...` line below: its output lands in
+# LOG_DIR/NAME.log and its last line in the closing table.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG=${1:-${OUT:-gpu_logs}}
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1
+export QTENSOR_CUDA_ARCHS=${QTENSOR_CUDA_ARCHS:-90a}  # build only what this GPU runs
+export MAX_JOBS=${MAX_JOBS:-16}
+SUMMARY=()
+
+step() {  # step NAME command... : run, log, remember rc, seconds and the last line
+  local name=$1 start rc
+  shift
+  start=$(date +%s)
+  "$@" >"$LOG/$name.log" 2>&1
+  rc=$?
+  SUMMARY+=("$(printf '%-16s rc=%-3s %5ss  %s' "$name" "$rc" "$(($(date +%s) - start))" "$(tail -n 1 "$LOG/$name.log" | cut -c1-110)")")
+}
+
+step build python3 setup.py build_ext --inplace
+step env python3 -c "import torch, qtensor.ops.quant as q; print(torch.cuda.get_device_name(), torch.__version__, q.extension_status())"
+step tests python3 -m pytest -m cuda -q -ra --continue-on-collection-errors tests/
+step bench_quantize python3 benchmarks/bench_quantize.py --out "$LOG/bench_quantize.md"
+
+echo "== gpu_check: logs in $LOG"
+printf '%s\n' "${SUMMARY[@]}"
+[ -f "$LOG/bench_quantize.md" ] && cat "$LOG/bench_quantize.md"
+exit 0

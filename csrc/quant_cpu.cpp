@@ -1,0 +1,456 @@
+// CPU kernels of every qtensor op: plain C++ loops over 16x16 tiles and 32-element blocks,
+// parallel over rows with at::parallel_for. The math is quant_math.h, shared with CUDA.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "checks.h"
+#include "quant_math.h"
+
+namespace qtensor {
+namespace {
+
+template <typename F>
+void dispatch_float(at::ScalarType t, const char* op, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    case at::kHalf: f(at::Half{}); break;
+    default: TORCH_CHECK(false, op, ": unsupported dtype ", t, ".");
+  }
+}
+
+// x86 returns the first NaN operand of a product, so the reference's `x * inv` keeps the sign of
+// a NaN x (and its E4M3 byte is 0xFF for -NaN); spelled out so the compiler cannot swap operands.
+inline float mul_keep_nan(float x, float inv) { return is_nan(x) ? x : x * inv; }
+
+// Element (i, j) of the quantized matrix, over any strides of the input [M, K].
+template <typename T>
+struct QView {
+  const T* p;
+  int64_t sr, sc;
+  float at(int64_t i, int64_t j) const { return static_cast<float>(p[i * sr + j * sc]); }
+};
+
+template <typename T>
+QView<T> q_view(const at::Tensor& x2, bool columnwise) {
+  const T* p = x2.const_data_ptr<T>();
+  return columnwise ? QView<T>{p, x2.stride(1), x2.stride(0)} : QView<T>{p, x2.stride(0), x2.stride(1)};
+}
+
+// Rows i0 .. i0+nr of the quantized matrix, columns j0 .. j0+16, as fp32 (RHT applied per run).
+template <typename T>
+void load_tile(const QView<T>& v, int64_t i0, int nr, int64_t j0, bool rht, float (*buf)[16]) {
+  for (int r = 0; r < nr; ++r) {
+    for (int c = 0; c < 16; ++c) buf[r][c] = v.at(i0 + r, j0 + c);
+    if (rht) rht16(buf[r]);
+  }
+}
+
+// ---- amax -------------------------------------------------------------------------------------
+
+template <typename T>
+float flat_amax(const T* p, int64_t n) {
+  return at::parallel_reduce(
+      0, n, 1 << 16, 0.f,
+      [&](int64_t b, int64_t e, float m) {
+        for (int64_t i = b; i < e; ++i) m = nan_max(m, abs_f(static_cast<float>(p[i])));
+        return m;
+      },
+      nan_max);
+}
+
+at::Tensor amax_cpu(const at::Tensor& x, bool columnwise, bool rht, bool per_row) {
+  const char* op = "qtensor.amax";
+  const NvShape s = nv_shape(x, columnwise, false, op);
+  TORCH_CHECK(!rht || columnwise, op, ": RHT applies only to columnwise operands.");
+  at::Tensor out = per_row ? at::zeros({s.R}, x.options().dtype(at::kFloat))
+                           : at::zeros({}, x.options().dtype(at::kFloat));
+  const at::Tensor x2 = x.reshape({s.M, s.K});
+  dispatch_float(x.scalar_type(), op, [&](auto tag) {
+    using T = decltype(tag);
+    if (!per_row && !rht && x2.is_contiguous()) {
+      out.fill_(flat_amax(x2.const_data_ptr<T>(), x2.numel()));
+      return;
+    }
+    const auto v = q_view<T>(x2, columnwise);
+    const int64_t ntiles = (s.R + 15) / 16;
+    auto tile_rows = [&](int64_t t, float* m) {  // per-row max of quantized rows 16t .. 16t+15
+      float buf[16][16];
+      const int nr = static_cast<int>(std::min<int64_t>(16, s.R - t * 16));
+      for (int r = 0; r < 16; ++r) m[r] = 0.f;
+      for (int64_t jb = 0; jb < s.C / 16; ++jb) {
+        load_tile(v, t * 16, nr, jb * 16, rht, buf);
+        for (int r = 0; r < nr; ++r)
+          for (int c = 0; c < 16; ++c) m[r] = nan_max(m[r], abs_f(buf[r][c]));
+      }
+      return nr;
+    };
+    if (per_row) {
+      float* o = out.data_ptr<float>();
+      at::parallel_for(0, ntiles, 1, [&](int64_t b, int64_t e) {
+        float m[16];
+        for (int64_t t = b; t < e; ++t) {
+          const int nr = tile_rows(t, m);
+          std::copy(m, m + nr, o + t * 16);
+        }
+      });
+    } else {
+      out.fill_(at::parallel_reduce(
+          0, ntiles, 1, 0.f,
+          [&](int64_t b, int64_t e, float acc) {
+            float m[16];
+            for (int64_t t = b; t < e; ++t) {
+              const int nr = tile_rows(t, m);
+              for (int r = 0; r < nr; ++r) acc = nan_max(acc, m[r]);
+            }
+            return acc;
+          },
+          nan_max));
+    }
+  });
+  return out;
+}
+
+// ---- NVFP4 ------------------------------------------------------------------------------------
+
+struct NvOpts {
+  bool block_2d;
+  int fourover6;  // 0 off, 1 MAE, 2 MSE
+  int bound;
+  bool sr;
+  uint32_t key, offset;
+};
+
+// Input-domain error of one candidate scale on one 16-element row block (FORMATS.md 4over6).
+float candidate_error(const float* x, uint8_t s, const NvScale& ts, float six_b, bool mse) {
+  const float enc = nv_block_enc(s, ts.s_dec);
+  const float sf = e4m3_value(s);
+  float err = 0.f;
+  for (int i = 0; i < 16; ++i) {
+    const float v = x[i] * enc;
+    float val = ((e2m1_round_abs(abs_f(v)) * sf) * ts.amax) / six_b;
+    if (e2m1_sign(v)) val = -val;
+    const float d = val - x[i];
+    err = err + (mse ? d * d : abs_f(d));
+  }
+  return err;
+}
+
+void fourover6_scales(const float (*buf)[16], int nr, const float* bamax, const NvScale* ts,
+                      const NvOpts& o, uint8_t* sb) {
+  float e6[16], e4[16];
+  uint8_t s6[16], s4[16];
+  const float six_b = static_cast<float>(6 * o.bound);
+  for (int r = 0; r < nr; ++r) {
+    fourover6_candidates(bamax[r], ts[r], &s6[r], &s4[r]);
+    e6[r] = candidate_error(buf[r], s6[r], ts[r], six_b, o.fourover6 == 2);
+    e4[r] = candidate_error(buf[r], s4[r], ts[r], six_b, o.fourover6 == 2);
+  }
+  if (o.block_2d) {  // the 16 row errors of a tile, summed as a tree: +8, +4, +2, +1
+    for (int h = 8; h >= 1; h >>= 1)
+      for (int j = 0; j < h; ++j) {
+        e6[j] = e6[j] + e6[j + h];
+        e4[j] = e4[j] + e4[j + h];
+      }
+    for (int r = 0; r < nr; ++r) sb[r] = e4[0] < e6[0] ? s4[0] : s6[0];
+    return;
+  }
+  for (int r = 0; r < nr; ++r) sb[r] = e4[r] < e6[r] ? s4[r] : s6[r];
+}
+
+// Quantize rows i0 .. i0+nr (column block jb) of the quantized matrix [R, C].
+void quantize_tile(const float (*buf)[16], int nr, const NvScale* ts, const NvOpts& o, int64_t i0,
+                   int64_t jb, int64_t C, uint8_t* qdata, uint8_t* scale) {
+  float bamax[16];
+  for (int r = 0; r < nr; ++r) {
+    float m = 0.f;
+    for (int c = 0; c < 16; ++c) m = nan_max(m, abs_f(buf[r][c]));
+    bamax[r] = m;
+  }
+  if (o.block_2d) {
+    float t = 0.f;
+    for (int r = 0; r < nr; ++r) t = nan_max(t, bamax[r]);
+    for (int r = 0; r < nr; ++r) bamax[r] = t;
+  }
+  uint8_t sb[16];
+  if (o.fourover6) {
+    fourover6_scales(buf, nr, bamax, ts, o, sb);
+  } else {
+    for (int r = 0; r < nr; ++r) sb[r] = e4m3_bits(bamax[r] * ts[r].s_enc_c6);
+  }
+  for (int r = 0; r < nr; ++r) {
+    const int64_t i = i0 + r;
+    const float enc = nv_block_enc(sb[r], ts[r].s_dec);
+    uint8_t* q = qdata + i * (C / 2) + jb * 8;
+    const uint32_t base = static_cast<uint32_t>(i * C + jb * 16) + o.offset;
+    for (int c = 0; c < 8; ++c) {
+      const float v0 = buf[r][2 * c] * enc, v1 = buf[r][2 * c + 1] * enc;
+      uint32_t lo, hi;
+      if (o.sr) {
+        lo = e2m1_encode_sr(v0, sr_bits(o.key, base + 2 * c));
+        hi = e2m1_encode_sr(v1, sr_bits(o.key, base + 2 * c + 1));
+      } else {
+        lo = e2m1_encode(v0);
+        hi = e2m1_encode(v1);
+      }
+      q[c] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+    scale[i * (C / 16) + jb] = sb[r];
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cpu(const at::Tensor& x, const at::Tensor& amax,
+                                                      bool columnwise, bool block_2d,
+                                                      int64_t fourover6, int64_t bound, bool rht,
+                                                      bool stochastic, int64_t seed, int64_t offset) {
+  const char* op = "qtensor.nvfp4_quantize";
+  const NvShape s = nv_shape(x, columnwise, block_2d, op);
+  const bool row_scaled = amax.dim() == 1;
+  check_nv_options(fourover6, bound, columnwise, rht, stochastic, block_2d, row_scaled, op);
+  check_nv_amax(x, amax, s, op);
+  at::Tensor qdata = at::empty({s.R, s.C / 2}, x.options().dtype(at::kByte));
+  at::Tensor scale = at::empty({s.R, s.C / 16}, x.options().dtype(at::kByte));
+  const at::Tensor a = amax.contiguous();
+  const float* ap = a.const_data_ptr<float>();
+  const NvOpts o{block_2d, static_cast<int>(fourover6), static_cast<int>(bound), stochastic,
+                 mix32(static_cast<uint32_t>(seed)), static_cast<uint32_t>(offset)};
+  const NvScale ts0 = nv_scale(ap[0], o.bound);
+  const at::Tensor x2 = x.reshape({s.M, s.K});
+  uint8_t* qp = qdata.data_ptr<uint8_t>();
+  uint8_t* sp = scale.data_ptr<uint8_t>();
+  dispatch_float(x.scalar_type(), op, [&](auto tag) {
+    using T = decltype(tag);
+    const auto v = q_view<T>(x2, columnwise);
+    at::parallel_for(0, (s.R + 15) / 16, 1, [&](int64_t b, int64_t e) {
+      float buf[16][16];
+      NvScale ts[16];
+      for (int64_t t = b; t < e; ++t) {
+        const int nr = static_cast<int>(std::min<int64_t>(16, s.R - t * 16));
+        for (int r = 0; r < nr; ++r) ts[r] = row_scaled ? nv_scale(ap[t * 16 + r], o.bound) : ts0;
+        for (int64_t jb = 0; jb < s.C / 16; ++jb) {
+          load_tile(v, t * 16, nr, jb * 16, rht, buf);
+          quantize_tile(buf, nr, ts, o, t * 16, jb, s.C, qp, sp);
+        }
+      }
+    });
+  });
+  return {qdata, scale.view(at::kFloat8_e4m3fn)};
+}
+
+// ---- MXFP8 ------------------------------------------------------------------------------------
+
+template <typename T>
+void mx_rows(const T* x, int64_t M, int64_t K, int rule, uint8_t* q, uint8_t* s) {
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    for (int64_t row = b; row < e; ++row) {
+      for (int64_t kb = 0; kb < K / 32; ++kb) {
+        const int64_t base = row * K + kb * 32;
+        float m = 0.f;
+        for (int i = 0; i < 32; ++i) m = nan_max(m, abs_f(static_cast<float>(x[base + i])));
+        const uint32_t code = mx_scale_code(m, rule);
+        const float inv = mx_inv_scale(code);
+        for (int i = 0; i < 32; ++i) q[base + i] = e4m3_bits(mul_keep_nan(static_cast<float>(x[base + i]), inv));
+        s[row * (K / 32) + kb] = static_cast<uint8_t>(code);
+      }
+    }
+  });
+}
+
+template <typename T>
+void mx_cols(const T* x, int64_t M, int64_t K, int rule, uint8_t* q, uint8_t* s) {
+  at::parallel_for(0, M / 32, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> cm(K), inv(K);
+    for (int64_t mb = b; mb < e; ++mb) {
+      std::fill(cm.begin(), cm.end(), 0.f);
+      for (int64_t r = mb * 32; r < mb * 32 + 32; ++r)
+        for (int64_t k = 0; k < K; ++k) cm[k] = nan_max(cm[k], abs_f(static_cast<float>(x[r * K + k])));
+      for (int64_t k = 0; k < K; ++k) {
+        const uint32_t code = mx_scale_code(cm[k], rule);
+        s[mb * K + k] = static_cast<uint8_t>(code);
+        inv[k] = mx_inv_scale(code);
+      }
+      for (int64_t r = mb * 32; r < mb * 32 + 32; ++r)
+        for (int64_t k = 0; k < K; ++k) q[r * K + k] = e4m3_bits(mul_keep_nan(static_cast<float>(x[r * K + k]), inv[k]));
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mxfp8_quantize_cpu(
+    const at::Tensor& x, int64_t rule, bool rowwise, bool columnwise) {
+  const char* op = "qtensor.mxfp8_quantize";
+  check_mx_shape(x, rowwise, columnwise, op);
+  check_scale_rule(rule, op);
+  const at::Tensor xc = x.contiguous();
+  const int64_t K = x.size(-1), M = x.numel() / K;
+  const auto bytes = x.options().dtype(at::kByte);
+  at::Tensor rq = at::empty({0}, bytes), rs = at::empty({0}, bytes);
+  at::Tensor cq = at::empty({0}, bytes), cs = at::empty({0}, bytes);
+  if (rowwise) {
+    rq = at::empty(x.sizes(), bytes);
+    auto ss = x.sizes().vec();
+    ss.back() = K / 32;
+    rs = at::empty(ss, bytes);
+  }
+  if (columnwise) {
+    cq = at::empty(x.sizes(), bytes);
+    cs = at::empty({M / 32, K}, bytes);
+  }
+  dispatch_float(x.scalar_type(), op, [&](auto tag) {
+    using T = decltype(tag);
+    const T* p = xc.const_data_ptr<T>();
+    if (rowwise) mx_rows(p, M, K, static_cast<int>(rule), rq.data_ptr<uint8_t>(), rs.data_ptr<uint8_t>());
+    if (columnwise) mx_cols(p, M, K, static_cast<int>(rule), cq.data_ptr<uint8_t>(), cs.data_ptr<uint8_t>());
+  });
+  return {rq.view(at::kFloat8_e4m3fn), rs.view(at::kFloat8_e8m0fnu), cq.view(at::kFloat8_e4m3fn),
+          cs.view(at::kFloat8_e8m0fnu)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hybrid_quantize_cpu(
+    const at::Tensor& x, const at::Tensor& amax, int64_t rule, int64_t fourover6, int64_t bound,
+    bool rht, bool stochastic, int64_t seed, int64_t offset) {
+  TORCH_CHECK(x.dim() == 2, "qtensor.hybrid_quantize takes a 2-D gradient [M, K]; got shape ",
+              x.sizes(), ".");
+  auto mx = mxfp8_quantize_cpu(x, rule, true, false);
+  auto nv = nvfp4_quantize_cpu(x, amax, true, false, fourover6, bound, rht, stochastic, seed, offset);
+  return {std::get<0>(mx), std::get<1>(mx), std::get<0>(nv), std::get<1>(nv)};
+}
+
+// ---- dequantize -------------------------------------------------------------------------------
+
+at::Tensor nvfp4_dequantize_cpu(const at::Tensor& qdata, const at::Tensor& scale,
+                                const at::Tensor& amax, int64_t bound, at::ScalarType dtype) {
+  const char* op = "qtensor.nvfp4_dequantize";
+  check_nv_dequant(qdata, scale, amax, bound, op);
+  check_out_dtype(dtype, op);
+  const int64_t R = qdata.size(0), C = qdata.size(1) * 2;
+  at::Tensor out = at::empty({R, C}, qdata.options().dtype(dtype));
+  const at::Tensor q = qdata.contiguous(), s = scale.contiguous().view(at::kByte), a = amax.contiguous();
+  const uint8_t* qp = q.const_data_ptr<uint8_t>();
+  const uint8_t* sp = s.const_data_ptr<uint8_t>();
+  const float* ap = a.const_data_ptr<float>();
+  const float inv6b = 1.f / static_cast<float>(6 * bound);
+  const bool per_row = amax.dim() == 1;
+  dispatch_float(dtype, op, [&](auto tag) {
+    using T = decltype(tag);
+    T* o = out.data_ptr<T>();
+    at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const float A = ap[per_row ? i : 0];
+        for (int64_t jb = 0; jb < C / 16; ++jb) {
+          const float f = (e4m3_value(sp[i * (C / 16) + jb]) * A) * inv6b;
+          for (int c = 0; c < 16; ++c) {
+            const uint8_t byte = qp[i * (C / 2) + jb * 8 + c / 2];
+            o[i * C + jb * 16 + c] = static_cast<T>(e2m1_value((c & 1) ? byte >> 4 : byte & 15) * f);
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor mxfp8_dequantize_cpu(const at::Tensor& qdata, const at::Tensor& scale, bool columnwise,
+                                at::ScalarType dtype) {
+  const char* op = "qtensor.mxfp8_dequantize";
+  check_mx_dequant(qdata, scale, columnwise, op);
+  check_out_dtype(dtype, op);
+  const at::Tensor q = qdata.contiguous().view(at::kByte), s = scale.contiguous().view(at::kByte);
+  at::Tensor out = at::empty(qdata.sizes(), qdata.options().dtype(dtype));
+  const int64_t K = qdata.size(-1), M = qdata.numel() / K;
+  const uint8_t* qp = q.const_data_ptr<uint8_t>();
+  const uint8_t* sp = s.const_data_ptr<uint8_t>();
+  dispatch_float(dtype, op, [&](auto tag) {
+    using T = decltype(tag);
+    T* o = out.data_ptr<T>();
+    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i)
+        for (int64_t k = 0; k < K; ++k) {
+          // Columnwise scales are [.., R/32, C]: row i of the flattened data uses scale row i/32.
+          const uint8_t code = columnwise ? sp[(i / 32) * K + k] : sp[i * (K / 32) + k / 32];
+          o[i * K + k] = static_cast<T>(e4m3_value(qp[i * K + k]) * mx_scale_value(code));
+        }
+    });
+  });
+  return out;
+}
+
+// ---- MXFP4 fake quantization ------------------------------------------------------------------
+
+at::Tensor mxfp4_fake_quantize_cpu(const at::Tensor& w) {
+  const char* op = "qtensor.mxfp4_fake_quantize";
+  check_mxfp4_input(w, op);
+  const at::Tensor wc = w.contiguous();
+  at::Tensor out = at::empty(w.sizes(), w.options());
+  dispatch_float(w.scalar_type(), op, [&](auto tag) {
+    using T = decltype(tag);
+    const T* p = wc.const_data_ptr<T>();
+    T* o = out.data_ptr<T>();
+    at::parallel_for(0, w.numel() / 32, 256, [&](int64_t b, int64_t e) {
+      for (int64_t blk = b; blk < e; ++blk) {
+        float m = 0.f;
+        for (int i = 0; i < 32; ++i) m = nan_max(m, abs_f(static_cast<float>(p[blk * 32 + i])));
+        const int ex = mxfp4_exponent(m);
+        const bool bad = !(m <= FLT_MAX);
+        for (int i = 0; i < 32; ++i) {
+          const float v = bad ? u2f(0x7FC00000u) : mxfp4_project(static_cast<float>(p[blk * 32 + i]), ex);
+          o[blk * 32 + i] = static_cast<T>(v);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// ---- scale layout -----------------------------------------------------------------------------
+
+at::Tensor swizzle_scale_cpu(const at::Tensor& scale) {
+  check_scale_bytes(scale, "qtensor.swizzle_scale");
+  const int64_t rows = scale.size(0), cols = scale.size(1);
+  const int64_t pr = round_up(rows, 128), pc = round_up(cols, 4);
+  const at::Tensor s = scale.contiguous().view(at::kByte);
+  at::Tensor out = at::zeros({pr, pc}, s.options());
+  const uint8_t* sp = s.const_data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, rows, 128, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      for (int64_t c = 0; c < cols; ++c) o[swizzle_offset(r, c, pc)] = sp[r * cols + c];
+  });
+  return out.view(scale.scalar_type());
+}
+
+at::Tensor unswizzle_scale_cpu(const at::Tensor& scale, int64_t rows, int64_t cols) {
+  const char* op = "qtensor.unswizzle_scale";
+  check_scale_bytes(scale, op);
+  const int64_t pr = round_up(rows, 128), pc = round_up(cols, 4);
+  TORCH_CHECK(scale.size(0) == pr && scale.size(1) == pc, op, ": a swizzled scale of ", rows, "x",
+              cols, " is ", pr, "x", pc, " (rows padded to 128, columns to 4); got ", scale.sizes(), ".");
+  const at::Tensor s = scale.contiguous().view(at::kByte);
+  at::Tensor out = at::empty({rows, cols}, s.options());
+  const uint8_t* sp = s.const_data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, rows, 128, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      for (int64_t c = 0; c < cols; ++c) o[r * cols + c] = sp[swizzle_offset(r, c, pc)];
+  });
+  return out.view(scale.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(qtensor, CPU, m) {
+  m.impl("amax", &amax_cpu);
+  m.impl("nvfp4_quantize", &nvfp4_quantize_cpu);
+  m.impl("mxfp8_quantize", &mxfp8_quantize_cpu);
+  m.impl("hybrid_quantize", &hybrid_quantize_cpu);
+  m.impl("nvfp4_dequantize", &nvfp4_dequantize_cpu);
+  m.impl("mxfp8_dequantize", &mxfp8_dequantize_cpu);
+  m.impl("mxfp4_fake_quantize", &mxfp4_fake_quantize_cpu);
+  m.impl("swizzle_scale", &swizzle_scale_cpu);
+  m.impl("unswizzle_scale", &unswizzle_scale_cpu);
+}
+
+}  // namespace qtensor

@@ -1,0 +1,248 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) on CPU gloo, localhost: save on N ranks,
+load on M, and into a non-distributed model, bit for bit; quantized inference weights (row
+shards as DTensors, the form FSDP2 holds them in) and an FSDP2 training run (master weights +
+Adam state); an interrupted save."""
+
+import datetime
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._pytree import tree_map
+
+from qtensor.checkpoint import CheckpointError
+from qtensor.checkpoint import dcp as qdcp
+from qtensor.tensors import QuantizedTensor
+
+NAMES = ["nvfp4_4o6_b256", "nvfp4_dyn_rowscaled", "nvfp4_2d", "mxfp8", "hybrid"]
+
+
+def _models(seed):
+    from test_checkpoint_state_dict import make_model
+
+    return {name: make_model(name, seed) for name in NAMES}
+
+
+def _shard(t, mesh):
+    """A row shard of t as a DTensor (torch.chunk sizes, as FSDP2 shards dim 0); t itself
+    (replicated on every rank) when its blocks cannot be split there."""
+    world, rank = mesh.size(), mesh.get_local_rank()
+    rows = -(-t.shape[0] // world)
+    try:
+        local = t[rank * rows: (rank + 1) * rows]
+    except ValueError:
+        return t  # e.g. MXFP8 32x1 blocks of a 32-row weight split over 2 ranks
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=t.shape,
+                              stride=t.stride())
+
+
+def _quantized_state(seed, mesh):
+    sd = {}
+    for name, model in _models(seed).items():
+        for k, v in model.state_dict().items():
+            sd[f"{name}.{k}"] = _shard(v, mesh) if mesh is not None else v
+    return sd
+
+
+def _bytes(t):
+    t = t._local_tensor if isinstance(t, DTensor) else t
+    if isinstance(t, QuantizedTensor):
+        return [b for n in t.tensor_data_names if getattr(t, n) is not None
+                for b in _bytes(getattr(t, n))]
+    return [t.detach().contiguous().reshape(-1).view(torch.uint8)]
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(_bytes(a), _bytes(b), strict=True))
+
+
+# ---- training: FSDP2 master weights + Adam ----------------------------------------------------
+
+
+def _train_model(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    if mesh is not None:
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _step(model, opt, seed):
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed))
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _train_state(model, opt):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def _full(model, opt):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(model, opt, options=opts)
+    # On CPU the "offloaded" full tensors can alias the live parameters: snapshot them.
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (msd, osd))
+
+
+# ---- workers --------------------------------------------------------------------------------
+
+
+def _worker(rank, world, port, tmp, task):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world,
+                            timeout=datetime.timedelta(seconds=4 if task is _interrupted else 60))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    try:
+        task(rank, world, mesh, tmp)
+    finally:
+        dist.destroy_process_group()
+
+
+def _save(rank, world, mesh, tmp):
+    qdcp.save(_quantized_state(0, mesh), os.path.join(tmp, f"q{world}"))
+    model, opt = _train_model(mesh)
+    _step(model, opt, 1)
+    qdcp.save(_train_state(model, opt), os.path.join(tmp, f"t{world}"))
+    msd, osd = _full(model, opt)
+    _step(model, opt, 2)  # the step a resumed run must reproduce
+    after, _ = _full(model, opt)
+    if rank == 0:
+        torch.save({"model": msd, "optim": osd, "after": after},
+                   os.path.join(tmp, f"ref{world}.pt"))
+
+
+def _load(rank, world, mesh, tmp):
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    for src in (1, 2):
+        sd = _quantized_state(1, mesh)
+        qdcp.load(sd, os.path.join(tmp, f"q{src}"))
+        want = _quantized_state(0, mesh)
+        bad = [k for k in sd if not _same(sd[k], want[k])]
+        assert not bad, (src, world, bad)
+        model, opt = _train_model(mesh)
+        state = _train_state(model, opt)
+        qdcp.load(state, os.path.join(tmp, f"t{src}"))
+        set_state_dict(model, opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        _check_training(model, opt, torch.load(os.path.join(tmp, f"ref{src}.pt")))
+
+
+def _check_training(model, opt, ref):
+    """Master weights and Adam state equal the saved run's, and so does the next step. The
+    full state dicts exist on rank 0 only (full_state_dict + cpu_offload); the steps are
+    collective, so every rank runs them."""
+    msd, osd = _full(model, opt)
+    assert not msd or set(msd) == set(ref["model"])
+    assert all(torch.equal(msd[k], ref["model"][k]) for k in msd)
+    for fqn, st in osd.get("state", {}).items():
+        for name, v in st.items():
+            assert torch.equal(v, ref["optim"]["state"][fqn][name]), (fqn, name)
+    _step(model, opt, 2)
+    after, _ = _full(model, opt)
+    assert all(torch.equal(after[k], ref["after"][k]) for k in after)
+
+
+def _interrupted(rank, world, mesh, tmp):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    if rank == 1:  # dies while writing its shards, after planning with rank 0
+        FileSystemWriter.write_data = lambda *a, **k: os._exit(3)
+    try:
+        qdcp.save(_quantized_state(1, mesh), os.path.join(tmp, "q2"))
+    except Exception:
+        os._exit(0)  # rank 0 sees the collective time out, as a real job would
+    os._exit(4)
+
+
+def _run(world, tmp, task):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(world, port, str(tmp), task), nprocs=world,
+                       start_method="spawn")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dcp")
+    _run(1, tmp, _save)
+    _run(2, tmp, _save)
+    return tmp
+
+
+def test_load_on_two_ranks(saved):
+    _run(2, saved, _load)  # 1 -> 2 and 2 -> 2
+
+
+def test_load_on_one_rank(saved):
+    _run(1, saved, _load)  # 2 -> 1 (and 1 -> 1)
+
+
+def test_load_into_non_distributed_model(saved):
+    for src in (1, 2):
+        sd = _quantized_state(1, None)
+        qdcp.load(sd, saved / f"q{src}")
+        want = _quantized_state(0, None)
+        assert all(_same(sd[k], want[k]) for k in sd)
+        models = _models(1)
+        for name, model in models.items():
+            model.load_state_dict({k.split(".", 1)[1]: v for k, v in sd.items()
+                                   if k.startswith(name + ".")})
+        # outputs of the loaded models equal the saved ones bit for bit
+        from test_checkpoint_state_dict import inputs
+
+        with torch.no_grad():
+            for name, ref in _models(0).items():
+                assert torch.equal(models[name](inputs()), ref(inputs())), name
+        model, opt = _train_model(None)
+        state = _train_state(model, opt)
+        qdcp.load(state, saved / f"t{src}")
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(model, opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        _check_training(model, opt, torch.load(saved / f"ref{src}.pt"))
+
+
+def test_metadata_mismatch_is_refused_before_loading(saved):
+    sd = _quantized_state(1, None)
+    sd["nvfp4_2d.0.weight"], sd["nvfp4_4o6_b256.0.weight"] = (
+        sd["nvfp4_4o6_b256.0.weight"], sd["nvfp4_2d.0.weight"])
+    before = [b.clone() for v in sd.values() for b in _bytes(v)]
+    with pytest.raises(CheckpointError, match="'nvfp4_4o6_b256.0.weight'.*block_2d: True != False.*e4m3_bound: 448 != 256"):
+        qdcp.load(sd, saved / "q2")
+    assert all(torch.equal(a, b) for a, b in zip(before, [b for v in sd.values() for b in _bytes(v)]))
+
+
+def test_interrupted_save_keeps_previous_checkpoint(saved, tmp_path):
+    import shutil
+
+    shutil.copytree(saved / "q2", tmp_path / "q2")
+    with pytest.raises(Exception):
+        _run(2, tmp_path, _interrupted)
+    assert (tmp_path / "q2.incomplete").is_dir()  # rank 0's shards, no marker
+    assert not qdcp.is_complete(tmp_path / "q2.incomplete")
+    with pytest.raises(CheckpointError, match="not a complete qtensor checkpoint"):
+        qdcp.load(_quantized_state(1, None), tmp_path / "q2.incomplete")
+    sd = _quantized_state(1, None)
+    qdcp.load(sd, tmp_path / "q2")  # the previous checkpoint is intact
+    want = _quantized_state(0, None)
+    assert all(_same(sd[k], want[k]) for k in sd)

@@ -1,0 +1,165 @@
+"""The triton GEMM backend against the emulated reference, and backend resolution.
+
+[Tolerance] Both paths multiply the same exact unit values (every product e2m1 x e4m3, and
+e4m3 x 2^k for scale codes >= 10, is exact in bf16, and bf16 x bf16 is exact in fp32), and
+apply the same fp32 epilogue in the same order. They differ only in the order of the fp32
+additions (tile order, split-K), whose error is bounded by K * 2^-24 * sum_k |a_k b_k| per
+element. So: the fp32 result's relative Frobenius error must be under 1e-5 (K <= 2080 here:
+sqrt(K) * 2^-24 ~ 3e-6 for random signs); bf16 results must be equal except where the fp32 sum
+sits on a bf16 rounding boundary: then they differ by one ulp, in well under 1% of elements.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qtensor import MXFP8Tensor, NVFP4Tensor
+from qtensor.backends import GemmBackend, GemmPolicy, resolve_gemm_backend
+from qtensor.ops.gemm import emulated_mm, gemm_plan, operands, quantized_mm, with_gemm_backend
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not torch.isnan(out).any()
+    if out.dtype == torch.float32:
+        err = (out - ref).norm() / ref.norm().clamp(min=1e-30)
+        assert err < 1e-5, f"relative Frobenius error {err:.3e}"
+        return
+    o, r = out.view(torch.int16).int(), ref.view(torch.int16).int()
+    ulps = (o - r).abs()
+    assert ulps.max() <= 1, f"bf16 results differ by {ulps.max()} ulps"
+    assert (ulps > 0).float().mean() < 0.01
+
+
+def _operands(kind: str, x: torch.Tensor, w: torch.Tensor):
+    """(left, right) of x @ w.t() in one of the supported combinations."""
+    if kind == "nvfp4":
+        return NVFP4Tensor.from_hp(x), NVFP4Tensor.from_hp(w).t()
+    if kind == "nvfp4_rowscaled":
+        return (NVFP4Tensor.from_hp(x, row_scaled=True),
+                NVFP4Tensor.from_hp(w, row_scaled=True).t())
+    if kind == "nvfp4_bounds_448x256":
+        return (NVFP4Tensor.from_hp(x, fourover6="mae", e4m3_bound=256),
+                NVFP4Tensor.from_hp(w, block_2d=True).t())
+    if kind == "mxfp8":
+        return MXFP8Tensor.from_hp(x), MXFP8Tensor.from_hp(w).t()
+    if kind == "bf16_nvfp4":
+        return x.bfloat16(), NVFP4Tensor.from_hp(w, block_2d=True).t()
+    if kind == "bf16_mxfp8":
+        return x.bfloat16(), MXFP8Tensor.from_hp(w).t()
+    raise AssertionError(kind)
+
+
+KINDS = ["nvfp4", "nvfp4_rowscaled", "nvfp4_bounds_448x256", "mxfp8", "bf16_nvfp4", "bf16_mxfp8"]
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("m,n,k", [(1, 208, 2080), (50, 200, 2080), (300, 272, 352)])
+def test_dense_matches_reference(kind, m, n, k):
+    """M, N, K off the tile sizes; m <= 64 runs split-K (K = 2080 gives two splits)."""
+    g = torch.Generator("cuda").manual_seed(m * 7 + n)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+    a, b = _operands(kind, x, w)
+    bias = torch.randn(n, device="cuda", generator=g).bfloat16()
+    assert gemm_plan(a, b, bias, torch.bfloat16) is GemmBackend.TRITON
+    a_op, b_op = operands(a, b)
+    for out_dtype, bias_ in ((torch.bfloat16, bias), (torch.float32, None)):
+        out = quantized_mm(a, b, bias_, out_dtype=out_dtype)
+        assert_matches_reference(out, emulated_mm(a_op, b_op, bias_, out_dtype))
+
+
+@pytest.mark.cuda
+@cuda
+def test_batched_and_3d_inputs():
+    g = torch.Generator("cuda").manual_seed(3)
+    a = NVFP4Tensor.from_hp(torch.randn(3, 40, 96, device="cuda", generator=g), row_scaled=True)
+    b = NVFP4Tensor.from_hp(torch.randn(3, 72, 96, device="cuda", generator=g)).transpose(-1, -2)
+    ref = emulated_mm(*operands(a, b), None, torch.float32)
+    assert_matches_reference(torch.bmm(a, b), ref)  # aten.bmm routes through the layer
+    assert_matches_reference(quantized_mm(a, b, out_dtype=torch.float32), ref)
+    x = torch.randn(2, 5, 96, device="cuda", generator=g).bfloat16()  # 3-D activation, F.linear
+    w = MXFP8Tensor.from_hp(torch.randn(80, 96, device="cuda", generator=g))
+    out = torch.nn.functional.linear(x, w)
+    ref = emulated_mm(*operands(x.reshape(-1, 96), w.t()), None, torch.bfloat16)
+    assert_matches_reference(out.reshape(-1, 80), ref)
+
+
+@pytest.mark.cuda
+@cuda
+def test_zero_operands_and_outliers():
+    g = torch.Generator("cuda").manual_seed(5)
+    x = torch.randn(24, 128, device="cuda", generator=g)
+    x[3, 17] = 3.0e4  # one outlier token: its row amax is 1e4 times the others'
+    w = torch.randn(48, 128, device="cuda", generator=g)
+    bias = torch.randn(48, device="cuda", generator=g)
+    zero = NVFP4Tensor.from_hp(torch.zeros(24, 128, device="cuda"))
+    out = quantized_mm(zero, NVFP4Tensor.from_hp(w).t(), bias, out_dtype=torch.float32)
+    assert torch.equal(out, bias.expand(24, 48))
+    for spec in ({}, {"row_scaled": True}):
+        a, b = NVFP4Tensor.from_hp(x, **spec), NVFP4Tensor.from_hp(w, **spec).t()
+        ref = emulated_mm(*operands(a, b), bias, torch.float32)
+        assert_matches_reference(quantized_mm(a, b, bias, out_dtype=torch.float32), ref)
+
+
+@pytest.mark.cuda
+@cuda
+def test_linear_routes_through_triton_and_backend_shows_in_repr():
+    w = NVFP4Tensor.from_hp(torch.randn(64, 256, device="cuda"))
+    assert w.gemm_backend == "triton" and "gemm_backend=triton" in repr(w)
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    out = torch.nn.functional.linear(x, w)
+    ref = torch.nn.functional.linear(x, with_gemm_backend(w, "emulated"))
+    assert_matches_reference(out, ref)
+    moved = w.to("cpu")
+    assert moved.gemm_backend == "emulated"
+    assert moved.to("cuda").gemm_backend == "triton"
+
+
+# ---- CPU: backend resolution and routing ----------------------------------------------------
+
+
+def test_cpu_tensors_resolve_to_emulated():
+    w = NVFP4Tensor.from_hp(torch.randn(32, 64))
+    assert w.gemm_backend == "emulated" and "gemm_backend=emulated" in repr(w)
+    assert resolve_gemm_backend("cpu") is GemmBackend.EMULATED
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert gemm_plan(x, w.t()) is GemmBackend.EMULATED
+
+
+def test_override_that_cannot_run_raises():
+    w = MXFP8Tensor.from_hp(torch.randn(32, 64))
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        with_gemm_backend(w, "triton")
+    with pytest.raises(ValueError, match="is not a valid GemmBackend"):
+        with_gemm_backend(w, "cublas")
+
+
+def test_env_policy_is_validated(monkeypatch):
+    monkeypatch.setenv("QTENSOR_GEMM_BACKEND", "emulated")
+    assert GemmPolicy.from_env().override is GemmBackend.EMULATED
+    monkeypatch.setenv("QTENSOR_GEMM_BACKEND", "fast")
+    with pytest.raises(ValueError, match="QTENSOR_GEMM_BACKEND must be one of"):
+        GemmPolicy.from_env()
+
+
+def test_mixed_formats_raise():
+    a = NVFP4Tensor.from_hp(torch.randn(16, 64))
+    b = MXFP8Tensor.from_hp(torch.randn(32, 64)).t()
+    with pytest.raises(TypeError, match="both operands in one format"):
+        quantized_mm(a, b)
+
+
+def test_import_does_not_load_triton():
+    code = "import sys, qtensor, torch; qtensor.NVFP4Tensor.from_hp(torch.randn(16, 32)); " \
+           "print('triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

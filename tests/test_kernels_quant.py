@@ -1,0 +1,307 @@
+"""The quantization kernels of csrc/ (CPU C++ and CUDA) against the reference, byte for byte.
+
+Every test runs on the CPU kernels and, marked `cuda`, on the CUDA kernels (benchmarks/
+gpu_check.sh runs those on the GPU machine). The expected bytes are the golden vectors (written
+independently of qtensor) or the pure-torch reference of qtensor/formats on the same device.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import (
+    GOLDEN_INPUTS,
+    MXFP8_GOLDEN_SPECS,
+    NVFP4_GOLDEN_SPECS,
+    all_bf16_patterns,
+    assert_bits_equal,
+    assert_bytes_equal,
+)
+
+from qtensor.formats import mxfp4, mxfp8, nvfp4, scale_layout
+from qtensor.formats.mxfp8 import MXFP8Spec
+from qtensor.formats.nvfp4 import NVFP4Spec, SRSeed
+from qtensor.ops import quant as Q
+
+pytestmark = pytest.mark.skipif(Q.EXTENSION_ERROR is not None, reason="qtensor._C is not built")
+_HAS_CUDA_KERNELS = (
+    Q.EXTENSION_ERROR is None
+    and torch.cuda.is_available()
+    and torch._C._dispatch_has_kernel_for_dispatch_key("qtensor::nvfp4_quantize", "CUDA")
+)
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not _HAS_CUDA_KERNELS, reason="no CUDA kernels")]),
+]
+
+
+def _valid_specs():
+    """Every NVFP4Spec the reference accepts."""
+    specs = []
+    for col, b2d, rs, f46, bound, rht, sr in itertools.product(
+        (False, True), (False, True), (False, True), (None, "mae", "mse"), (448, 256),
+        (False, True), (False, True),
+    ):
+        try:
+            specs.append(NVFP4Spec(b2d, rs, f46, bound, rht, sr, col))
+        except ValueError:
+            continue
+    return specs
+
+
+SPECS = _valid_specs()
+
+
+def kernel_nvfp4(x: torch.Tensor, spec: NVFP4Spec, sr: SRSeed | None = None):
+    a = Q.amax(x, columnwise=spec.columnwise, rht=spec.rht, per_row=spec.row_scaled)
+    q, s = Q.nvfp4_codes(x, a, spec, sr)
+    return q, s, a
+
+
+def check_nvfp4(x: torch.Tensor, spec: NVFP4Spec, sr: SRSeed | None = None) -> None:
+    ref = nvfp4.quantize(x, spec, sr)
+    q, s, a = kernel_nvfp4(x, spec, sr)
+    what = f"{spec} {x.dtype} {tuple(x.shape)}"
+    assert_bits_equal_nan(a, ref.amax, f"amax {what}")
+    assert_bytes_equal(canon_nan(s), canon_nan(ref.scale), f"scale {what}")
+    assert_bytes_equal(q, ref.qdata, f"codes {what}")
+
+
+def canon_nan(e4m3: torch.Tensor) -> torch.Tensor:
+    """E4M3 bytes with -NaN (0xFF) read as NaN (0x7F): NaN inputs give NaN bytes, but their sign
+    follows each device's NaN propagation inside torch, which is not part of the format."""
+    b = e4m3.contiguous().view(torch.uint8)
+    return torch.where(b == 0xFF, torch.full_like(b, 0x7F), b)
+
+
+def assert_bits_equal_nan(a: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    # Bit for bit, except NaN payloads: not part of the formats (torch picks one per device).
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(a), nan), f"{what}: NaN positions differ"
+    assert_bits_equal(a.masked_fill(nan, 0), ref.masked_fill(nan, 0), what)
+
+
+# ---- golden vectors (independent implementation) ------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", sorted(NVFP4_GOLDEN_SPECS))
+def test_nvfp4_golden(golden, device, config):
+    spec = NVFP4_GOLDEN_SPECS[config]
+    for name in GOLDEN_INPUTS:
+        x = golden[f"{name}/input"].to(device)
+        q, s, a = kernel_nvfp4(x, spec)
+        assert_bytes_equal(q.cpu(), golden[f"{name}/{config}/qdata"], f"{name}/{config} codes")
+        assert_bytes_equal(s.cpu(), golden[f"{name}/{config}/scale"], f"{name}/{config} scale")
+        assert_bits_equal(a.cpu(), golden[f"{name}/{config}/amax"], f"{name}/{config} amax")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
+def test_mxfp8_golden_both_directions_one_read(golden, device, rule):
+    for name in GOLDEN_INPUTS:
+        x = golden[f"{name}/input"].to(device)
+        rq, rs, cq, cs = Q.mxfp8_both(x, rule, True, True)
+        for q, s, config in ((rq, rs, f"mxfp8_{rule}"), (cq, cs, f"mxfp8_{rule}_col")):
+            assert_bytes_equal(q.cpu(), golden[f"{name}/{config}/qdata"], f"{name}/{config} data")
+            assert_bytes_equal(s.cpu(), golden[f"{name}/{config}/scale"], f"{name}/{config} scale")
+
+
+# ---- every bf16 pattern --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_nvfp4_all_bf16_patterns_row_scaled(device, columnwise):
+    # One block per amax row, so NaN and Inf stay in their own rows (a global NaN amax would
+    # poison everything): finite, +-0, subnormal, +-inf and NaN patterns all go through.
+    x = all_bf16_patterns().reshape(4096, 16).to(device)
+    x = x.t().contiguous() if columnwise else x
+    check_nvfp4(x, NVFP4Spec(row_scaled=True, columnwise=columnwise))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spec", [NVFP4Spec(), NVFP4Spec(fourover6="mse", e4m3_bound=256),
+                                  NVFP4Spec(fourover6="mae", block_2d=True)], ids=str)
+def test_nvfp4_all_finite_bf16_patterns(device, spec):
+    p = all_bf16_patterns()
+    x = p[torch.isfinite(p)].reshape(-1, 16 * 16).to(device)  # 255 x 256
+    check_nvfp4(x[:240], spec)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rht_all_finite_bf16_patterns(device):
+    # RHT runs go along dim 0: each column holds 16 consecutive patterns, whose magnitudes span
+    # far less than 2**45, where the fp64 sum of the reference and of the kernels is exact.
+    p = all_bf16_patterns()
+    x = p[torch.isfinite(p)].reshape(-1, 16).t().contiguous().to(device)  # [16, 4080]
+    check_nvfp4(x, NVFP4Spec(rht=True, columnwise=True))
+    check_nvfp4(x, NVFP4Spec(rht=True, columnwise=True, stochastic_rounding=True), SRSeed(5, 9))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
+def test_mxfp8_all_bf16_patterns(device, rule):
+    x = all_bf16_patterns().reshape(2048, 32).to(device)
+    for columnwise in (False, True):
+        ref = mxfp8.quantize(x, MXFP8Spec(rule, columnwise))
+        rq, rs, cq, cs = Q.mxfp8_both(x, rule, not columnwise, columnwise)
+        q, s = (cq, cs) if columnwise else (rq, rs)
+        assert_bytes_equal(s, ref.scale, f"mxfp8 {rule} col={columnwise} scale")
+        assert_bytes_equal(canon_nan(q), canon_nan(ref.qdata), f"mxfp8 {rule} col={columnwise} data")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mxfp4_all_bf16_patterns_and_fp32(device):
+    x = all_bf16_patterns().reshape(2048, 32).to(device)
+    assert_bits_equal_nan(Q.fake_quantize_mxfp4(x), mxfp4.fake_quantize_values(x), "mxfp4 bf16")
+    w = torch.randn(96, 64, device=device) * torch.logspace(-30, 30, 64, device=device)
+    assert_bits_equal(Q.fake_quantize_mxfp4(w), mxfp4.fake_quantize_values(w), "mxfp4 fp32")
+
+
+# ---- every option, random shapes, layouts ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_nvfp4_every_option(device, dtype):
+    g = torch.Generator().manual_seed(7)
+    for i, spec in enumerate(SPECS):
+        # Shapes that exercise partial 64x64 tiles; rowwise 1D also rows not divisible by 16.
+        rows = (16, 48, 80, 112)[i % 4] + (0 if (spec.columnwise or spec.block_2d) else i % 3)
+        cols = (32, 96, 144)[i % 3]
+        x = (torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) * 40).to(dtype)
+        check_nvfp4(x.to(device), spec, SRSeed(i, 3 * i) if spec.stochastic_rounding else None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nvfp4_views_3d_zeros_outliers(device):
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(64, 160, generator=g).bfloat16().to(device)
+    flat = torch.randn(64 * 64 + 8, generator=g).bfloat16().to(device)
+    cases = {
+        "non-contiguous columns": base[:, 16:144],
+        "transposed view": base[:, :64].t(),
+        "misaligned offset": flat[8:].view(64, 64),
+        "3-D": base.reshape(4, 16, 160),
+        "all zero": torch.zeros(32, 64, dtype=torch.bfloat16, device=device),
+        "outlier": base.clone().index_put_((torch.tensor([5], device=device),) * 2,
+                                           torch.tensor(3e38, dtype=torch.bfloat16, device=device)),
+    }
+    for name, x in cases.items():
+        for spec in (NVFP4Spec(), NVFP4Spec(columnwise=True), NVFP4Spec(row_scaled=True),
+                     NVFP4Spec(fourover6="mae", e4m3_bound=256)):
+            if spec.columnwise and x.dim() != 2:
+                continue
+            check_nvfp4(x, spec)
+    z = Q.quantize_nvfp4(cases["all zero"], NVFP4Spec())[0]
+    out = Q.dequantize_nvfp4(z.qdata, z.scale, z.amax, 448)
+    assert torch.equal(out, torch.zeros_like(out)), "all-zero input must decode to zeros"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mxfp8_shapes_and_dtypes(device):
+    g = torch.Generator().manual_seed(11)
+    for shape, dtype in (((64, 96), torch.float32), ((3, 32, 64), torch.bfloat16),
+                         ((96, 64), torch.float16), ((160, 224), torch.bfloat16)):
+        x = (torch.randn(shape, generator=g) * 100).to(dtype).to(device)
+        for rule in ("rceil", "floor"):
+            row = mxfp8.quantize(x, MXFP8Spec(rule))
+            got = Q.mxfp8_both(x, rule, True, x.dim() == 2 and shape[0] % 32 == 0)
+            assert_bytes_equal(got[0], row.qdata, f"mx row {shape}")
+            assert_bytes_equal(got[1], row.scale, f"mx row scale {shape}")
+            if got[2].numel():
+                col = mxfp8.quantize(x, MXFP8Spec(rule, columnwise=True))
+                assert_bytes_equal(got[2], col.qdata, f"mx col {shape}")
+                assert_bytes_equal(got[3], col.scale, f"mx col scale {shape}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spec", [
+    NVFP4Spec(columnwise=True), NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True),
+    NVFP4Spec(columnwise=True, fourover6="mse", e4m3_bound=256),
+], ids=str)
+def test_hybrid_gradient_cast(device, spec):
+    g = torch.randn(96, 160, generator=torch.Generator().manual_seed(2)).bfloat16().to(device) * 1e-3
+    mx, nv, _ = Q.quantize_hybrid_grad(g, "rceil", spec, SRSeed(17, 4))
+    ref_mx = mxfp8.quantize(g, MXFP8Spec("rceil"))
+    ref_nv = nvfp4.quantize(g, spec, SRSeed(17, 4))
+    assert_bytes_equal(mx.qdata, ref_mx.qdata, "hybrid mxfp8 data")
+    assert_bytes_equal(mx.scale, ref_mx.scale, "hybrid mxfp8 scale")
+    assert_bytes_equal(nv.qdata, ref_nv.qdata, "hybrid nvfp4 codes")
+    assert_bytes_equal(nv.scale, ref_nv.scale, "hybrid nvfp4 scale")
+
+
+# ---- stochastic rounding -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stochastic_rounding_seed_offset(device):
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)).to(device)
+    spec = NVFP4Spec(columnwise=True, stochastic_rounding=True)
+    a = kernel_nvfp4(x, spec, SRSeed(1, 0))[0]
+    assert torch.equal(a, kernel_nvfp4(x, spec, SRSeed(1, 0))[0]), "same seed, same bytes"
+    assert not torch.equal(a, kernel_nvfp4(x, spec, SRSeed(2, 0))[0]), "another seed differs"
+    assert not torch.equal(a, kernel_nvfp4(x, spec, SRSeed(1, 1))[0]), "another offset differs"
+    if device == "cuda":  # the same bytes as the CPU kernels
+        assert torch.equal(a.cpu(), kernel_nvfp4(x.cpu(), spec, SRSeed(1, 0))[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stochastic_rounding_statistics(device):
+    # Constant blocks that sit between two grid points: the mean of the decoded values must match
+    # the input (unbiased) and every code must be one of the two neighbours.
+    vals = torch.tensor([0.3, 1.2, 2.6, 4.9], device=device)
+    blocks = vals.repeat_interleave(16).reshape(4, 16)
+    blocks[:, 15] = 6.0  # block amax 6 = global amax: scale 448 and enc 1, codes see the values
+    x = blocks.reshape(64).repeat(4096, 1)
+    spec = NVFP4Spec(stochastic_rounding=True)
+    data, _ = Q.quantize_nvfp4(x, spec, SRSeed(123, 0))
+    out = Q.dequantize_nvfp4(data.qdata, data.scale, data.amax, 448).reshape(4096, 4, 16)[..., :15]
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=device)
+    for j, v in enumerate(vals.tolist()):
+        lo, hi = grid[grid <= v].max(), grid[grid >= v].min()
+        got = out[:, j]
+        assert bool(((got == lo) | (got == hi)).all()), f"{v}: only adjacent grid points"
+        assert abs(got.double().mean().item() - v) < 0.01 * (hi - lo).item() + 1e-3, f"{v}: biased"
+
+
+# ---- dequantize, swizzle, MXFP4 gradient ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dequantize_both_formats(device):
+    x = (torch.randn(64, 96, generator=torch.Generator().manual_seed(4)) * 5).to(device)
+    for spec in (NVFP4Spec(), NVFP4Spec(row_scaled=True), NVFP4Spec(fourover6="mae", e4m3_bound=256)):
+        d = nvfp4.quantize(x, spec)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert_bits_equal(
+                Q.dequantize_nvfp4(d.qdata, d.scale, d.amax, spec.e4m3_bound, dtype),
+                nvfp4.dequantize(d.qdata, d.scale, d.amax, spec.e4m3_bound, dtype), f"nv {spec}")
+    for columnwise in (False, True):
+        d = mxfp8.quantize(x, MXFP8Spec(columnwise=columnwise))
+        for dtype in (torch.float32, torch.bfloat16):
+            assert_bits_equal(Q.dequantize_mxfp8(d.qdata, d.scale, columnwise, dtype),
+                              mxfp8.dequantize(d.qdata, d.scale, columnwise, dtype), "mx")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swizzle_round_trip(device):
+    g = torch.Generator().manual_seed(5)
+    for rows, cols in ((1, 1), (128, 4), (200, 9), (300, 64)):
+        s = torch.randint(0, 256, (rows, cols), generator=g, dtype=torch.uint8).to(device)
+        s = s.view(torch.float8_e4m3fn)
+        sw = Q.swizzle_scale(s)
+        assert_bytes_equal(sw, scale_layout.swizzle(s), f"swizzle {rows}x{cols}")
+        assert_bytes_equal(Q.unswizzle_scale(sw, rows, cols), s, f"unswizzle {rows}x{cols}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mxfp4_straight_through_gradient(device):
+    w = torch.randn(32, 64, device=device, requires_grad=True)
+    out = Q.fake_quantize_mxfp4(w)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    assert torch.equal(w.grad, grad)

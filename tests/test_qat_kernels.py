@@ -1,0 +1,139 @@
+"""The fused MXFP4 QAT ops (csrc/mxfp4_qat*.{cpp,cu}) byte for byte against the reference.
+
+CPU kernels run where the extension is built; CUDA ones on the GPU machine (`-m cuda`), which
+also runs the native FP8 block GEMM against the emulated one and the CUDA-graph replay of the
+weight cache's skip gate.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from qtensor.backends import GemmBackend, QuantBackend
+from qtensor.qat import convert, hosts, kernels
+
+ON_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA GPU")
+
+
+def _has_kernel(device_type: str) -> bool:
+    return kernels.quant_backend(device_type) is not QuantBackend.REFERENCE
+
+
+def corpus() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(66)
+    every_bf16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    shuffled = every_bf16[torch.randperm(65536, generator=g)]
+    normal = torch.randn(256, 256, generator=g) * 0.02
+    wide = torch.randn(256, 256, generator=g) * torch.exp2(torch.randint(-140, 120, (256, 8), generator=g)
+                                                            .repeat_interleave(32, 1).float())
+    bits = torch.randint(-(2**31), 2**31 - 1, (128, 128), generator=g, dtype=torch.int64)
+    fuzz = bits.to(torch.int32).view(torch.float32)
+    poisoned = normal.clone()
+    poisoned[7, 100] = float("nan")
+    poisoned[130, 3] = float("-inf")
+    return [every_bf16.reshape(256, 256), shuffled.reshape(256, 256), normal, normal.bfloat16(),
+            wide, fuzz, poisoned, normal.t().contiguous().t()[:128, :]]
+
+
+def u8(t):
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t.view(torch.int32)
+
+
+def assert_same_bytes(got, want):
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape, g.dtype, w.dtype)
+        diff = (u8(g) != u8(w)).nonzero()
+        assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first at {diff[:3].tolist()}"
+
+
+def check_device(device: str) -> None:
+    for w in corpus():
+        w = w.to(device)
+        for direct in (False, True):
+            for row, col in ((True, True),) if w.shape[0] > 128 else ((True, False), (False, True)):
+                got = torch.ops.qtensor.mxfp4_qat_mxfp8(w, direct, row, col)
+                want = kernels.reference_mxfp8(w.cpu(), direct, row, col)
+                assert_same_bytes([t.cpu() for t in got], want)
+            got = torch.ops.qtensor.mxfp4_qat_fp8_block(w, direct)
+            assert_same_bytes([t.cpu() for t in got], convert.fp8_block_weight(w.cpu(), direct))
+
+
+@pytest.mark.skipif(not _has_kernel("cpu"), reason="qtensor._C (CPU kernels) is not built")
+def test_cpu_kernels_match_reference():
+    check_device("cpu")
+
+
+@pytest.mark.skipif(not _has_kernel("cpu"), reason="qtensor._C (CPU kernels) is not built")
+def test_cpu_kernel_errors_and_opcheck():
+    w = torch.randn(128, 128)
+    torch.library.opcheck(torch.ops.qtensor.mxfp4_qat_mxfp8.default, (w, True, True, True))
+    torch.library.opcheck(torch.ops.qtensor.mxfp4_qat_fp8_block.default, (w, False))
+    with pytest.raises(RuntimeError, match="bf16 or fp32"):
+        torch.ops.qtensor.mxfp4_qat_mxfp8(w.half(), False, True, True)
+    with pytest.raises(RuntimeError, match="divisible by 128"):
+        torch.ops.qtensor.mxfp4_qat_fp8_block(torch.zeros(96, 128), True)
+    with pytest.raises(RuntimeError, match="divisible by 32"):
+        torch.ops.qtensor.mxfp4_qat_mxfp8(torch.zeros(48, 64), True, True, True)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_kernels_match_reference():
+    assert _has_kernel("cuda"), "the CUDA extension must be built on the GPU machine"
+    check_device("cuda")
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_scaled_mm_block_gemms_match_emulation():
+    g = torch.Generator().manual_seed(9)
+    m, n, k = 256, 384, 512
+    x = (torch.randn(m, k, generator=g)).bfloat16().cuda()
+    dy = (torch.randn(m, n, generator=g)).bfloat16().cuda()
+    w = (torch.randn(n, k, generator=g) * 0.05).cuda()
+    host = hosts.Host.FP8_BLOCK128
+    assert hosts.gemm_backend(host, x.device) is GemmBackend.SCALED_MM
+    wop = hosts.Operand(*convert.fp8_block_weight(w, True), "fb_tile")
+    xr, xc = hosts.quantize(x, host, False), hosts.quantize(x, host, True)
+    dr, dc = hosts.quantize(dy, host, False), hosts.quantize(dy, host, True)
+    for a, b in ((xr, wop.t()), (dr, wop), (dc.t(), xc)):  # fprop, dgrad, wgrad
+        native = hosts.mm(a, b, torch.float32, GemmBackend.SCALED_MM)
+        emulated = hosts.mm(a, b, torch.float32, GemmBackend.EMULATED)
+        # Same exact products; only the accumulation differs (tensor-core order / precision).
+        torch.testing.assert_close(native, emulated, rtol=2e-3, atol=2e-3 * emulated.abs().max().item())
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("direct", [False, True])
+def test_cuda_graph_replay_honours_skip_update(direct):
+    from qtensor.qat import MXFP4QATConfig, quantize_
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256, bias=False)).cuda().bfloat16()
+    quantize_(model, MXFP4QATConfig(host="fp8_block128", direct=direct))
+    lin = model[0]
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    skip = torch.tensor(False, device="cuda")
+    with torch.no_grad():
+        lin(x, skip_update=skip)  # warm-up: the cache miss allocates outside the graph
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            lin(x, skip_update=skip)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = lin(x, skip_update=skip)
+        graph.replay()
+        y_first = y.clone()
+        lin.weight.mul_(2.0)  # the optimizer moves the weight between micro-batches
+        skip.fill_(True)
+        graph.replay()
+        assert torch.equal(y, y_first)  # the replay reused the first micro-batch's bytes
+        skip.fill_(False)
+        graph.replay()
+        assert torch.equal(y, y_first * 2)  # powers of two scale the projection exactly

@@ -1,0 +1,142 @@
+"""GroupedLinear: bitwise equal to independent per-expert TrainingLinears, zero-token experts,
+all-zero gradients, token-count validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qtensor import NVFP4Tensor
+from qtensor.training import GroupedLinear, NVFP4TrainingRecipe, TrainingLinear
+
+E, K, N = 4, 64, 64
+SPLITS = [16, 0, 32, 16]  # expert 1 gets no token
+RL_ROW = dict(rht=False, stochastic_rounding=False, weight_2d=False, row_scaled_activation=True)
+RECIPES = {
+    "rl_row": NVFP4TrainingRecipe(**RL_ROW),
+    "rl_row_dgrad_mxfp8": NVFP4TrainingRecipe(dgrad_mxfp8=True, **RL_ROW),
+    "rl_row_grad_4over6": NVFP4TrainingRecipe(fourover6_grad=True, fourover6="all", **RL_ROW),
+    "nvfp4_2d_rht": NVFP4TrainingRecipe(stochastic_rounding=False),
+    "dequantized": NVFP4TrainingRecipe(backward_override="dequantized", **RL_ROW),
+    "high_precision": NVFP4TrainingRecipe(backward_override="high_precision"),
+}
+
+
+def make(recipe, splits=SPLITS, seed=0):
+    torch.manual_seed(seed)
+    g = GroupedLinear(E, K, N, recipe=recipe)
+    t = sum(splits)
+    x = torch.randn(t, K) * 0.5
+    x[2, 7] = 10.0  # an outlier token
+    dy = torch.randn(t, N) * 1e-3
+    return g, x, dy
+
+
+def run_grouped(g, x, dy, splits=SPLITS):
+    x = x.clone().requires_grad_()
+    y = g(x, splits)
+    y.backward(dy)
+    return y.detach(), x.grad, g.weight.grad, g.bias.grad
+
+
+@pytest.mark.parametrize("name", list(RECIPES), ids=list(RECIPES))
+def test_grouped_equals_independent_linears_bitwise(name):
+    recipe = RECIPES[name]
+    g, x, dy = make(recipe)
+    y, dx, dw, db = run_grouped(g, x, dy)
+    start = 0
+    for e, m in enumerate(SPLITS):
+        if m == 0:
+            assert torch.equal(dw[e], torch.zeros_like(dw[e]))
+            assert torch.equal(db[e], torch.zeros_like(db[e]))
+            continue
+        lin = TrainingLinear(K, N, recipe=recipe)
+        with torch.no_grad():
+            lin.weight.copy_(g.weight[e])
+            lin.bias.copy_(g.bias[e])
+        xe = x[start:start + m].clone().requires_grad_()
+        ye = lin(xe)
+        ye.backward(dy[start:start + m])
+        assert torch.equal(ye, y[start:start + m])
+        assert torch.equal(xe.grad, dx[start:start + m])
+        assert torch.equal(lin.weight.grad, dw[e]) and torch.equal(lin.bias.grad, db[e])
+        start += m
+
+
+def test_row_scaled_input_is_quantized_once_for_all_experts():
+    # Slicing the all-token row-scaled operand equals quantizing each expert's tokens.
+    x = torch.randn(64, K)
+    x[5] *= 100
+    whole = NVFP4Tensor.from_hp(x, row_scaled=True)
+    part = NVFP4Tensor.from_hp(x[16:48], row_scaled=True)
+    sliced = whole[16:48]
+    for name in ("qdata", "scale", "amax"):
+        assert torch.equal(getattr(sliced, name).view(torch.uint8) if name == "scale"
+                           else getattr(sliced, name),
+                           getattr(part, name).view(torch.uint8) if name == "scale"
+                           else getattr(part, name))
+
+
+@pytest.mark.parametrize("name", ["rl_row", "rl_row_dgrad_mxfp8", "nvfp4_2d_rht", "dequantized"])
+@pytest.mark.parametrize("pattern", ["all_zero", "leading_rows", "zero_expert_grad",
+                                     "zero_input_rows"])
+def test_grouped_all_zero_gradient_patterns(name, pattern):
+    g, x, dy = make(RECIPES[name])
+    dy = dy.clone()
+    zero_rows = []
+    if pattern == "all_zero":
+        dy.zero_()
+        zero_rows = list(range(dy.shape[0]))
+    elif pattern == "leading_rows":
+        dy[:24] = 0
+        zero_rows = list(range(24))
+    elif pattern == "zero_expert_grad":
+        dy[16:48] = 0  # expert 2 gets an all-zero grad_output
+        zero_rows = list(range(16, 48))
+    else:
+        x = x.clone()
+        x[16:32] = 0
+    y, dx, dw, db = run_grouped(g, x, dy)
+    for t in (y, dx, dw, db):
+        assert torch.isfinite(t).all()
+    if zero_rows:
+        assert torch.equal(dx[zero_rows], torch.zeros_like(dx[zero_rows]))
+    if pattern == "all_zero":
+        assert torch.equal(dw, torch.zeros_like(dw))
+    if pattern == "zero_expert_grad":
+        assert torch.equal(dw[2], torch.zeros_like(dw[2]))
+        assert not torch.equal(dw[0], torch.zeros_like(dw[0]))
+
+
+def test_all_experts_empty_and_tensor_counts():
+    g, _, _ = make(RECIPES["rl_row"])
+    x = torch.zeros(0, K, requires_grad=True)
+    y = g(x, torch.tensor([0, 0, 0, 0]))
+    y.sum().backward()
+    assert y.shape == (0, N) and x.grad.shape == (0, K)
+    assert torch.equal(g.weight.grad, torch.zeros_like(g.weight))
+
+
+def test_token_count_errors():
+    g, x, _ = make(RECIPES["rl_row"])
+    with pytest.raises(ValueError, match="summing to 64 tokens"):
+        g(x, [16, 16, 16, 0, 16])
+    with pytest.raises(ValueError, match="non-negative counts"):
+        g(x, [80, -16, 0, 0])
+    with pytest.raises(ValueError, match="pad the batch \\(per expert"):
+        g(x, [8, 8, 32, 16])  # 8 tokens: NVFP4 columnwise blocks need 16
+    hp = GroupedLinear(E, K, N, recipe=RECIPES["high_precision"])
+    y = hp(x, [8, 8, 32, 16])  # no quantized backward: any counts
+    y.sum().backward()
+    assert torch.isfinite(hp.weight.grad).all()
+
+
+def test_stochastic_rounding_is_deterministic_per_module():
+    recipe = NVFP4TrainingRecipe()  # stochastic rounding on
+    grads = []
+    for _ in range(2):
+        g, x, dy = make(recipe)
+        grads.append(run_grouped(g, x, dy)[2])
+    assert torch.equal(grads[0], grads[1])
+    g, x, dy = make(NVFP4TrainingRecipe(seed=1))
+    assert not torch.equal(run_grouped(g, x, dy)[2], grads[0])
