@@ -26,7 +26,7 @@ step() {  # step NAME command... : run, log, remember rc, seconds and the last l
 
 step build python3 setup.py build_ext --inplace
 step env python3 -c "import torch, qtensor.ops.quant as q; print(torch.cuda.get_device_name(), torch.__version__, q.extension_status())"
-step tests python3 -m pytest -m cuda -q -ra --continue-on-collection-errors tests/
+step tests python3 -m pytest -m cuda -q -ra --continue-on-collection-errors ${QTENSOR_GPU_TESTS:-tests/}
 step bench_quantize python3 benchmarks/bench_quantize.py --out "$LOG/bench_quantize.md"
 
 echo "== gpu_check: logs in $LOG"

@@ -234,7 +234,7 @@ def bench_dir(tmp_path):
         print("| op | ratio |")
         print("| ok", *sys.argv[1:])
     """))
-    (tmp_path / "bench_broken.py").write_text("raise SystemExit(3)\n")
+    (tmp_path / "bench_fails.py").write_text("raise SystemExit(3)\n")
     (tmp_path / "helper.py").write_text("raise SystemExit('not a benchmark')\n")
     return tmp_path
 
@@ -242,7 +242,7 @@ def bench_dir(tmp_path):
 def test_bench_runs_each_script_and_says_what_it_measured(capfd, bench_dir):
     rc = main(["bench", "--dir", str(bench_dir), "--", "--quick"])
     out = capfd.readouterr().out
-    assert rc == 1  # bench_broken failed
+    assert rc == 1  # bench_fails failed
     assert "| ok --quick" in out and "exit 3" in out and "helper" not in out
     if not torch.cuda.is_available():
         assert "No CUDA device" in out and "No GPU kernel is timed" in out
@@ -250,7 +250,7 @@ def test_bench_runs_each_script_and_says_what_it_measured(capfd, bench_dir):
 
 def test_bench_only_list_and_json(capfd, bench_dir):
     assert main(["bench", "--dir", str(bench_dir), "--list"]) == 0
-    assert capfd.readouterr().out.split() == ["bench_broken.py", "bench_ok.py"]
+    assert capfd.readouterr().out.split() == ["bench_fails.py", "bench_ok.py"]
     assert main(["bench", "--dir", str(bench_dir), "--only", "ok", "--json"]) == 0
     result = json.loads(capfd.readouterr().out)
     assert [r["script"] for r in result["results"]] == ["bench_ok.py"]

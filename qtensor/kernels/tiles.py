@@ -40,12 +40,26 @@ def e2m1_times(codes, scale):
 
 
 @triton.jit
-def load_nvfp4(q_ptr, s_ptr, rows, rmask, kb, kmask, s_r, s_k, ss_r, ss_k):
-    """(even, odd) bf16 half tiles [R, len(kb)] of an NVFP4 operand at byte columns kb."""
-    m = rmask[:, None] & kmask[None, :]
+def repeat_cols(s, R: tl.constexpr, C: tl.constexpr, REP: tl.constexpr):
+    """[R, C] -> [R, C * REP], each column repeated REP times (a register broadcast)."""
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (R, C, REP)), (R, C * REP))
+
+
+@triton.jit
+def load_nvfp4(q_ptr, s_ptr, rows, rmask, kb0, k_end, s_r, s_k, ss_r, ss_k,
+               R: tl.constexpr, BKH: tl.constexpr):
+    """(even, odd) bf16 half tiles [R, BKH] of an NVFP4 operand from byte column kb0 on.
+
+    The scales are loaded compact ([R, BKH / 8], one vector load per row) and repeated in
+    registers, rather than gathered once per byte.
+    """
+    kb = kb0 + tl.arange(0, BKH)
+    m = rmask[:, None] & (kb < k_end)[None, :]
     byte = tl.load(q_ptr + rows[:, None] * s_r + kb[None, :] * s_k, mask=m, other=0)
-    sc = tl.load(s_ptr + rows[:, None] * ss_r + (kb // 8)[None, :] * ss_k, mask=m, other=0.0)
-    sf = sc.to(tl.float32)
+    kblk = kb0 // 8 + tl.arange(0, BKH // 8)
+    ms = rmask[:, None] & (kblk < k_end // 8)[None, :]
+    sc = tl.load(s_ptr + rows[:, None] * ss_r + kblk[None, :] * ss_k, mask=ms, other=0.0)
+    sf = repeat_cols(sc.to(tl.float32), R, BKH // 8, 8)
     return e2m1_times(byte & 15, sf), e2m1_times(byte >> 4, sf)
 
 
@@ -59,12 +73,17 @@ def ue8m0_value(code):
 
 
 @triton.jit
-def load_mxfp8(q_ptr, s_ptr, rows, rmask, k, kmask, s_r, s_k, ss_r, ss_k):
-    """bf16 tile [R, len(k)] of an MXFP8 operand at element columns k."""
-    m = rmask[:, None] & kmask[None, :]
+def load_mxfp8(q_ptr, s_ptr, rows, rmask, k0, k_end, s_r, s_k, ss_r, ss_k,
+               R: tl.constexpr, BK: tl.constexpr):
+    """bf16 tile [R, BK] of an MXFP8 operand from element column k0 on (scales compact)."""
+    k = k0 + tl.arange(0, BK)
+    m = rmask[:, None] & (k < k_end)[None, :]
     q = tl.load(q_ptr + rows[:, None] * s_r + k[None, :] * s_k, mask=m, other=0.0)
-    code = tl.load(s_ptr + rows[:, None] * ss_r + (k // 32)[None, :] * ss_k, mask=m, other=127)
-    return (q.to(tl.float32) * ue8m0_value(code.to(tl.int32))).to(tl.bfloat16)
+    kblk = k0 // 32 + tl.arange(0, BK // 32)
+    ms = rmask[:, None] & (kblk < k_end // 32)[None, :]
+    code = tl.load(s_ptr + rows[:, None] * ss_r + kblk[None, :] * ss_k, mask=ms, other=127)
+    scale = repeat_cols(ue8m0_value(code.to(tl.int32)), R, BK // 32, 32)
+    return (q.to(tl.float32) * scale).to(tl.bfloat16)
 
 
 @triton.jit
@@ -78,30 +97,30 @@ def mainloop(
     """fp32 acc [BM, BN] = sum over k in [k_lo, k_hi) of A[rows_a, k] * B[rows_b, k]."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if FMT_B == NVFP4:
-        kb0 = tl.arange(0, BK // 2)
-        for kk in range(k_lo // 2, k_hi // 2, BK // 2):
-            kb = kk + kb0
-            km = kb < k_hi // 2
-            b_ev, b_od = load_nvfp4(b_ptr, bs_ptr, rows_b, bmask, kb, km, b_r, b_k, bs_r, bs_k)
+        kh_end = k_hi // 2
+        for kk in range(k_lo // 2, kh_end, BK // 2):
+            b_ev, b_od = load_nvfp4(b_ptr, bs_ptr, rows_b, bmask, kk, kh_end, b_r, b_k, bs_r,
+                                    bs_k, BN, BK // 2)
             if FMT_A == NVFP4:
-                a_ev, a_od = load_nvfp4(a_ptr, as_ptr, rows_a, amask, kb, km, a_r, a_k, as_r, as_k)
+                a_ev, a_od = load_nvfp4(a_ptr, as_ptr, rows_a, amask, kk, kh_end, a_r, a_k,
+                                        as_r, as_k, BM, BK // 2)
             else:
-                m = amask[:, None] & km[None, :]
+                kb = kk + tl.arange(0, BK // 2)
+                m = amask[:, None] & (kb < kh_end)[None, :]
                 base = a_ptr + rows_a[:, None] * a_r + (2 * kb)[None, :] * a_k
                 a_ev = tl.load(base, mask=m, other=0.0)
                 a_od = tl.load(base + a_k, mask=m, other=0.0)
             acc = tl.dot(a_ev, tl.trans(b_ev), acc)
             acc = tl.dot(a_od, tl.trans(b_od), acc)
     else:
-        k0 = tl.arange(0, BK)
         for kk in range(k_lo, k_hi, BK):
-            k = kk + k0
-            km = k < k_hi
-            b = load_mxfp8(b_ptr, bs_ptr, rows_b, bmask, k, km, b_r, b_k, bs_r, bs_k)
+            b = load_mxfp8(b_ptr, bs_ptr, rows_b, bmask, kk, k_hi, b_r, b_k, bs_r, bs_k, BN, BK)
             if FMT_A == MXFP8:
-                a = load_mxfp8(a_ptr, as_ptr, rows_a, amask, k, km, a_r, a_k, as_r, as_k)
-            else:
-                m = amask[:, None] & km[None, :]
+                a = load_mxfp8(a_ptr, as_ptr, rows_a, amask, kk, k_hi, a_r, a_k, as_r, as_k,
+                               BM, BK)
+            elif FMT_A == HP:
+                k = kk + tl.arange(0, BK)
+                m = amask[:, None] & (k < k_hi)[None, :]
                 a = tl.load(a_ptr + rows_a[:, None] * a_r + k[None, :] * a_k, mask=m, other=0.0)
             acc = tl.dot(a, tl.trans(b), acc)
     return acc

@@ -25,6 +25,7 @@ from qtensor.formats.nvfp4 import NVFP4Data, NVFP4Spec, SRSeed
 QUANT_BACKEND_ENV = "QTENSOR_QUANT_BACKEND"
 _FOUROVERSIX = {None: 0, "mae": 1, "mse": 2}
 _SCALE_RULE = {"rceil": 0, "floor": 1}
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # decode outputs of the ops
 
 
 def _load_extension() -> str | None:
@@ -208,7 +209,9 @@ def dequantize_nvfp4(qdata, scale, amax_t, e4m3_bound: int, dtype=torch.float32)
     """Decode 2-D NVFP4 storage [R, C/2] to [R, C] in `dtype` (as nvfp4.dequantize)."""
     if quant_backend(qdata.device) is QuantBackend.REFERENCE:
         return nvfp4.dequantize(qdata, scale, amax_t, e4m3_bound, dtype)
-    return torch.ops.qtensor.nvfp4_dequantize.default(qdata, scale, amax_t, e4m3_bound, dtype)
+    kdtype = dtype if dtype in _KERNEL_DTYPES else torch.float32  # fp32 decode is exact
+    out = torch.ops.qtensor.nvfp4_dequantize.default(qdata, scale, amax_t, e4m3_bound, kdtype)
+    return out.to(dtype)
 
 
 def dequantize_mxfp8(qdata, scale, columnwise: bool, dtype=torch.float32) -> torch.Tensor:
@@ -216,7 +219,8 @@ def dequantize_mxfp8(qdata, scale, columnwise: bool, dtype=torch.float32) -> tor
     backend = quant_backend(qdata.device)
     if backend is QuantBackend.REFERENCE or (backend is QuantBackend.CUDA and qdata.shape[-1] % 16):
         return mxfp8.dequantize(qdata, scale, columnwise, dtype)
-    return torch.ops.qtensor.mxfp8_dequantize.default(qdata, scale, columnwise, dtype)
+    kdtype = dtype if dtype in _KERNEL_DTYPES else torch.float32
+    return torch.ops.qtensor.mxfp8_dequantize.default(qdata, scale, columnwise, kdtype).to(dtype)
 
 
 def fake_quantize_mxfp4(w: torch.Tensor) -> torch.Tensor:

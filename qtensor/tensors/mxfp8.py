@@ -11,7 +11,8 @@ import torch
 
 from qtensor.formats import mxfp8 as ref
 from qtensor.formats.mxfp8 import MXFP8Spec
-from qtensor.backends import QuantBackend, resolve_gemm_backend
+from qtensor.backends import resolve_gemm_backend
+from qtensor.ops import quant
 from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.common import (
     COLUMNWISE,
@@ -52,7 +53,7 @@ class MXFP8Tensor(QuantizedTensor):
     @classmethod
     def from_spec(cls, x, spec: MXFP8Spec, *, generator=None, check_finite=True) -> "MXFP8Tensor":
         check_hp_input(x, "MXFP8", check_finite)
-        qdata, scale = ref.quantize(x, spec)
+        (qdata, scale), backend = quant.quantize_mxfp8(x, spec)
         return cls(
             x.shape,
             x.dtype,
@@ -63,14 +64,14 @@ class MXFP8Tensor(QuantizedTensor):
             scale_rule=spec.scale_rule,
             scale_layout="compact",
             act_spec=None,
-            quant_backend=QuantBackend.REFERENCE.value,
+            quant_backend=backend.value,
             gemm_backend=resolve_gemm_backend(x.device).value,
         )
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The decoded tensor (exact in fp32), in the logical layout."""
-        out = ref.dequantize(self.qdata, self.scale, self.axis == COLUMNWISE)
-        return out.to(dtype or self.dtype).contiguous()
+        out = quant.dequantize_mxfp8(self.qdata, self.scale, self.axis == COLUMNWISE, dtype or self.dtype)
+        return out.contiguous()
 
     def unit_values(self) -> torch.Tensor:
         """The exact fp32 values a GEMM multiplies (MXFP8 has no per-tensor factor)."""

@@ -13,7 +13,8 @@ import torch
 
 from qtensor.formats import nvfp4 as ref
 from qtensor.formats.nvfp4 import NVFP4Spec
-from qtensor.backends import QuantBackend, resolve_gemm_backend
+from qtensor.backends import resolve_gemm_backend
+from qtensor.ops import quant
 from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.common import (
     COLUMNWISE,
@@ -78,7 +79,7 @@ class NVFP4Tensor(QuantizedTensor):
                 f"NVFP4 columnwise quantization takes a 2-D tensor; got shape {tuple(x.shape)}. "
                 "Flatten the leading dims first (x.reshape(-1, x.shape[-1]))."
             )
-        qdata, scale, amax = ref.quantize(x, spec, generator)
+        (qdata, scale, amax), backend = quant.quantize_nvfp4(x, spec, generator)
         if not spec.columnwise:
             lead = x.shape[:-1]
             qdata = qdata.reshape(*lead, qdata.shape[-1])
@@ -99,7 +100,7 @@ class NVFP4Tensor(QuantizedTensor):
             rht=spec.rht,
             scale_layout="compact",
             act_spec=None,
-            quant_backend=QuantBackend.REFERENCE.value,
+            quant_backend=backend.value,
             gemm_backend=resolve_gemm_backend(x.device).value,
         )
 
@@ -119,8 +120,8 @@ class NVFP4Tensor(QuantizedTensor):
         """The decoded tensor (FORMATS.md step 7) in the logical layout."""
         q, s = self._storage_2d()
         amax = self.amax.reshape(-1) if self.row_scaled else self.amax
-        out = ref.dequantize(q, s, amax, self.e4m3_bound)
-        return self._to_logical(out).to(dtype or self.dtype).contiguous()
+        out = quant.dequantize_nvfp4(q, s, amax, self.e4m3_bound, dtype or self.dtype)
+        return self._to_logical(out).contiguous()
 
     def unit_values(self) -> torch.Tensor:
         """value(q) * s_b in fp32, logical layout: the exact operand a GEMM multiplies."""
