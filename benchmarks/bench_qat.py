@@ -39,7 +39,7 @@ def conversion_rows(n: int, k: int):
 
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     copy_ms = cuda_time_ms(lambda: w.clone())
-    copy_bw = 2 * w.numel() * 2 / copy_ms / 1e9
+    copy_bw = 2 * w.numel() * 2 / copy_ms / 1e6  # GB/s
     rows = [("copy bf16 weight", copy_ms, copy_bw, 1.0)]
     nk = n * k
     cases = [  # name, fn, bytes written besides reading the weight
@@ -53,11 +53,11 @@ def conversion_rows(n: int, k: int):
         for direct in (False, True):
             label = f"{name} {'direct' if direct else 'projection'}"
             ms = cuda_time_ms(lambda: fn(direct))
-            bw = (2 * nk + written) / ms / 1e9
+            bw = (2 * nk + written) / ms / 1e6
             rows.append((label, ms, bw, bw / copy_bw))
             if ref is not None:
                 rms = cuda_time_ms(lambda: ref(direct), reps=3)
-                rbw = (2 * nk + written) / rms / 1e9
+                rbw = (2 * nk + written) / rms / 1e6
                 rows.append((label + " (torch reference)", rms, rbw, rbw / copy_bw))
     return rows
 
@@ -78,7 +78,7 @@ def training_rows(n: int, k: int, tokens: int):
     rows.append(("Linear fwd+bwd bf16", bf16_ms, float("nan"), 1.0))
     for direct in (False, True):
         qat = nn.Sequential(nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
-        quantize_(qat, MXFP4QATConfig(host="fp8_block128", direct=direct))
+        quantize_(qat, MXFP4QATConfig(host="fp8_block128", direct=direct, native_gemm=True))
         run(qat[0], is_first_microbatch=True)
         ms = cuda_time_ms(lambda: run(qat[0], is_first_microbatch=False))
         rows.append((f"Linear fwd+bwd fp8_block128 QAT direct={direct} (hit)", ms,

@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 LOG=${1:-${OUT:-gpu_logs}}
 mkdir -p "$LOG"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export QTENSOR_CUDA_ARCHS=${QTENSOR_CUDA_ARCHS:-90a}  # build only what this GPU runs
 export MAX_JOBS=${MAX_JOBS:-16}
 SUMMARY=()
@@ -28,6 +29,8 @@ step build python3 setup.py build_ext --inplace
 step env python3 -c "import torch, qtensor.ops.quant as q; print(torch.cuda.get_device_name(), torch.__version__, q.extension_status())"
 step tests python3 -m pytest -m cuda -q -ra --continue-on-collection-errors ${QTENSOR_GPU_TESTS:-tests/}
 step bench_quantize python3 benchmarks/bench_quantize.py --out "$LOG/bench_quantize.md"
+step bench_training python3 benchmarks/bench_training.py --out "$LOG/bench_training.json"
+step bench_qat python3 benchmarks/bench_qat.py
 
 echo "== gpu_check: logs in $LOG"
 printf '%s\n' "${SUMMARY[@]}"

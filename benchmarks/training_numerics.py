@@ -180,7 +180,8 @@ def main():
         g_b = block_grad(model, losses[name], half(batch, 1, name))
         noise[name] = ((g_a - g_b).norm() / 2).item()
         lines.append(f"{name}: sampling noise / |g| = {noise[name] / ref[name].norm().item():.3f}")
-    lines.append(f"{'backward':32s} {'RL rel.err':>10s} {'RL R':>6s} {'SFT rel.err':>11s} {'SFT R':>6s}")
+    lines.append(f"{'backward':32s} {'RL rel.err':>10s} {'RL R':>6s} {'SFT rel.err':>11s} "
+                 f"{'SFT R':>6s}")
     for cname, cfg in CONFIGS.items():
         if cfg == "mxfp8":
             recipe = NVFP4TrainingRecipe(**RL_FWD)
@@ -194,7 +195,8 @@ def main():
             row += [err / ref[name].norm().item(), err / noise[name]]
         lines.append(f"{cname:32s} {row[0]:10.3f} {row[1]:6.2f} {row[2]:11.3f} {row[3]:6.2f}")
         print(lines[-1], flush=True)
-    lines.append(f"wall time {time.time() - t0:.0f} s, torch {torch.__version__}, CPU (emulated GEMMs)")
+    lines.append(f"{time.strftime('%Y-%m-%d')}, wall time {time.time() - t0:.0f} s, torch "
+                 f"{torch.__version__}, CPU (emulated GEMMs)")
     text = "\n".join(lines)
     print(text)
     if args.out:

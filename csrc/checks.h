@@ -5,8 +5,16 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
 
 namespace qtensor {
+
+// "[a, b, c]" built by hand: error messages of the CUDA translation unit stay plain strings.
+inline std::string shape_str(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
 
 // Shape of the quantized NVFP4 matrix: the input flattened to [M, K]; rowwise R = M, C = K,
 // columnwise (blocks along dim 0) R = K, C = M.
@@ -20,7 +28,7 @@ inline void check_float_input(const at::Tensor& x, const char* op) {
               " quantizes float32, bfloat16 or float16 tensors; got ", dt,
               ". Convert with .to(torch.bfloat16) first.");
   TORCH_CHECK(x.dim() >= 1 && x.numel() > 0, op, " needs a non-empty tensor; got shape ",
-              x.sizes(), ".");
+              shape_str(x), ".");
 }
 
 inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op,
@@ -34,10 +42,10 @@ inline NvShape nv_shape(const at::Tensor& x, bool columnwise, bool block_2d, con
   const int64_t K = x.size(-1);
   const int64_t M = x.numel() / K;
   TORCH_CHECK(K % 16 == 0, op, ": NVFP4 needs the last dim divisible by 16; got shape ",
-              x.sizes(), ". Pad the features or exclude this tensor.");
+              shape_str(x), ". Pad the features or exclude this tensor.");
   TORCH_CHECK(!(columnwise || block_2d) || M % 16 == 0, op, ": NVFP4 ",
               columnwise ? "columnwise blocks run along dim 0" : "2D tiles are 16x16",
-              ", so the flattened leading dims must be divisible by 16; got shape ", x.sizes(), ".");
+              ", so the flattened leading dims must be divisible by 16; got shape ", shape_str(x), ".");
   return columnwise ? NvShape{M, K, K, M} : NvShape{M, K, M, K};
 }
 
@@ -61,18 +69,18 @@ inline void check_nv_amax(const at::Tensor& x, const at::Tensor& amax, const NvS
               amax.scalar_type(), ".");
   TORCH_CHECK(amax.dim() == 0 || (amax.dim() == 1 && amax.size(0) == s.R), op,
               ": amax must be a scalar or one value per quantized row (", s.R, "); got shape ",
-              amax.sizes(), ".");
+              shape_str(amax), ".");
 }
 
 inline void check_mx_shape(const at::Tensor& x, bool rowwise, bool columnwise, const char* op) {
   check_float_input(x, op);
   TORCH_CHECK(rowwise || columnwise, op, ": ask for at least one of rowwise and columnwise.");
   TORCH_CHECK(!rowwise || x.size(-1) % 32 == 0, op,
-              ": MXFP8 needs the last dim divisible by 32; got shape ", x.sizes(),
+              ": MXFP8 needs the last dim divisible by 32; got shape ", shape_str(x),
               ". Pad the features or exclude this tensor.");
   TORCH_CHECK(!columnwise || (x.dim() == 2 && x.size(0) % 32 == 0), op,
               ": MXFP8 columnwise needs a 2-D tensor with dim 0 divisible by 32; got shape ",
-              x.sizes(), ".");
+              shape_str(x), ".");
 }
 
 inline void check_scale_rule(int64_t rule, const char* op) {
@@ -87,15 +95,15 @@ inline void check_out_dtype(at::ScalarType dt, const char* op) {
 inline void check_nv_dequant(const at::Tensor& q, const at::Tensor& s, const at::Tensor& amax,
                              int64_t bound, const char* op) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, op,
-              ": qdata must be 2-D uint8 [R, C/2]; got ", q.scalar_type(), " ", q.sizes(), ".");
+              ": qdata must be 2-D uint8 [R, C/2]; got ", q.scalar_type(), " ", shape_str(q), ".");
   TORCH_CHECK(s.dim() == 2 && s.size(0) == q.size(0) && s.size(1) * 8 == q.size(1) &&
                   s.scalar_type() == at::kFloat8_e4m3fn,
-              op, ": scale must be float8_e4m3fn [R, C/16] for qdata ", q.sizes(), "; got ",
-              s.scalar_type(), " ", s.sizes(), ".");
+              op, ": scale must be float8_e4m3fn [R, C/16] for qdata ", shape_str(q), "; got ",
+              s.scalar_type(), " ", shape_str(s), ".");
   TORCH_CHECK(amax.scalar_type() == at::kFloat &&
                   (amax.dim() == 0 || (amax.dim() == 1 && amax.size(0) == q.size(0))),
               op, ": amax must be float32, a scalar or one per row; got ", amax.scalar_type(), " ",
-              amax.sizes(), ".");
+              shape_str(amax), ".");
   TORCH_CHECK(bound == 448 || bound == 256, op, ": e4m3_bound must be 448 or 256; got ", bound, ".");
   check_same_device(q, s, op, "scale");
   check_same_device(q, amax, op, "amax");
@@ -107,13 +115,13 @@ inline void check_mx_dequant(const at::Tensor& q, const at::Tensor& s, bool colu
               ": qdata must be float8_e4m3fn; got ", q.scalar_type(), ".");
   TORCH_CHECK(s.scalar_type() == at::kFloat8_e8m0fnu && s.dim() == q.dim(), op,
               ": scale must be float8_e8m0fnu with qdata's rank; got ", s.scalar_type(), " ",
-              s.sizes(), ".");
+              shape_str(s), ".");
   const int64_t d = columnwise ? q.dim() - 2 : q.dim() - 1;
-  TORCH_CHECK(d >= 0, op, ": columnwise MXFP8 data is at least 2-D; got ", q.sizes(), ".");
+  TORCH_CHECK(d >= 0, op, ": columnwise MXFP8 data is at least 2-D; got ", shape_str(q), ".");
   for (int64_t i = 0; i < q.dim(); ++i) {
     const int64_t want = i == d ? q.size(i) / 32 : q.size(i);
     TORCH_CHECK(s.size(i) == want && (i != d || q.size(i) % 32 == 0), op, ": scale shape ",
-                s.sizes(), " does not match qdata ", q.sizes(), " with 32-element blocks along dim ",
+                shape_str(s), " does not match qdata ", shape_str(q), " with 32-element blocks along dim ",
                 d, ".");
   }
   check_same_device(q, s, op, "scale");
@@ -124,13 +132,13 @@ inline void check_mxfp4_input(const at::Tensor& w, const char* op) {
               " takes bf16 or fp32 weights; got ", w.scalar_type(),
               ". fp16 cannot hold the MXFP4 grid.");
   TORCH_CHECK(w.dim() >= 1 && w.numel() > 0 && w.size(-1) % 32 == 0, op,
-              " needs a non-empty tensor with the last dim divisible by 32; got shape ", w.sizes(), ".");
+              " needs a non-empty tensor with the last dim divisible by 32; got shape ", shape_str(w), ".");
 }
 
 inline void check_scale_bytes(const at::Tensor& s, const char* op) {
   TORCH_CHECK(s.dim() == 2 && s.element_size() == 1, op,
               ": scales must be a 2-D tensor of 1-byte elements (E4M3 or UE8M0); got ",
-              s.scalar_type(), " ", s.sizes(), ".");
+              s.scalar_type(), " ", shape_str(s), ".");
 }
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }

@@ -313,7 +313,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hybrid_quantize_cpu(
     const at::Tensor& x, const at::Tensor& amax, int64_t rule, int64_t fourover6, int64_t bound,
     bool rht, bool stochastic, int64_t seed, int64_t offset) {
   TORCH_CHECK(x.dim() == 2, "qtensor.hybrid_quantize takes a 2-D gradient [M, K]; got shape ",
-              x.sizes(), ".");
+              shape_str(x), ".");
   auto mx = mxfp8_quantize_cpu(x, rule, true, false);
   auto nv = nvfp4_quantize_cpu(x, amax, true, false, fourover6, bound, rht, stochastic, seed, offset);
   return {std::get<0>(mx), std::get<1>(mx), std::get<0>(nv), std::get<1>(nv)};
@@ -427,7 +427,7 @@ at::Tensor unswizzle_scale_cpu(const at::Tensor& scale, int64_t rows, int64_t co
   check_scale_bytes(scale, op);
   const int64_t pr = round_up(rows, 128), pc = round_up(cols, 4);
   TORCH_CHECK(scale.size(0) == pr && scale.size(1) == pc, op, ": a swizzled scale of ", rows, "x",
-              cols, " is ", pr, "x", pc, " (rows padded to 128, columns to 4); got ", scale.sizes(), ".");
+              cols, " is ", pr, "x", pc, " (rows padded to 128, columns to 4); got ", shape_str(scale), ".");
   const at::Tensor s = scale.contiguous().view(at::kByte);
   at::Tensor out = at::empty({rows, cols}, s.options());
   const uint8_t* sp = s.const_data_ptr<uint8_t>();

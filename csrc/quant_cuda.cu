@@ -388,7 +388,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mxfp8_quantize_cuda(
   check_mx_shape(x, rowwise, columnwise, op);
   check_scale_rule(rule, op);
   TORCH_CHECK(x.size(-1) % 16 == 0, op, ": the CUDA kernel reads 16-element rows; got shape ",
-              x.sizes(), ". Use the reference for this shape.");
+              shape_str(x), ". Use the reference for this shape.");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t K = x.size(-1), M = x.numel() / K;
   const auto bytes = x.options().dtype(at::kByte);
@@ -419,7 +419,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hybrid_quantize_cuda(
     const at::Tensor& x, const at::Tensor& amax, int64_t rule, int64_t fourover6, int64_t bound,
     bool rht, bool stochastic, int64_t seed, int64_t offset) {
   const char* op = "qtensor.hybrid_quantize";
-  TORCH_CHECK(x.dim() == 2, op, " takes a 2-D gradient [M, K]; got shape ", x.sizes(), ".");
+  TORCH_CHECK(x.dim() == 2, op, " takes a 2-D gradient [M, K]; got shape ", shape_str(x), ".");
   check_mx_shape(x, true, false, op);
   check_scale_rule(rule, op);
   const NvShape s = nv_shape(x, true, false, op);
@@ -445,7 +445,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hybrid_quantize_cuda(
 
 // ---- amax ---------------------------------------------------------------------------------------
 
-constexpr int kAmaxPanels = 8;  // 16-row panels per warp: 128 rows
+constexpr int kAmaxPanels = 2;  // 16-row panels per warp: 32 rows (enough blocks to fill 132 SMs)
 
 // One warp covers 16*kAmaxPanels rows x (32 lanes x one 16-byte vector) columns. mode 0: one
 // amax; 1: per input row; 2: per input column (the columnwise per-row amax). Non-negative floats
@@ -645,7 +645,7 @@ at::Tensor mxfp8_dequantize_cuda(const at::Tensor& qdata, const at::Tensor& scal
   check_mx_dequant(qdata, scale, columnwise, op);
   check_out_dtype(dtype, op);
   TORCH_CHECK(qdata.size(-1) % 16 == 0, op, ": the CUDA kernel needs the last dim divisible by 16; got ",
-              qdata.sizes(), ".");
+              shape_str(qdata), ".");
   const c10::cuda::CUDAGuard guard(qdata.device());
   const at::Tensor q = as_aligned_2d(qdata.view(at::kByte)), s = scale.contiguous().view(at::kByte);
   at::Tensor out = at::empty(qdata.sizes(), qdata.options().dtype(dtype));
@@ -695,7 +695,7 @@ at::Tensor unswizzle_scale_cuda(const at::Tensor& scale, int64_t rows, int64_t c
   check_scale_bytes(scale, op);
   TORCH_CHECK(scale.size(0) == round_up(rows, 128) && scale.size(1) == round_up(cols, 4), op,
               ": a swizzled scale of ", rows, "x", cols, " is ", round_up(rows, 128), "x",
-              round_up(cols, 4), "; got ", scale.sizes(), ".");
+              round_up(cols, 4), "; got ", shape_str(scale), ".");
   return swizzle_cuda(scale, false, rows, cols);
 }
 

@@ -108,8 +108,18 @@ QT_HD float e2m1_value(uint32_t code) {
 // Sign bit of the code: the input's sign, except NaN (code 7, as the hardware cast gives).
 QT_HD uint32_t e2m1_sign(float v) { return is_nan(v) ? 0u : sign_bit(v); }
 
+// Code of |v| from its bits (sign cleared), fewer instructions than rounding then coding: from 1
+// up, nearest-even at mantissa bit 22 (1 mantissa bit, carries into the exponent), then
+// saturate at code 7 (inf and NaN land there too); below 1 the grid step is 0.5: two compares.
+QT_HD uint32_t e2m1_code_bits(uint32_t b) {
+  const uint32_t hi = ((b + 0x1FFFFFu + ((b >> 22) & 1u)) >> 22) - 252u;
+  const uint32_t lo = (b > 0x3E800000u ? 1u : 0u) + (b >= 0x3F400000u ? 1u : 0u);
+  return b >= 0x3F800000u ? (hi < 7u ? hi : 7u) : lo;
+}
+
 QT_HD uint32_t e2m1_encode(float v) {
-  return e2m1_code_abs(e2m1_round_abs(abs_f(v))) | (e2m1_sign(v) << 3);
+  const uint32_t b = f2u(v), a = b & 0x7FFFFFFFu;
+  return e2m1_code_bits(a) | (a <= 0x7F800000u ? (b >> 31) << 3 : 0u);
 }
 
 // ---- stochastic rounding ---------------------------------------------------------------------

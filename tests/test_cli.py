@@ -235,6 +235,8 @@ def bench_dir(tmp_path):
         print("| ok", *sys.argv[1:])
     """))
     (tmp_path / "bench_fails.py").write_text("raise SystemExit(3)\n")
+    (tmp_path / "bench_gpu.py").write_text(
+        "raise AssertionError('Torch not compiled with CUDA enabled')\n")
     (tmp_path / "helper.py").write_text("raise SystemExit('not a benchmark')\n")
     return tmp_path
 
@@ -243,14 +245,17 @@ def test_bench_runs_each_script_and_says_what_it_measured(capfd, bench_dir):
     rc = main(["bench", "--dir", str(bench_dir), "--", "--quick"])
     out = capfd.readouterr().out
     assert rc == 1  # bench_fails failed
-    assert "| ok --quick" in out and "exit 3" in out and "helper" not in out
+    assert "| ok --quick" in out and "failed (exit 3)" in out and "helper" not in out
     if not torch.cuda.is_available():
         assert "No CUDA device" in out and "No GPU kernel is timed" in out
+        assert "skipped: needs a CUDA device" in out and "needs CUDA" in out
+        # A GPU-only script on a CPU-only machine is expected, not a failure.
+        assert main(["bench", "--dir", str(bench_dir), "--only", "gpu", "--only", "ok"]) == 0
 
 
 def test_bench_only_list_and_json(capfd, bench_dir):
     assert main(["bench", "--dir", str(bench_dir), "--list"]) == 0
-    assert capfd.readouterr().out.split() == ["bench_fails.py", "bench_ok.py"]
+    assert capfd.readouterr().out.split() == ["bench_fails.py", "bench_gpu.py", "bench_ok.py"]
     assert main(["bench", "--dir", str(bench_dir), "--only", "ok", "--json"]) == 0
     result = json.loads(capfd.readouterr().out)
     assert [r["script"] for r in result["results"]] == ["bench_ok.py"]

@@ -132,21 +132,20 @@ def depends_on(gm: torch.fx.GraphModule, source: torch.fx.Node) -> list[torch.fx
 def test_weight_only_graph_never_dequantizes_the_weight():
     """The weight enters the GEMM as exact unit values; its amax only scales the [M, N] output."""
     torch.manual_seed(0)
-    model = quantized(nn.Sequential(nn.Linear(64, 32, bias=False)).to(torch.bfloat16), 
+    model = quantized(nn.Sequential(nn.Linear(64, 32, bias=False)).to(torch.bfloat16),
                       "nvfp4_weight_only")
     gm = forward_graph(model, torch.randn(8, 64, dtype=torch.bfloat16))
     assert_expected_inline(op_names(gm), """\
-aten.__rshift__.Tensor
+aten.__rshift__.Scalar
 aten._to_copy.default
 aten.bitwise_and.Scalar
-aten.clone.default
 aten.div.Tensor
 aten.index.Tensor
 aten.lift_fresh_copy.default
 aten.mm.default
 aten.mul.Tensor
 aten.stack.default
-aten.t.default
+aten.transpose.int
 aten.unsqueeze.default
 aten.view.default""")
     placeholders = {tuple(n.meta["val"].shape): n for n in gm.graph.nodes if n.op == "placeholder"}
@@ -154,7 +153,7 @@ aten.view.default""")
     (mm,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
     downstream = depends_on(gm, amax)
     assert mm not in downstream, "the weight's amax reached the GEMM operand (a dequantize)"
-    for n in downstream:
+    for n in (n for n in downstream if n.op == "call_function"):
         shape = tuple(n.meta["val"].shape)
         assert shape in ((), (8, 32)), f"{n.target} applies the amax to a tensor of shape {shape}"
 

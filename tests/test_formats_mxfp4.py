@@ -1,5 +1,6 @@
 """MXFP4 fake quantization on all 65,536 bf16 bit patterns against an fp64 oracle written here,
-from the definition (FORMATS.md, MXFP4), not from the bit tricks the reference uses."""
+from the definition (FORMATS.md, MXFP4), not from the bit tricks the reference uses. Both the
+reference and the dispatching entry point (a C++/CUDA kernel where one is built) are checked."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import torch
 
 from conftest import E2M1_GRID, all_bf16_patterns, assert_bits_equal
 from qtensor.formats import mxfp4
+from qtensor.ops import quant
+
+# The reference, and the public entry point that runs the C++/CUDA kernel where one is built.
+PROJECTIONS = {"reference": mxfp4.fake_quantize, "dispatch": quant.fake_quantize_mxfp4}
 
 
 def oracle_block_exponent(amax: torch.Tensor) -> torch.Tensor:
@@ -46,42 +51,46 @@ def oracle_fake_quantize(w: torch.Tensor) -> torch.Tensor:
     return out.reshape(w.shape).to(w.dtype)  # exact: q * 2**e has at most 2 significant bits
 
 
-def _compare(w: torch.Tensor) -> None:
-    got = mxfp4.fake_quantize(w)
+@pytest.fixture(params=sorted(PROJECTIONS))
+def project(request):
+    return PROJECTIONS[request.param]
+
+
+def _compare(w: torch.Tensor, project) -> None:
+    got = project(w)
     want = oracle_fake_quantize(w)
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan)
     assert_bits_equal(got[~nan], want[~nan], "MXFP4 fake quantize")
 
 
-def test_all_bf16_patterns_in_bit_order():
+def test_all_bf16_patterns_in_bit_order(project):
     # consecutive bit patterns share a block: each block spans one exponent's mantissas
-    _compare(all_bf16_patterns().reshape(2048, 32))
+    _compare(all_bf16_patterns().reshape(2048, 32), project)
 
 
-def test_all_bf16_patterns_shuffled():
+def test_all_bf16_patterns_shuffled(project):
     # shuffled, blocks mix tiny, huge, subnormal, zero and non-finite elements
     w = all_bf16_patterns()
     perm = torch.randperm(w.numel(), generator=torch.Generator().manual_seed(0))
-    _compare(w[perm].reshape(64, 1024))
+    _compare(w[perm].reshape(64, 1024), project)
 
 
-def test_all_bf16_patterns_finite_only_shuffled():
+def test_all_bf16_patterns_finite_only_shuffled(project):
     w = all_bf16_patterns()
     w = w[torch.isfinite(w)]
     w = w[torch.randperm(w.numel(), generator=torch.Generator().manual_seed(1))]
     w = w[: w.numel() // 32 * 32].reshape(-1, 32)
-    got = mxfp4.fake_quantize(w)
-    assert bool(torch.isfinite(got).all())  # no finite block is poisoned
-    _compare(w)
+    assert bool(torch.isfinite(project(w)).all())  # no finite block is poisoned
+    _compare(w, project)
 
 
-def test_fp32_wide_range_against_oracle():
+def test_fp32_wide_range_against_oracle(project):
     g = torch.Generator().manual_seed(2)
     exps = torch.randint(-149, 128, (512, 4, 1), generator=g).expand(512, 4, 32).float()
     w = (torch.randn(512, 128, generator=g) * torch.exp2(exps.reshape(512, 128))).float()
     w = torch.where(torch.isfinite(w), w, torch.zeros_like(w))
-    _compare(w)
+    _compare(w, project)
 
 
 def test_block_exponent_from_bits_matches_definition():
@@ -92,12 +101,12 @@ def test_block_exponent_from_bits_matches_definition():
     assert torch.equal(got.long(), want)
 
 
-def test_straight_through_gradient_and_dtype_checks():
+def test_straight_through_gradient_and_dtype_checks(project):
     w = torch.randn(4, 64, requires_grad=True)
-    out = mxfp4.fake_quantize(w)
+    out = project(w)
     out.backward(torch.arange(256.0).reshape(4, 64))
     assert torch.equal(w.grad, torch.arange(256.0).reshape(4, 64))
     with pytest.raises(TypeError, match="bf16 or fp32 weights; got torch.float16"):
-        mxfp4.fake_quantize(torch.randn(4, 64).half())
+        project(torch.randn(4, 64).half())
     with pytest.raises(ValueError, match="last dim divisible by 32; got shape \\(4, 48\\)"):
-        mxfp4.fake_quantize(torch.randn(4, 48))
+        project(torch.randn(4, 48))

@@ -84,8 +84,10 @@ def test_floor_saturates_and_rceil_does_not():
     x[0, :2] = torch.tensor([1.9 * 16, -1.9 * 16])
     floor = mxfp8.quantize(x, MXFP8Spec("floor"))
     rceil = mxfp8.quantize(x, MXFP8Spec("rceil"))
-    assert as_bytes(floor.scale).item() == 127 - 4 and floor.qdata.float()[0, :2].tolist() == [448, -448]
-    assert as_bytes(rceil.scale).item() == 127 - 3 and rceil.qdata.float()[0, :2].tolist() == [240, -240]
+    assert as_bytes(floor.scale).item() == 127 - 4
+    assert floor.qdata.float()[0, :2].tolist() == [448, -448]
+    assert as_bytes(rceil.scale).item() == 127 - 3
+    assert rceil.qdata.float()[0, :2].tolist() == [240, -240]
 
 
 def test_rceil_subnormal_scale_value_rounds_up_to_code_1():
@@ -114,7 +116,8 @@ def test_zero_block_code_0_and_special_codes_decode():
     q = torch.tensor([[1.0] + [0.0] * 31]).to(torch.float8_e4m3fn)
     assert mxfp8.dequantize(q, torch.tensor([[254]], dtype=torch.uint8).view(torch.float8_e8m0fnu),
                             columnwise=False)[0, 0].item() == 2.0**127
-    assert mxfp8.scale_codes(torch.tensor([float("inf"), float("nan")]), "rceil").tolist() == [255, 255]
+    non_finite = torch.tensor([float("inf"), float("nan")])
+    assert mxfp8.scale_codes(non_finite, "rceil").tolist() == [255, 255]
 
 
 def test_largest_finite_amax_codes():
@@ -124,7 +127,7 @@ def test_largest_finite_amax_codes():
     assert codes_of(big, "floor").tolist() == [246]
 
 
-# ---- layouts --------------------------------------------------------------------------------------
+# ---- layouts -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("rule", ["rceil", "floor"])

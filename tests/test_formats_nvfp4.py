@@ -66,7 +66,9 @@ def test_golden_bytes(golden, name, config):
         assert torch.equal(got.amax.view(torch.int32), want["amax"].view(torch.int32)), label
 
 
-@pytest.mark.parametrize("config", ["nvfp4", "nvfp4_col", "nvfp4_rowscaled_col", "nvfp4_4o6_mse_2d_b256"])
+@pytest.mark.parametrize(
+    "config", ["nvfp4", "nvfp4_col", "nvfp4_rowscaled_col", "nvfp4_4o6_mse_2d_b256"]
+)
 @pytest.mark.parametrize("name", ["normal_rowspread", "outlier", "fp32_wide"])
 def test_golden_decode(golden, name, config):
     """dequantize() is step 7 of FORMATS.md applied to the golden bytes, in the logical layout."""
@@ -164,7 +166,7 @@ def test_row_scaled_rows_are_independent_tensors(columnwise):
         assert got.amax[r] == alone.amax
 
 
-# ---- 4over6 ---------------------------------------------------------------------------------------
+# ---- 4over6 --------------------------------------------------------------------------------------
 
 # Bound 256 and A = 6 * 256 = 1536 make S_enc = 1, so base = b_amax / 6 and the candidates are
 # s6 = e4m3(b_amax/6), s4 = e4m3(b_amax/4). Blocks (element 0 is the block amax):
@@ -173,7 +175,12 @@ def test_row_scaled_rows_are_independent_tensors(columnwise):
 #   [12, 9]:      6, 4.5 -> 4 under scale 2; 4, 3 exactly under scale 3: map-to-4.
 #   [12, 1]:      6, 0.5 exactly under scale 2; 4, 0.33 -> 0.5 (error 0.5) under 3: map-to-6.
 #   [12]:         exact under both: a tie, which goes to map-to-6 (scale 2).
-FOUROVERSIX_BLOCKS = [([1536.0, 1152.0], 384.0), ([12.0, 9.0], 3.0), ([12.0, 1.0], 2.0), ([12.0], 2.0)]
+FOUROVERSIX_BLOCKS = [
+    ([1536.0, 1152.0], 384.0),
+    ([12.0, 9.0], 3.0),
+    ([12.0, 1.0], 2.0),
+    ([12.0], 2.0),
+]
 
 
 @pytest.mark.parametrize("error", ["mae", "mse"])
@@ -213,7 +220,7 @@ def test_fourover6_2d_tile_choice():
     assert torch.equal(t.scale.float()[:, 0], torch.tensor([3.0] * 16 + [256.0] * 16))
 
 
-# ---- stochastic rounding --------------------------------------------------------------------------
+# ---- stochastic rounding -------------------------------------------------------------------------
 
 # Scaled values and their two neighbours on the E2M1 grid; each sits at a multiple of 1/256 of
 # its step, so 8-bit stochastic rounding is exactly unbiased on them.
@@ -225,14 +232,19 @@ def _sr_input(draws: int) -> torch.Tensor:
     return unit_block_matrix(rows)
 
 
-def _sr_units(generator) -> torch.Tensor:
-    t = nvfp4.quantize(_sr_input(4096), NVFP4Spec(stochastic_rounding=True), generator=generator)
+def _sr_units(generator, via: str = "reference") -> torch.Tensor:
+    x = _sr_input(4096)
+    if via == "reference":
+        t = nvfp4.quantize(x, NVFP4Spec(stochastic_rounding=True), generator=generator)
+    else:  # the tensor class, through whichever quantization backend is built
+        t = NVFP4Tensor.from_hp(x, stochastic_rounding=True, generator=generator)
     assert bool((as_bytes(t.scale)[1:, 0] == 0x38).all())  # scale 1: codes are the values
     return e2m1_values(unpack_codes(t.qdata)[1:, 1 : 1 + len(SR_VALUES)])
 
 
-def test_stochastic_rounding_unbiased_and_adjacent():
-    units = _sr_units(torch.Generator().manual_seed(4))
+@pytest.mark.parametrize("via", ["reference", "from_hp"])
+def test_stochastic_rounding_unbiased_and_adjacent(via):
+    units = _sr_units(torch.Generator().manual_seed(4), via)
     grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
     for j, v in enumerate(SR_VALUES):
         col = units[:, j]
@@ -246,15 +258,18 @@ def test_stochastic_rounding_unbiased_and_adjacent():
         assert abs(col.mean().item() - v) < 5 * float(hi - lo) / 2 / 64 + 1e-12, (v, col.mean())
 
 
-def test_stochastic_rounding_seeds():
-    a = _sr_units(torch.Generator().manual_seed(5))
-    b = _sr_units(torch.Generator().manual_seed(5))
-    c = _sr_units(torch.Generator().manual_seed(6))
+@pytest.mark.parametrize("via", ["reference", "from_hp"])
+def test_stochastic_rounding_seeds(via):
+    a = _sr_units(torch.Generator().manual_seed(5), via)
+    b = _sr_units(torch.Generator().manual_seed(5), via)
+    c = _sr_units(torch.Generator().manual_seed(6), via)
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
     x = _sr_input(64).to(torch.bfloat16)
-    t1 = NVFP4Tensor.from_hp(x, stochastic_rounding=True, generator=torch.Generator().manual_seed(7))
-    t2 = NVFP4Tensor.from_hp(x, stochastic_rounding=True, generator=torch.Generator().manual_seed(7))
+    t1, t2 = (
+        NVFP4Tensor.from_hp(x, stochastic_rounding=True, generator=torch.Generator().manual_seed(7))
+        for _ in range(2)
+    )
     assert torch.equal(t1.qdata, t2.qdata) and torch.equal(as_bytes(t1.scale), as_bytes(t2.scale))
 
 
@@ -266,7 +281,7 @@ def test_stochastic_rounding_keeps_the_deterministic_scales():
     assert torch.equal(sr.amax, rn.amax)
 
 
-# ---- random Hadamard transform --------------------------------------------------------------------
+# ---- random Hadamard transform -------------------------------------------------------------------
 
 
 def test_rht_matrix_is_signed_sylvester_hadamard_and_orthogonal():

@@ -55,8 +55,13 @@ def _op_samples(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_every_op(device):
     for op, args in _op_samples(device):
-        # Gradient checks apply to mxfp4_fake_quantize only (the others return integer bytes).
-        tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+        tests = ["test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"]
+        outs = op(*args)
+        tensors = [t for t in (*args, *(outs if isinstance(outs, tuple) else (outs,)))
+                   if isinstance(t, torch.Tensor)]
+        # test_schema compares outputs with float math, which torch lacks for float8 on CPU.
+        if not any(t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu) for t in tensors):
+            tests.append("test_schema")
         torch.library.opcheck(op, args, test_utils=tests)
 
 

@@ -67,16 +67,23 @@ def test_cpu_kernels_match_reference():
 
 
 @pytest.mark.skipif(not _has_kernel("cpu"), reason="qtensor._C (CPU kernels) is not built")
-def test_cpu_kernel_errors_and_opcheck():
+def test_cpu_kernel_opcheck():
     w = torch.randn(128, 128)
     torch.library.opcheck(torch.ops.qtensor.mxfp4_qat_mxfp8.default, (w, True, True, True))
     torch.library.opcheck(torch.ops.qtensor.mxfp4_qat_fp8_block.default, (w, False))
-    with pytest.raises(RuntimeError, match="bf16 or fp32"):
-        torch.ops.qtensor.mxfp4_qat_mxfp8(w.half(), False, True, True)
-    with pytest.raises(RuntimeError, match="divisible by 128"):
-        torch.ops.qtensor.mxfp4_qat_fp8_block(torch.zeros(96, 128), True)
-    with pytest.raises(RuntimeError, match="divisible by 32"):
-        torch.ops.qtensor.mxfp4_qat_mxfp8(torch.zeros(48, 64), True, True, True)
+
+
+def test_wrapper_rejects_before_any_kernel():
+    # The Python wrappers validate first: a C++ TORCH_CHECK on a shape crashed the process on
+    # the GPU machine (torch 2.11, 2026-11-30), so no user error should depend on it.
+    with pytest.raises(TypeError, match="bf16 or fp32"):
+        kernels.mxfp4_qat_mxfp8(torch.zeros(32, 32, dtype=torch.float16), False)
+    with pytest.raises(ValueError, match="divisible by 128"):
+        kernels.mxfp4_qat_fp8_block(torch.zeros(96, 128), True)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        kernels.mxfp4_qat_mxfp8(torch.zeros(48, 64), True)
+    rows_only, _ = kernels.mxfp4_qat_mxfp8(torch.zeros(48, 64), True, columnwise=False)
+    assert rows_only.qdata.shape == (48, 64)
 
 
 @pytest.mark.cuda
@@ -88,6 +95,9 @@ def test_cuda_kernels_match_reference():
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.xfail(strict=False, reason="H200, torch 2.11, 2026-11-30: native block-scaled "
+                   "products differ from the emulation (scale memory order still open; "
+                   "docs/qat.md Status). native_gemm stays opt-in until this passes.")
 def test_cuda_scaled_mm_block_gemms_match_emulation():
     g = torch.Generator().manual_seed(9)
     m, n, k = 256, 384, 512
@@ -95,7 +105,8 @@ def test_cuda_scaled_mm_block_gemms_match_emulation():
     dy = (torch.randn(m, n, generator=g)).bfloat16().cuda()
     w = (torch.randn(n, k, generator=g) * 0.05).cuda()
     host = hosts.Host.FP8_BLOCK128
-    assert hosts.gemm_backend(host, x.device) is GemmBackend.SCALED_MM
+    assert hosts.gemm_backend(host, x.device, True) is GemmBackend.SCALED_MM
+    assert hosts.gemm_backend(host, x.device) is GemmBackend.EMULATED
     wop = hosts.Operand(*convert.fp8_block_weight(w, True), "fb_tile")
     xr, xc = hosts.quantize(x, host, False), hosts.quantize(x, host, True)
     dr, dc = hosts.quantize(dy, host, False), hosts.quantize(dy, host, True)

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import as_bytes
 from qtensor import HybridTensor, MXFP8Spec, MXFP8Tensor, NVFP4Spec, NVFP4Tensor, QuantizedTensor
 
 
@@ -25,7 +24,8 @@ CASES = {
         _x(32, 64), block_2d=True, fourover6="mse", e4m3_bound=256),
     "nvfp4_rowscaled": lambda: NVFP4Tensor.from_hp(_x(32, 64), row_scaled=True),
     "nvfp4_col_rht": lambda: NVFP4Tensor.from_hp(_x(32, 64), columnwise=True, rht=True),
-    "nvfp4_col_rowscaled": lambda: NVFP4Tensor.from_hp(_x(32, 64), columnwise=True, row_scaled=True),
+    "nvfp4_col_rowscaled": lambda: NVFP4Tensor.from_hp(
+        _x(32, 64), columnwise=True, row_scaled=True),
     "nvfp4_3d_sr": lambda: NVFP4Tensor.from_hp(
         _x(2, 32, 64), stochastic_rounding=True, generator=torch.Generator().manual_seed(1)),
     "mxfp8": lambda: MXFP8Tensor.from_hp(_x(32, 64)),
@@ -150,7 +150,7 @@ def test_unknown_op_raises_naming_it(qt):
         qt.sum()
 
 
-# ---- serialization --------------------------------------------------------------------------------
+# ---- serialization -------------------------------------------------------------------------------
 
 
 def test_save_load_weights_only(qt):
@@ -258,7 +258,7 @@ def test_hybrid_slices_both_sides():
         h.reshape(64, 32)
 
 
-# ---- copy_ ----------------------------------------------------------------------------------------
+# ---- copy_ ---------------------------------------------------------------------------------------
 
 
 def _requantize_like(t, x):
@@ -283,7 +283,7 @@ def test_copy_into_same_format(qt):
 
 def test_copy_errors():
     dst = NVFP4Tensor.from_hp(_x(32, 64))
-    with pytest.raises(TypeError, match="needs a NVFP4Tensor source; got Tensor.*Quantize the source"):
+    with pytest.raises(TypeError, match="NVFP4Tensor source; got Tensor.*Quantize the source"):
         dst.copy_(_x(32, 64))
     with pytest.raises(TypeError, match="got MXFP8Tensor"):
         dst.copy_(MXFP8Tensor.from_hp(_x(32, 64)))

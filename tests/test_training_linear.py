@@ -72,7 +72,8 @@ def test_nvfp4_default_recipe_gemms():
     assert rel(dw, deq(dYc).T @ deq(Xc)) < 1e-5
     # Negative controls: the same GEMMs without SR / without RHT are measurably different.
     assert rel(dx, deq(NVFP4Tensor.from_hp(g)) @ deq(Wc)) > 1e-3
-    no_rht = deq(NVFP4Tensor.from_hp(g, columnwise=True)).T @ deq(NVFP4Tensor.from_hp(x, columnwise=True))
+    no_rht = (deq(NVFP4Tensor.from_hp(g, columnwise=True)).T
+              @ deq(NVFP4Tensor.from_hp(x, columnwise=True)))
     assert rel(dw, no_rht) > 1e-3
 
 

@@ -88,8 +88,10 @@ def test_backward_of_an_earlier_microbatch_keeps_its_weight():
 # ---- graph-safe cache ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", [NVFP4TrainingRecipe(**RL), NVFP4TrainingRecipe(dgrad_mxfp8=True)],
-                         ids=["nvfp4", "dgrad_mxfp8"])
+@pytest.mark.parametrize(
+    "recipe", [NVFP4TrainingRecipe(**RL), NVFP4TrainingRecipe(dgrad_mxfp8=True)],
+    ids=["nvfp4", "dgrad_mxfp8"],
+)
 def test_graph_safe_cache_honours_skip_flag(recipe):
     torch.manual_seed(0)
     m = TrainingLinear(K, N, recipe=recipe)

@@ -14,32 +14,33 @@ import triton
 import triton.language as tl
 
 from qtensor.kernels import tiles
-from qtensor.kernels.qgemm import Operand, _factor
+from qtensor.kernels.qgemm import Epilogue, Operand, _vector
 
-BM, BN, BK = 128, 128, 128
+CONFIG = (128, 256, 64, 8, 3)  # BM, BN, BK, warps, stages: bf16 operands (decoded first)
 
 
-def grouped_qgemm(a: Operand, b: Operand, offs, *, left, right, bias, out_dtype,
-                  t: int, n: int, k: int, config=(BM, BN, BK, 8, 3)) -> torch.Tensor:
-    """[T, N]; a is [1, T, K*], b is [E, N, K*] rows along K; left [T, 1], right [E, 1, N]."""
+def grouped_qgemm(a: Operand, b: Operand, offs, ep: Epilogue, *, out_dtype, t: int, n: int,
+                  k: int, config=CONFIG) -> torch.Tensor:
+    """[T, N]; a is [1, T, K*], b is [E, N, K*] rows along K; amax_a [T, 1], amax_b [E, 1, N]."""
     bm, bn, bk, warps, stages = config
     experts = b.data.shape[0]
     out = torch.empty((t, n), dtype=out_dtype, device=b.data.device)
     (_, a_r, a_k), (_, as_r, as_k) = a.strides()
     (b_e, b_r, b_k), (bs_e, bs_r, bs_k) = b.strides()
-    lf, _, l_r = _factor(left, (1, t, 1))
-    rf, r_e, r_c = _factor(right, (experts, 1, n))
+    lf, _, l_r = _vector(ep.amax_a, (1, t, 1))
+    rf, r_e, r_c = _vector(ep.amax_b, (experts, 1, n))
     dummy = b.data
     grid = (triton.cdiv(t, bm) + experts + 1, triton.cdiv(n, bn))
     _grouped_kernel[grid](
         a.data, a.scale if a.scale is not None else dummy, a_r, a_k, as_r, as_k,
-        b.data, b.scale, b_e, b_r, b_k, bs_e, bs_r, bs_k, offs,
-        lf if lf is not None else dummy, l_r, rf if rf is not None else dummy, r_e, r_c,
-        bias if bias is not None else dummy, bias.stride(0) if bias is not None else 0,
-        out, experts, t, n, k,
-        FMT_A=a.fmt, FMT_B=b.fmt, HAS_LEFT=lf is not None, HAS_RIGHT=rf is not None,
-        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
-        enable_fp_fusion=False,
+        b.data, b.scale if b.scale is not None else dummy, b_e, b_r, b_k, bs_e, bs_r, bs_k,
+        offs, lf if lf is not None else dummy, l_r, ep.inv or 1.0,
+        rf if rf is not None else dummy, r_e, r_c,
+        ep.bias if ep.bias is not None else dummy,
+        ep.bias.stride(0) if ep.bias is not None else 0, out, experts, t, n, k,
+        FMT_A=a.fmt, FMT_B=b.fmt, LEFT=ep.left_mode(), HAS_RIGHT=rf is not None,
+        HAS_BIAS=ep.bias is not None, BM=bm, BN=bn, BK=bk, num_warps=warps,
+        num_stages=stages, enable_fp_fusion=False,
     )
     return out
 
@@ -48,8 +49,8 @@ def grouped_qgemm(a: Operand, b: Operand, offs, *, left, right, bias, out_dtype,
 def _grouped_kernel(
     a_ptr, as_ptr, a_r, a_k, as_r, as_k,
     b_ptr, bs_ptr, b_e, b_r, b_k, bs_e, bs_r, bs_k, offs_ptr,
-    left_ptr, l_r, right_ptr, r_e, r_c, bias_ptr, bias_e, out_ptr, E, T, N, K,
-    FMT_A: tl.constexpr, FMT_B: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    left_ptr, l_r, inv, right_ptr, r_e, r_c, bias_ptr, bias_e, out_ptr, E, T, N, K,
+    FMT_A: tl.constexpr, FMT_B: tl.constexpr, LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -79,8 +80,8 @@ def _grouped_kernel(
             0, K, FMT_A, FMT_B, BM, BN, BK,
         )
         acc = tiles.epilogue(
-            acc, rows, cols, rmask, cmask, left_ptr, l_r, right_ptr + expert * r_e, r_c,
-            bias_ptr + expert * bias_e, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
+            acc, rows, cols, rmask, cmask, left_ptr, l_r, inv, right_ptr + expert * r_e, r_c,
+            bias_ptr + expert * bias_e, LEFT, HAS_RIGHT, HAS_BIAS,
         )
         mask = rmask[:, None] & cmask[None, :]
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),

@@ -105,16 +105,22 @@ def mainloop(
                 a_ev, a_od = load_nvfp4(a_ptr, as_ptr, rows_a, amask, kk, kh_end, a_r, a_k,
                                         as_r, as_k, BM, BK // 2)
             else:
-                kb = kk + tl.arange(0, BK // 2)
-                m = amask[:, None] & (kb < kh_end)[None, :]
-                base = a_ptr + rows_a[:, None] * a_r + (2 * kb)[None, :] * a_k
-                a_ev = tl.load(base, mask=m, other=0.0)
-                a_od = tl.load(base + a_k, mask=m, other=0.0)
+                # One contiguous load, split into even and odd columns in registers.
+                k = 2 * kk + tl.arange(0, BK)
+                m = amask[:, None] & (k < k_hi)[None, :]
+                a = tl.load(a_ptr + rows_a[:, None] * a_r + k[None, :] * a_k, mask=m, other=0.0)
+                a_ev, a_od = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
             acc = tl.dot(a_ev, tl.trans(b_ev), acc)
             acc = tl.dot(a_od, tl.trans(b_od), acc)
     else:
         for kk in range(k_lo, k_hi, BK):
-            b = load_mxfp8(b_ptr, bs_ptr, rows_b, bmask, kk, k_hi, b_r, b_k, bs_r, bs_k, BN, BK)
+            if FMT_B == MXFP8:
+                b = load_mxfp8(b_ptr, bs_ptr, rows_b, bmask, kk, k_hi, b_r, b_k, bs_r, bs_k,
+                               BN, BK)
+            else:
+                k = kk + tl.arange(0, BK)
+                m = bmask[:, None] & (k < k_hi)[None, :]
+                b = tl.load(b_ptr + rows_b[:, None] * b_r + k[None, :] * b_k, mask=m, other=0.0)
             if FMT_A == MXFP8:
                 a = load_mxfp8(a_ptr, as_ptr, rows_a, amask, kk, k_hi, a_r, a_k, as_r, as_k,
                                BM, BK)
@@ -128,16 +134,19 @@ def mainloop(
 
 @triton.jit
 def epilogue(
-    acc, rows, cols, rmask, cmask,
-    left_ptr, left_r, right_ptr, right_c, bias_ptr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    acc, rows, cols, rmask, cmask, left_ptr, left_r, inv, right_ptr, right_c, bias_ptr,
+    LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """acc * left[row], then * right[col], then + bias[col]: the reference's order, unfused.
+    """acc * left, then * amax_b[col], then + bias[col]: the reference's order, unfused.
 
-    Kernels run with enable_fp_fusion=False so the multiply and the add stay two roundings.
+    left is `inv` (LEFT == 1) or `amax_a[row] * inv` (LEFT == 2), both in fp32 as the reference
+    forms them. Kernels run with enable_fp_fusion=False so no multiply and add fuse into an FMA.
     """
-    if HAS_LEFT:
-        acc = acc * tl.load(left_ptr + rows * left_r, mask=rmask, other=0.0)[:, None]
+    if LEFT == 1:
+        acc = acc * inv
+    if LEFT == 2:
+        amax = tl.load(left_ptr + rows * left_r, mask=rmask, other=0.0)
+        acc = acc * (amax * inv)[:, None]
     if HAS_RIGHT:
         acc = acc * tl.load(right_ptr + cols * right_c, mask=cmask, other=0.0)[None, :]
     if HAS_BIAS:

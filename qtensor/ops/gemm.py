@@ -30,6 +30,8 @@ same numbers, never a different precision. `gemm_plan(a, b)` says which path a p
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from qtensor.backends import GemmBackend, gemm_backend_problem
@@ -161,16 +163,39 @@ def _kernel_operand(x, side: str, kernels):
     return kernels.Operand(kernels.FMT_MXFP8, batched(q), batched(s.view(torch.uint8)))
 
 
-def triton_mm(a_op, b_op, bias, out_dtype, config=None) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def _inv(denom: float) -> float:
+    # The same correctly rounded fp32 r(1 / denom) as epilogue_factors, computed once on the
+    # host: a device tensor would cost a host-to-device copy (and a sync) per product.
+    return fdiv(1.0, torch.tensor(denom)).item()
+
+
+def kernel_epilogue(a, b, bias, kernels):
+    """epilogue_factors' terms for a kernel, which forms amax_a * inv itself (in fp32)."""
+    nv_a, nv_b = isinstance(a, NVFP4Tensor), isinstance(b, NVFP4Tensor)
+    if not (nv_a or nv_b):
+        return kernels.Epilogue(None, None, None, bias)
+    denom = (6.0 * a.e4m3_bound if nv_a else 1.0) * (6.0 * b.e4m3_bound if nv_b else 1.0)
+    return kernels.Epilogue(
+        a.amax_for("left") if nv_a else None,
+        _inv(denom),
+        b.amax_for("right") if nv_b else None,
+        bias,
+    )
+
+
+def triton_mm(a_op, b_op, bias, out_dtype, config=None, predecode=None) -> torch.Tensor:
+    """The triton backend. Above qgemm.DECODE_FIRST_M rows (or with predecode=True) each
+    quantized operand is decoded to exact bf16 once, then multiplied by the bf16 kernel."""
     from qtensor.kernels import qgemm
 
-    left, right = epilogue_factors(a_op, b_op)
-    out = qgemm.qgemm(
-        _kernel_operand(a_op, "left", qgemm),
-        _kernel_operand(b_op, "right", qgemm),
-        left=left, right=right, bias=bias, out_dtype=out_dtype,
-        m=a_op.shape[-2], n=b_op.shape[-1], k=a_op.shape[-1], config=config,
-    )
+    m, n, k = a_op.shape[-2], b_op.shape[-1], a_op.shape[-1]
+    a = _kernel_operand(a_op, "left", qgemm)
+    b = _kernel_operand(b_op, "right", qgemm)
+    if predecode if predecode is not None else m > qgemm.DECODE_FIRST_M:
+        a, b = qgemm.decode_bf16(a, m, k), qgemm.decode_bf16(b, n, k)
+    ep = kernel_epilogue(a_op, b_op, bias, qgemm)
+    out = qgemm.qgemm(a, b, ep, out_dtype=out_dtype, m=m, n=n, k=k, config=config)
     return out[0] if a_op.dim() == 2 and b_op.dim() == 2 else out
 
 

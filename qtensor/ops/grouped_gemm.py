@@ -67,14 +67,16 @@ def grouped_mm_reference(a_op, b_op, offs, bias, out_dtype) -> torch.Tensor:
 
 
 def _triton_grouped(a_op, b_op, offs, bias, out_dtype) -> torch.Tensor:
+    """The operands are decoded to exact bf16 once (each weight is read by T / BM tiles), then
+    the grouped bf16 kernel applies the per-expert epilogue."""
     from qtensor.kernels import grouped_qgemm, qgemm
-    from qtensor.ops.gemm import _kernel_operand
+    from qtensor.ops.gemm import _kernel_operand, kernel_epilogue
 
-    left, right = epilogue_factors(a_op, b_op)
+    t, k, n = a_op.shape[0], a_op.shape[1], b_op.shape[2]
+    a = qgemm.decode_bf16(_kernel_operand(a_op, "left", qgemm), t, k)
+    b = qgemm.decode_bf16(_kernel_operand(b_op, "right", qgemm), n, k)
     return grouped_qgemm.grouped_qgemm(
-        _kernel_operand(a_op, "left", qgemm), _kernel_operand(b_op, "right", qgemm), offs,
-        left=left, right=right, bias=bias, out_dtype=out_dtype,
-        t=a_op.shape[0], n=b_op.shape[2], k=a_op.shape[1],
+        a, b, offs, kernel_epilogue(a_op, b_op, bias, qgemm), out_dtype=out_dtype, t=t, n=n, k=k
     )
 
 

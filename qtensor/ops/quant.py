@@ -151,6 +151,7 @@ def quantize_nvfp4(x, spec: NVFP4Spec, generator=None) -> tuple[NVFP4Data, Quant
     sr = sr_seed(generator) if spec.stochastic_rounding else None
     if backend is QuantBackend.REFERENCE:
         return nvfp4.quantize(x, spec, sr), backend
+    nvfp4.check_shape(x.shape, spec)  # the same ValueError as the reference, before any kernel
     a = amax(x, columnwise=spec.columnwise, rht=spec.rht, per_row=spec.row_scaled)
     qdata, scale = nvfp4_codes(x, a, spec, sr)
     return NVFP4Data(qdata, scale, a), backend

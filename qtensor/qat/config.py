@@ -41,6 +41,10 @@ class MXFP4QATConfig(AOBaseConfig):
     backward_override: str | None = None
     # Add the weight gradient into `weight.main_grad` (fp32, Megatron-style) instead of .grad.
     fuse_wgrad_accumulation: bool = False
+    # Run the FP8 block host's GEMMs natively (torch._scaled_mm, sm_90+) instead of the exact
+    # emulation. Off by default: on 2026-11-30 the native products did not yet match the
+    # emulation on the H200 (docs/qat.md, "Status").
+    native_gemm: bool = False
     # Leave layers whose shapes the host cannot take in high precision instead of raising.
     skip_incompatible: bool = False
 
@@ -52,7 +56,7 @@ class MXFP4QATConfig(AOBaseConfig):
             raise ValueError(
                 f"backward_override must be one of {OVERRIDES}; got {self.backward_override!r}."
             )
-        for name in ("direct", "fuse_wgrad_accumulation", "skip_incompatible"):
+        for name in ("direct", "fuse_wgrad_accumulation", "native_gemm", "skip_incompatible"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}.")
 

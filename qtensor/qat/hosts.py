@@ -79,9 +79,11 @@ def token_multiple(host: Host) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def gemm_backend(host: Host, device: torch.device) -> GemmBackend:
-    """Chosen once per (host, device): native FP8 block GEMMs on sm_90+, else exact emulation."""
-    if host is Host.FP8_BLOCK128 and device.type == "cuda":
+def gemm_backend(host: Host, device: torch.device, native: bool = False) -> GemmBackend:
+    """Chosen once per (host, device, native): the native FP8 block GEMM when asked for on
+    sm_90+, else exact emulation. `native` is opt-in (MXFP4QATConfig.native_gemm) until the
+    torch._scaled_mm scale layouts are verified on the GPU machine (docs/qat.md, status)."""
+    if native and host is Host.FP8_BLOCK128 and device.type == "cuda":
         if torch.cuda.get_device_capability(device) >= (9, 0):
             return GemmBackend.SCALED_MM
     return GemmBackend.EMULATED
@@ -109,11 +111,13 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def _scaled_mm_block(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
-    """torch._scaled_mm with DeepSeek-style block scales (layouts verified on an H200).
+    """torch._scaled_mm with DeepSeek-style block scales.
 
-    The checks in ATen: a row-major with 1x128 scales (M, K/128) in column-major strides; b
-    column-major, its scales checked on b.t(): a 128x128 b wants (K/128, N/128) column-major,
-    a 1x128 b wants (K/128, N) row-major.
+    The shape checks in ATen: a row-major with 1x128 scales (M, K/128) in column-major strides;
+    b column-major, its scales checked on b.t(): a 128x128 b wants (K/128, N/128) column-major,
+    a 1x128 b wants (K/128, N) row-major. These pass the checks on the H200 (torch 2.11), but
+    the products did not match the emulation there on 2026-11-30 (test_qat_kernels.py, xfail):
+    which of the scale memory orders the kernel reads is still open.
     """
     scale_b = _col_major(b.scale) if b.layout == "fb_tile" else b.scale.contiguous()
     return torch._scaled_mm(

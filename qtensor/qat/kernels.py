@@ -67,20 +67,24 @@ if quant.EXTENSION_ERROR is None and all(hasattr(torch.ops.qtensor, n) for n in 
     _register_fakes()
 
 
-def _check(w: torch.Tensor) -> None:
+def _check(w: torch.Tensor, rows_mult: int, cols_mult: int) -> None:
+    """Validate in Python before any kernel runs (the C++ checks are a second guard)."""
     if w.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(
             f"MXFP4 QAT converts bf16 or fp32 weights; got {w.dtype}. fp16 cannot hold the "
             "MXFP4 grid (2**-127 .. 6 * 2**125)."
         )
-    if w.dim() != 2:
-        raise ValueError(f"MXFP4 QAT converts a 2-D weight [N, K]; got shape {tuple(w.shape)}.")
+    if w.dim() != 2 or w.shape[0] % rows_mult or w.shape[1] % cols_mult:
+        raise ValueError(
+            f"MXFP4 QAT converts a 2-D weight [N, K] with N divisible by {rows_mult} and K by "
+            f"{cols_mult} here; got shape {tuple(w.shape)}. Exclude this layer from QAT."
+        )
 
 
 def mxfp4_qat_mxfp8(w: torch.Tensor, direct: bool, *, rowwise: bool = True,
                     columnwise: bool = True) -> tuple[MXFP8Data | None, MXFP8Data | None]:
     """(rowwise, columnwise) MXFP8 operands of the MXFP4 projection of w [N, K]."""
-    _check(w)
+    _check(w, 32 if columnwise else 1, 32)
     if quant_backend(w.device.type) is QuantBackend.REFERENCE:
         row = convert.mxfp8_rowwise(w, direct) if rowwise else None
         col = convert.mxfp8_columnwise(w, direct) if columnwise else None
@@ -91,7 +95,7 @@ def mxfp4_qat_mxfp8(w: torch.Tensor, direct: bool, *, rowwise: bool = True,
 
 def mxfp4_qat_fp8_block(w: torch.Tensor, direct: bool) -> FP8BlockData:
     """FP8 128x128 operand of the MXFP4 projection of w [N, K]."""
-    _check(w)
+    _check(w, 128, 128)
     if quant_backend(w.device.type) is QuantBackend.REFERENCE:
         return convert.fp8_block_weight(w, direct)
     return FP8BlockData(*torch.ops.qtensor.mxfp4_qat_fp8_block(w, direct))

@@ -27,9 +27,7 @@ from qtensor.qat import hosts
 from qtensor.qat.cache import WeightCache, WeightOperands
 from qtensor.qat.hosts import Host
 from qtensor.tensors.base import QuantizedTensor
-
-# Same values and meaning as qtensor.training's backward_override.
-OVERRIDES = (None, "high_precision", "dequantized")
+from qtensor.training.recipe import OVERRIDES  # backward_override: one vocabulary project-wide
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -146,7 +144,7 @@ class MXFP4QATLinear(nn.Linear):
                 "fuse_wgrad_accumulation=True needs weight.main_grad (an fp32 buffer of the "
                 "weight's shape) to add the weight gradient into; allocate it before training."
             )
-        backend = hosts.gemm_backend(self.host, self.weight.device)
+        backend = hosts.gemm_backend(self.host, self.weight.device, self.qat_config.native_gemm)
         ops = self.weight_cache.get(self.weight, self.qat_config, backend,
                                     is_first_microbatch, skip_update)
         if self.training and torch.is_grad_enabled() and self.weight.requires_grad:

@@ -27,17 +27,15 @@ class TrainingConfig(AOBaseConfig):
     recipe: NVFP4TrainingRecipe = NVFP4TrainingRecipe()
     # Leave layers whose shapes the recipe cannot take in high precision instead of raising.
     skip_incompatible: bool = False
-    # Numbers the modules this config converts, in quantize_'s (deterministic) traversal
-    # order; module k seeds its stochastic-rounding generators from (recipe.seed, k).
-    _seed_index: itertools.count = dataclasses.field(
-        default_factory=itertools.count, compare=False, repr=False
-    )
-
     def __post_init__(self):
         if not isinstance(self.recipe, NVFP4TrainingRecipe):
             raise TypeError(
                 f"TrainingConfig takes an NVFP4TrainingRecipe; got {type(self.recipe).__name__}."
             )
+        # Numbers the modules this config converts, in quantize_'s (deterministic) traversal
+        # order; module k seeds its stochastic-rounding generators from (recipe.seed, k). Not a
+        # field: it is bookkeeping, outside the config's value (eq, repr, serialization).
+        object.__setattr__(self, "_seed_index", itertools.count())
 
 
 @register_quantize_module_handler(TrainingConfig)

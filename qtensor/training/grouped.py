@@ -129,7 +129,8 @@ class GroupedLinear(nn.Module):
             raise ValueError(f"{why}. Pad the expert's features.")
         if num_experts < 1:
             raise ValueError(f"num_experts must be at least 1; got {num_experts}.")
-        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        self.num_experts = num_experts
+        self.in_features, self.out_features = in_features, out_features
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, **kw))
         self.bias = nn.Parameter(torch.empty(num_experts, out_features, **kw)) if bias else None

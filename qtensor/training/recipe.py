@@ -157,7 +157,8 @@ class NVFP4TrainingRecipe:
     # ---- the environment ---------------------------------------------------------------------
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "NVFP4TrainingRecipe":
+    def from_env(cls, environ: Mapping[str, str] | None = None,
+                 **overrides) -> "NVFP4TrainingRecipe":
         """Build a recipe from QTENSOR_* variables (read once, here); keyword args win."""
         env = os.environ if environ is None else environ
         fields: dict = {}

@@ -25,7 +25,6 @@ from qtensor.tensors import HybridTensor, QuantizedTensor, quantize_spec
 from qtensor.tensors.hybrid import SOURCES
 
 Spec = NVFP4Spec | MXFP8Spec
-ROLES = ("input", "weight", "grad_output")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +45,9 @@ class RoleSpec:
         if self.rowwise is not None and self.rowwise.columnwise:
             raise ValueError(f"The rowwise spec must have columnwise=False; got {self.rowwise}.")
         if self.columnwise is not None and not self.columnwise.columnwise:
-            raise ValueError(f"The columnwise spec must have columnwise=True; got {self.columnwise}.")
+            raise ValueError(
+                f"The columnwise spec must have columnwise=True; got {self.columnwise}."
+            )
         if self.columnwise is not None and self.rowwise is None:
             raise ValueError("A columnwise usage needs a rowwise one (the forward operand).")
 
