@@ -9,6 +9,7 @@ configs store the activation's spec on the weight, and F.linear quantizes the ac
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Callable
 
 import torch
@@ -145,22 +146,45 @@ def _extra_repr(self) -> str:
 
 
 for _cfg in CONFIGS:
-    register_quantize_module_handler(_cfg)(lambda module, config: quantize_linear(module, config))
+    register_quantize_module_handler(_cfg)(quantize_linear)
 
 
 def _is_linear(module: nn.Module, name: str) -> bool:
     return isinstance(module, nn.Linear)
 
 
+def _handler(config: AOBaseConfig):
+    """The module transform registered for this config type (ours, training, QAT, or torchao's)."""
+    from torchao.quantization.transform_module import _QUANTIZE_CONFIG_HANDLER
+
+    handler = _QUANTIZE_CONFIG_HANDLER.get(type(config))
+    if handler is None:
+        raise TypeError(
+            f"quantize_ takes a config registered with torchao's quantize_ registry (qtensor's "
+            f"inference, training and QAT configs are); got {type(config).__name__}."
+        )
+    return handler
+
+
 def quantize_(model: nn.Module, config: AOBaseConfig, filter_fn: FilterFn | None = None) -> nn.Module:
-    """Quantize every nn.Linear of `model` that filter_fn(module, name) selects, in place."""
-    if not isinstance(config, CONFIGS):
-        names = ", ".join(c.__name__ for c in CONFIGS)
-        raise TypeError(f"quantize_ takes one of {names}; got {type(config).__name__}.")
+    """Apply `config` to every module that filter_fn(module, name) selects (default: nn.Linear).
+
+    Like torchao's quantize_, but layer names reach the transforms, so shape errors name the
+    layer. Transforms that return a new module (training, QAT) replace it in its parent.
+    """
+    handler = _handler(config)
+    takes_name = "name" in inspect.signature(handler).parameters
     filter_fn = filter_fn or _is_linear
-    for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and filter_fn(module, name):
-            quantize_linear(module, config, name)
+    modules = dict(model.named_modules())
+    for name, module in list(modules.items()):
+        if not filter_fn(module, name):
+            continue
+        new = handler(module, config, name=name) if takes_name else handler(module, config)
+        if new is not module:
+            if not name:
+                raise ValueError("quantize_ cannot replace the root module; pass its parent.")
+            parent_name, _, child = name.rpartition(".")
+            setattr(modules[parent_name], child, new)
     return model
 
 
