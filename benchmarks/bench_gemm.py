@@ -34,6 +34,19 @@ def median_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
+def graph_ms(fn) -> float:
+    """Median time of fn replayed from a CUDA graph: the GPU time without Python launch costs
+    (what a decode loop under CUDA graphs or torch.compile pays). NaN if fn cannot be captured."""
+    import triton.testing
+
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
+    except Exception as e:  # e.g. a host sync inside fn; reported as n/a in the table
+        print(f"  (no CUDA graph: {type(e).__name__}: {str(e)[:80]})")
+        torch.cuda.synchronize()
+        return float("nan")
+
+
 def emit(line: str) -> None:
     print(line, flush=True)
     ROWS.append(line)
@@ -95,8 +108,8 @@ def dense_section(n: int, k: int, ms_list, with_torchao: bool) -> None:
     mx_w, mx_next = rotating(lambda i: MXFP8Tensor.from_hp(w.roll(i, 0)), n * k * 33 // 32)
     ao = torchao_weight_only(w) if with_torchao else None
     emit(f"\n### weight {n}x{k} (N x K)\n")
-    emit("| M | path | time us | vs bf16 | weight GB/s |")
-    emit("|---|---|---|---|---|")
+    emit("| M | path | eager us | eager vs bf16 | graph us | graph vs bf16 | weight GB/s (graph) |")
+    emit("|---|---|---|---|---|---|---|")
     for m in ms_list:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
         nv_x, mx_x = NVFP4Tensor.from_hp(x), MXFP8Tensor.from_hp(x)
@@ -108,16 +121,18 @@ def dense_section(n: int, k: int, ms_list, with_torchao: bool) -> None:
             "bf16 F.linear (cuBLAS)": (lambda: F.linear(x, w), n * k * 2),
             "qtensor bf16 x NVFP4 (weight-only)": (lambda: F.linear(x, nv_next()), nbytes(nv_w[0])),
             "qtensor bf16 x MXFP8 (weight-only)": (lambda: F.linear(x, mx_next()), nbytes(mx_w[0])),
-            "qtensor NVFP4 x NVFP4": (lambda: torch.mm(nv_x, nv_next().t()), nbytes(nv_w[0])),
-            "qtensor MXFP8 x MXFP8": (lambda: torch.mm(mx_x, mx_next().t()), nbytes(mx_w[0])),
+            "qtensor NVFP4 x NVFP4": (lambda: F.linear(nv_x, nv_next()), nbytes(nv_w[0])),
+            "qtensor MXFP8 x MXFP8": (lambda: F.linear(mx_x, mx_next()), nbytes(mx_w[0])),
         }
         if ao is not None:
             paths["torchao NVFP4 weight-only"] = (lambda: ao(x), n * k * 9 // 16)
         base = None
         for name, (fn, wbytes) in paths.items():
-            ms = median_ms(fn)
-            base = base or ms
-            emit(f"| {m} | {name} | {ms * 1e3:.1f} | {base / ms:.2f}x | {wbytes / ms / 1e6:.0f} |")
+            eager = median_ms(fn)
+            graph = graph_ms(fn) if m <= 64 else float("nan")
+            base = base or (eager, graph)
+            emit(f"| {m} | {name} | {eager * 1e3:.1f} | {base[0] / eager:.2f}x | "
+                 f"{graph * 1e3:.1f} | {base[1] / graph:.2f}x | {wbytes / graph / 1e6:.0f} |")
 
 
 def grouped_section(experts: int, tokens=8192, k=2048, n=1536) -> None:
@@ -146,28 +161,37 @@ def grouped_section(experts: int, tokens=8192, k=2048, n=1536) -> None:
 
 
 def sweep(n=8192, k=8192) -> None:
-    """Tile configs of the decode (M=16) and large-M (M=4096) kernels, to pick the defaults."""
+    """Tile configs of the decode kernel (M=16, CUDA-graph times) and of the bf16 kernel that
+    large M runs after decoding (M=4096), plus the decode pass and the in-register alternative."""
+    from qtensor.kernels import qgemm
     from qtensor.kernels.qgemm import Config
 
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     nv_w, nv_next = rotating(lambda i: NVFP4Tensor.from_hp(w.roll(i, 0)), n * k * 9 // 16)
-    emit("\n### config sweep (bf16 x NVFP4 at M=16; NVFP4 x NVFP4 at M=4096), 8192x8192\n")
+    emit(f"\n### config sweep, {n}x{k} weight\n")
     x16 = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
-    for bn, bk, split, stages, warps in [(64, 256, 0, 4, 4), (32, 256, 0, 4, 4),
-                                         (128, 256, 0, 3, 4), (64, 512, 0, 3, 4),
-                                         (32, 512, 0, 4, 4), (64, 256, 1, 4, 4),
-                                         (128, 512, 0, 3, 8)]:
-        tiles = n // bn
-        split = split or max(1, min(k // bk // 4, -(-4 * 132 // tiles)))
+    for bn, bk, stages, warps, split in [(64, 256, 4, 4, 0), (128, 256, 3, 4, 0),
+                                         (32, 256, 4, 4, 0), (64, 256, 3, 8, 0),
+                                         (64, 256, 4, 4, 16)]:
+        split = split or max(1, min(k // bk // 4, -(-4 * 132 // (n // bn))))
         cfg = Config(16, bn, bk, split, warps, stages)
-        ms = median_ms(lambda: triton_mm(x16, nv_next().t(), None, torch.bfloat16, cfg))
-        emit(f"- M=16 {cfg}: {ms * 1e3:.1f} us, {nbytes(nv_w[0]) / ms / 1e6:.0f} GB/s")
+        ms = graph_ms(lambda: triton_mm(x16, nv_next().t(), None, torch.bfloat16, cfg))
+        emit(f"- M=16 bf16 x NVFP4 {cfg}: {ms * 1e3:.1f} us, "
+             f"{nbytes(nv_w[0]) / ms / 1e6:.0f} GB/s")
+    b = qgemm.Operand(qgemm.FMT_NVFP4, nv_w[0].qdata[None], nv_w[0].scale[None])
+    ms = median_ms(lambda: qgemm.decode_bf16(b, n, k))
+    emit(f"- decode_bf16 of the NVFP4 weight: {ms * 1e3:.1f} us, "
+         f"{(nbytes(nv_w[0]) + 2 * n * k) / ms / 1e6:.0f} GB/s moved")
     x = NVFP4Tensor.from_hp(torch.randn(4096, k, device="cuda"))
-    for bm, bn, bk, warps, stages in [(128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
-                                      (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)]:
+    for bm, bn, bk, warps, stages in [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4),
+                                      (256, 128, 64, 8, 3), (128, 256, 64, 8, 4)]:
         cfg = Config(bm, bn, bk, 1, warps, stages)
-        ms = median_ms(lambda: triton_mm(x, nv_next().t(), None, torch.bfloat16, cfg))
-        emit(f"- M=4096 {cfg}: {ms * 1e3:.1f} us, {2 * 4096 * n * k / ms / 1e9:.0f} TFLOP/s")
+        ms = median_ms(lambda: triton_mm(x, nv_next().t(), None, torch.bfloat16, cfg, True))
+        emit(f"- M=4096 NVFP4 x NVFP4 decoded first, {cfg}: {ms * 1e3:.1f} us, "
+             f"{2 * 4096 * n * k / ms / 1e9:.0f} TFLOP/s")
+    cfg = Config(256, 128, 64, 1, 8, 3)
+    ms = median_ms(lambda: triton_mm(x, nv_next().t(), None, torch.bfloat16, cfg, False))
+    emit(f"- M=4096 NVFP4 x NVFP4 decoded in registers, {cfg}: {ms * 1e3:.1f} us")
 
 
 def main() -> None:

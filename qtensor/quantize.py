@@ -153,21 +153,29 @@ def _is_linear(module: nn.Module, name: str) -> bool:
     return isinstance(module, nn.Linear)
 
 
+def _is_candidate(module: nn.Module) -> bool:
+    """Modules a qtensor config can transform; filter_fn chooses among these."""
+    from qtensor.training.grouped import GroupedLinear
+
+    return isinstance(module, (nn.Linear, GroupedLinear))
+
+
 def _handler(config: AOBaseConfig):
     """The module transform registered for this config type (ours, training, QAT, or torchao's)."""
     from torchao.quantization.transform_module import _QUANTIZE_CONFIG_HANDLER
 
     handler = _QUANTIZE_CONFIG_HANDLER.get(type(config))
-    if handler is None:
+    if handler is None or not type(config).__module__.startswith("qtensor."):
+        names = ", ".join(c.__name__ for c in CONFIGS)
         raise TypeError(
-            f"quantize_ takes a config registered with torchao's quantize_ registry (qtensor's "
-            f"inference, training and QAT configs are); got {type(config).__name__}."
+            f"quantize_ takes one of {names}, TrainingConfig or MXFP4QATConfig; got "
+            f"{type(config).__name__}. Use torchao.quantization.quantize_ for torchao's configs."
         )
     return handler
 
 
 def quantize_(model: nn.Module, config: AOBaseConfig, filter_fn: FilterFn | None = None) -> nn.Module:
-    """Apply `config` to every module that filter_fn(module, name) selects (default: nn.Linear).
+    """Apply `config` to every nn.Linear (or GroupedLinear) that filter_fn(module, name) selects.
 
     Like torchao's quantize_, but layer names reach the transforms, so shape errors name the
     layer. Transforms that return a new module (training, QAT) replace it in its parent.
@@ -177,7 +185,7 @@ def quantize_(model: nn.Module, config: AOBaseConfig, filter_fn: FilterFn | None
     filter_fn = filter_fn or _is_linear
     modules = dict(model.named_modules())
     for name, module in list(modules.items()):
-        if not filter_fn(module, name):
+        if not (_is_candidate(module) and filter_fn(module, name)):
             continue
         new = handler(module, config, name=name) if takes_name else handler(module, config)
         if new is not module:

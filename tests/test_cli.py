@@ -193,10 +193,10 @@ def test_analyze_hugging_face_directory(capsys, llama_dir, tmp_path):
 
 
 @NO_CUDA
-def test_cuda_requested_without_cuda_is_one_line():
-    done = subprocess.run([sys.executable, "-m", "qtensor", "demo", "--device", "cuda"],
-                          cwd=ROOT, text=True, capture_output=True, timeout=120)
-    assert_one_line_error(done.returncode, done.stderr, "CUDA", "--device cpu")
+@pytest.mark.parametrize("command", ["demo", "analyze"])
+def test_cuda_requested_without_cuda_is_one_line(capsys, tmp_path, command):
+    rc, _, err = run_main(capsys, command, "--device", "cuda", "--out", str(tmp_path))
+    assert_one_line_error(rc, err, "CUDA", "--device cpu")
 
 
 @pytest.mark.parametrize("package,argv", [

@@ -99,23 +99,25 @@ def shard_multiple(x: QuantizedTensor) -> int:
     return 1
 
 
-def shard_problem(x: QuantizedTensor, rows: int, world_size: int, name: str) -> str | None:
-    """Why a quantized tensor with `rows` rows cannot be split into `world_size` shards."""
-    unit = shard_multiple(x)
+def shard_problem(x: QuantizedTensor, shape, world_size: int, name: str) -> str | None:
+    """Why a quantized tensor of the full `shape` (x's metadata) cannot be split into
+    `world_size` dim-0 shards, or None."""
+    unit, rows = shard_multiple(x), shape[0]
+    label = f"{name} ({type(x).__name__}, shape {tuple(shape)})"
     remedy = (
         f"Give it a dim 0 divisible by {world_size * unit}, or keep it out of fully_shard "
         "(ignored_params)."
     )
     if rows % world_size:
         return (
-            f"{name} ({type(x).__name__}, shape {tuple(x.shape)}): FSDP2 would shard its dim 0 "
-            f"of {rows} unevenly over {world_size} ranks; quantized parameters need equal "
+            f"{label}: FSDP2 would shard its dim 0 of {rows} unevenly over {world_size} "
+            f"ranks; quantized parameters need equal "
             f"shards (FSDP2 pads the last shard, and codes and scales cannot be padded). {remedy}"
         )
     if (rows // world_size) % unit:
         return (
-            f"{name} ({type(x).__name__}, shape {tuple(x.shape)}): {world_size} shards of "
-            f"{rows // world_size} rows would cut its {unit}-row scale blocks; each shard needs "
+            f"{label}: {world_size} shards of {rows // world_size} rows would cut its "
+            f"{unit}-row scale blocks; each shard needs "
             f"a multiple of {unit} rows. {remedy}"
         )
     return None
@@ -156,7 +158,7 @@ class GatherMetadata:
 def pre_all_gather(x: QuantizedTensor, mesh, outer_size, module: nn.Module | None):
     """(all-gather inputs, metadata): the sharded leaves, dim 0 first, contiguous."""
     world_size = mesh.size()
-    problem = shard_problem(x, outer_size[0], world_size, _param_name(module, x))
+    problem = shard_problem(x, outer_size, world_size, _param_name(module, x))
     if problem:  # every rank sees the same sizes, so every rank raises here together
         raise ValueError(problem)
     inputs, sharded, replicated = [], [], {}
@@ -189,12 +191,16 @@ def post_all_gather(x: QuantizedTensor, outputs, meta: GatherMetadata, param_dty
 
 def _param_name(module: nn.Module | None, local: torch.Tensor) -> str:
     """The parameter's name inside `module` (FSDP2 passes the owning module), for errors."""
-    if module is not None:
-        for name, p in module.named_parameters(recurse=False):
-            if getattr(p, "_local_tensor", p) is local:
-                return f"{type(module).__name__}.{name}"
-        return f"a parameter of {type(module).__name__}"
-    return "a quantized parameter"
+    if module is None:
+        return "a quantized parameter"
+    from torch.distributed.fsdp import FSDPModule
+
+    # fully_shard swaps the class for FSDP<Class>; name the user's class.
+    cls = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    for name, p in module.named_parameters(recurse=False):
+        if getattr(p, "_local_tensor", p) is local:
+            return f"{cls.__name__}.{name}"
+    return f"a parameter of {cls.__name__}"
 
 
 # ---- fully_shard with the checks up front ----------------------------------------------------
@@ -205,7 +211,7 @@ def shard_problems(model: nn.Module, world_size: int) -> list[str]:
     problems = []
     for name, p in model.named_parameters():
         if isinstance(p, QuantizedTensor):
-            why = shard_problem(p, p.shape[0], world_size, name)
+            why = shard_problem(p, p.shape, world_size, name)
             if why:
                 problems.append(why)
     return problems

@@ -189,14 +189,42 @@ def triton_mm(a_op, b_op, bias, out_dtype, config=None, predecode=None) -> torch
     quantized operand is decoded to exact bf16 once, then multiplied by the bf16 kernel."""
     from qtensor.kernels import qgemm
 
-    m, n, k = a_op.shape[-2], b_op.shape[-1], a_op.shape[-1]
-    a = _kernel_operand(a_op, "left", qgemm)
+    # The right operand as rows along K: for a transposed rowwise weight, its own bytes.
     b = _kernel_operand(b_op, "right", qgemm)
+    out = _run_qgemm(a_op, b_op, b, b_op.shape[-1], bias, out_dtype, config, predecode)
+    return out[0] if a_op.dim() == 2 and b_op.dim() == 2 else out
+
+
+def _run_qgemm(a_op, b_amax_op, b, n, bias, out_dtype, config=None, predecode=None):
+    from qtensor.kernels import qgemm
+
+    m, k = a_op.shape[-2], a_op.shape[-1]
+    a = _kernel_operand(a_op, "left", qgemm)
     if predecode if predecode is not None else m > qgemm.DECODE_FIRST_M:
         a, b = qgemm.decode_bf16(a, m, k), qgemm.decode_bf16(b, n, k)
-    ep = kernel_epilogue(a_op, b_op, bias, qgemm)
-    out = qgemm.qgemm(a, b, ep, out_dtype=out_dtype, m=m, n=n, k=k, config=config)
-    return out[0] if a_op.dim() == 2 and b_op.dim() == 2 else out
+    ep = kernel_epilogue(a_op, b_amax_op, bias, qgemm)
+    return qgemm.qgemm(a, b, ep, out_dtype=out_dtype, m=m, n=n, k=k, config=config)
+
+
+def _triton_linear(x2, weight, bias, out_dtype) -> torch.Tensor | None:
+    """F.linear's fast path: a rowwise 2-D weight is already rows along K, so the kernel reads
+    it without building the transposed tensor (which costs a subclass dispatch per call).
+    None when the product is not one for the triton backend."""
+    if (
+        type(weight) not in (NVFP4Tensor, MXFP8Tensor)
+        or weight.gemm_backend != GemmBackend.TRITON.value
+        or weight.axis != ROWWISE
+        or weight.dim() != 2
+        or triton_problem(x2, weight, bias, out_dtype) is not None
+    ):
+        return None
+    _check_pair(_side(x2, "left"), weight)
+    from qtensor.kernels import qgemm
+
+    # amax_for("right") of a rowwise weight is its per-row amax as [1, N]: what the
+    # transposed (columnwise) view would give.
+    b = _kernel_operand(weight, "left", qgemm)
+    return _run_qgemm(x2, weight, b, weight.shape[0], bias, out_dtype)[0]
 
 
 def native_scaled_mm(a_op, b_op, bias, out_dtype) -> torch.Tensor:
@@ -295,7 +323,10 @@ def linear(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
         # layer; a non-finite activation poisons its amax and decodes to NaN instead.
         x = quantize_spec(x, spec, check_finite=False)
     lead, k = x.shape[:-1], x.shape[-1]
-    out = quantized_mm(x.reshape(-1, k), weight.t(), bias, out_dtype=x.dtype)
+    x2 = x.reshape(-1, k)
+    out = _triton_linear(x2, weight, bias, x.dtype)
+    if out is None:
+        out = quantized_mm(x2, weight.t(), bias, out_dtype=x.dtype)
     return out.reshape(*lead, out.shape[-1])
 
 

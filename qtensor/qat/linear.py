@@ -22,7 +22,6 @@ import contextlib
 import torch
 from torch import nn
 
-from qtensor.backends import GemmBackend
 from qtensor.qat import hosts
 from qtensor.qat.cache import WeightCache, WeightOperands
 from qtensor.qat.hosts import Host
