@@ -1,7 +1,7 @@
 """GEMM benchmark: bf16 cuBLAS, torchao NVFP4 weight-only, and qtensor's Triton paths, side by side.
 
 Run on one GPU (benchmarks/gpu_check.sh calls it):
-    python benchmarks/bench_gemm.py --out LOGDIR [--sweep]
+    python benchmarks/bench_gemm.py --out LOGDIR/bench_gemm.md [--sweep]
 Prints one markdown table per section, each row a median time (triton.testing.do_bench) and the
 ratio to bf16 measured in the same run (>1 means faster than bf16), plus the weight-streaming
 bandwidth of the decode shapes next to the copy bandwidth. Weights smaller than 3x the 50 MB L2
@@ -196,7 +196,7 @@ def sweep(n=8192, k=8192) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None, help="folder for the markdown table")
+    p.add_argument("--out", default=None, help="markdown file for the tables")
     p.add_argument("--sweep", action="store_true", help="also sweep tile configs")
     p.add_argument("--ms", default="1,16,64,4096", help="comma-separated M values")
     args = p.parse_args()
@@ -211,8 +211,7 @@ def main() -> None:
     if args.sweep:
         sweep()
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_gemm.md"), "w") as f:
+        with open(args.out, "w") as f:
             f.write("\n".join(ROWS) + "\n")
 
 

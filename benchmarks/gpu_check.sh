@@ -31,6 +31,7 @@ step tests python3 -m pytest -m cuda -q -ra --continue-on-collection-errors ${QT
 step bench_quantize python3 benchmarks/bench_quantize.py --out "$LOG/bench_quantize.md"
 step bench_training python3 benchmarks/bench_training.py --out "$LOG/bench_training.json"
 step bench_qat python3 benchmarks/bench_qat.py
+step bench_gemm python3 benchmarks/bench_gemm.py --out "$LOG/bench_gemm.md"
 
 echo "== gpu_check: logs in $LOG"
 printf '%s\n' "${SUMMARY[@]}"

@@ -71,7 +71,7 @@ def select_configs(names: Iterable[str] | None) -> list[NamedConfig]:
     return [known[n] for n in names]
 
 
-# ---- metrics -----------------------------------------------------------------------------------
+# ---- metrics ------------------------------------------------------------------------------------
 
 
 def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
@@ -109,7 +109,7 @@ def scale_exponent_histogram(scale: torch.Tensor) -> dict[int, int]:
     s = scale.float().flatten()
     zeros = int((s == 0).sum())
     exps, counts = torch.unique(torch.floor(torch.log2(s[s > 0])).long(), return_counts=True)
-    hist = {int(e): int(c) for e, c in zip(exps.tolist(), counts.tolist())}
+    hist = {int(e): int(c) for e, c in zip(exps.tolist(), counts.tolist(), strict=True)}
     if zeros:
         hist[ZERO_SCALE] = zeros
     return hist
@@ -170,7 +170,8 @@ def shape_errors(model: nn.Module, config) -> list[tuple[str, str]]:
     return found
 
 
-def record_linear_inputs(model: nn.Module, run: RunFn) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def record_linear_inputs(model: nn.Module,
+                         run: RunFn) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Run the model once; return its output and the input each Linear saw (first call)."""
     inputs: dict[str, torch.Tensor] = {}
     hooks = []
@@ -278,7 +279,7 @@ def progress_steps(model: nn.Module, configs: list[NamedConfig]) -> int:
     return len(configs) * (1 + len(linear_layers(model)))
 
 
-# ---- Hugging Face models ---------------------------------------------------------------------------
+# ---- Hugging Face models ------------------------------------------------------------------------
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")

@@ -64,7 +64,8 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
-def rotary_tables(seq: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(seq: int, head_dim: int, theta: float,
+                  device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [seq, head_dim / 2] of the rotary embedding, in fp32."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
     angles = torch.outer(torch.arange(seq, device=device).float(), inv_freq)
@@ -170,7 +171,8 @@ def build_demo_model(
     return model.to(device=device, dtype=dtype).eval()
 
 
-def demo_tokens(cfg: DemoConfig, batch: int, seq: int, *, seed: int = 0, device="cpu") -> torch.Tensor:
+def demo_tokens(cfg: DemoConfig, batch: int, seq: int, *, seed: int = 0,
+                device="cpu") -> torch.Tensor:
     """A fixed batch of token ids [batch, seq]."""
     generator = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=generator)

@@ -180,7 +180,8 @@ def test_analyze_hugging_face_directory(capsys, llama_dir, tmp_path):
 
     path, saved = llama_dir
     loaded = load_hf_causal_lm(path)
-    assert all(torch.equal(a, b) for a, b in zip(saved.parameters(), loaded.parameters()))
+    pairs = zip(saved.parameters(), loaded.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
     rc, out, _ = run_main(capsys, "analyze", "--model", str(path), "--configs", "nvfp4",
                           "--batch", "1", "--seq", "8", "--out", str(tmp_path / "r"),
                           "--no-plots", "--json")
@@ -193,9 +194,9 @@ def test_analyze_hugging_face_directory(capsys, llama_dir, tmp_path):
 
 
 @NO_CUDA
-@pytest.mark.parametrize("command", ["demo", "analyze"])
-def test_cuda_requested_without_cuda_is_one_line(capsys, tmp_path, command):
-    rc, _, err = run_main(capsys, command, "--device", "cuda", "--out", str(tmp_path))
+@pytest.mark.parametrize("argv", [["demo"], ["analyze", "--out", "unused"]])
+def test_cuda_requested_without_cuda_is_one_line(capsys, argv):
+    rc, _, err = run_main(capsys, *argv, "--device", "cuda")
     assert_one_line_error(rc, err, "CUDA", "--device cpu")
 
 

@@ -172,3 +172,33 @@ def test_unsupported_op_names_itself_under_compile():
     torch._dynamo.reset()
     with pytest.raises(Exception, match="aten.cat"):
         torch.compile(f, backend="aot_eager", fullgraph=True)(w)
+
+
+def test_dynamic_graph_calls_qtensor_ops_and_no_dequantize():
+    """The activation is quantized by the opaque qtensor ops (traced through their fake
+    implementations); neither operand is dequantized: both enter the GEMM as unit values."""
+    from qtensor.backends import QuantBackend
+    from qtensor.ops.quant import extension_status, quant_backend
+
+    if quant_backend("cpu") is not QuantBackend.CPU:
+        pytest.skip(f"the CPU kernels are not in use: {extension_status()}")
+    torch.manual_seed(0)
+    model = quantized(nn.Sequential(nn.Linear(64, 32, bias=False)).to(torch.bfloat16),
+                      "nvfp4_dynamic")
+    gm = forward_graph(model, torch.randn(8, 64, dtype=torch.bfloat16))
+    assert_expected_inline(op_names(gm), """\
+<built-in function getitem>
+aten.__rshift__.Scalar
+aten._to_copy.default
+aten.bitwise_and.Scalar
+aten.div.Tensor
+aten.index.Tensor
+aten.lift_fresh_copy.default
+aten.mm.default
+aten.mul.Tensor
+aten.stack.default
+aten.transpose.int
+aten.unsqueeze.default
+aten.view.default
+qtensor.amax.default
+qtensor.nvfp4_quantize.default""")

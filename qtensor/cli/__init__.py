@@ -32,7 +32,8 @@ def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UsageError(f"--device must be a torch device such as cpu or cuda; got {name!r}.")
+        raise UsageError(
+            f"--device must be a torch device such as cpu or cuda; got {name!r}.") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(
             f"--device {name} asks for CUDA, but this torch ({torch.__version__}) sees no CUDA "
@@ -112,7 +113,7 @@ def import_configs_quietly() -> None:
     try:
         import qtensor.quantize  # noqa: F401
     finally:
-        for log, level in zip(loggers, levels):
+        for log, level in zip(loggers, levels, strict=True):
             log.setLevel(level)
 
 

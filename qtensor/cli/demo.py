@@ -38,9 +38,9 @@ class DemoRow:
     forward_s: float
 
 
-def _timed(fn):
+def _timed(fn, *args):
     start = time.perf_counter()
-    out = fn()
+    out = fn(*args)
     return out, time.perf_counter() - start
 
 
@@ -48,16 +48,16 @@ def demo_rows(model, tokens, configs, skip_incompatible=False) -> list[DemoRow]:
     from qtensor.analyze import linear_layers, quantized_copy, quantized_weight_bytes, sqnr_db
 
     with torch.no_grad():
-        ref, ref_s = _timed(lambda: model(tokens))
+        ref, ref_s = _timed(model, tokens)
     hp_bytes = sum(m.weight.numel() * 2 for _, m in linear_layers(model))
     rows = [DemoRow("bf16", "the unquantized model", hp_bytes, hp_bytes, None, None, ref_s)]
     for named in configs:
         try:
-            qmodel, q_s = _timed(lambda: quantized_copy(model, named, skip_incompatible))
+            qmodel, q_s = _timed(quantized_copy, model, named, skip_incompatible)
         except ValueError as e:
             raise UsageError(str(e)) from None
         with torch.no_grad():
-            out, f_s = _timed(lambda: qmodel(tokens))
+            out, f_s = _timed(qmodel, tokens)
         stored, bf16 = quantized_weight_bytes(qmodel)
         rows.append(DemoRow(named.name, named.description, stored, bf16,
                             sqnr_db(ref.float(), out.float()), q_s, f_s))
@@ -65,7 +65,8 @@ def demo_rows(model, tokens, configs, skip_incompatible=False) -> list[DemoRow]:
 
 
 def format_table(rows: list[DemoRow]) -> str:
-    head = f"{'config':<17}{'weights MiB':>12}{'vs bf16':>9}{'SQNR dB':>9}{'quant s':>9}{'run s':>8}"
+    head = (f"{'config':<17}{'weights MiB':>12}{'vs bf16':>9}{'SQNR dB':>9}{'quant s':>9}"
+            f"{'run s':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = r.weight_bytes / r.bf16_weight_bytes if r.bf16_weight_bytes else float("nan")

@@ -45,7 +45,8 @@ def layer_table(c: ConfigReport) -> str:
     for lr in c.layers:
         lines.append(f"| {lr.name} | {lr.shape[0]}x{lr.shape[1]} | {_db(lr.weight_sqnr_db)} | "
                      f"{_db(lr.output_sqnr_db)} | {_frac(lr.weight_map4_fraction)} | "
-                     f"{_frac(lr.activation_map4_fraction)} | {_hist_summary(lr.scale_histogram)} |")
+                     f"{_frac(lr.activation_map4_fraction)} | "
+                     f"{_hist_summary(lr.scale_histogram)} |")
     return "\n".join(lines)
 
 
@@ -105,7 +106,7 @@ def _plot_sqnr(plt, report: Report, out_dir: Path) -> Path:
     names = [lr.name for lr in report.configs[0].layers] if report.configs else []
     for c in report.configs:
         index = {lr.name: lr for lr in c.layers}
-        for ax, key in zip(axes, ("weight_sqnr_db", "output_sqnr_db")):
+        for ax, key in zip(axes, ("weight_sqnr_db", "output_sqnr_db"), strict=True):
             ys = [getattr(index[n], key) if n in index else math.nan for n in names]
             ax.plot(range(len(names)), ys, marker="o", ms=3,
                     label=f"{c.name} (model {_db(c.model_sqnr_db)} dB)")
@@ -130,6 +131,7 @@ def _plot_scales(plt, report: Report, out_dir: Path) -> Path:
         ax.bar(exps, [total[e] for e in exps], width=0.8)
         zero = f", {total[ZERO_SCALE]} zero scales" if ZERO_SCALE in total else ""
         ax.set_title(f"{c.name}: weight block-scale exponents (floor log2){zero}", fontsize=9)
+        ax.set_xticks(range(min(exps, default=0), max(exps, default=0) + 1))
         ax.set_ylabel("blocks")
     axes[-1, 0].set_xlabel("exponent")
     return _save(fig, plt, out_dir / "scale_histograms.png")

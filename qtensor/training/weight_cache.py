@@ -49,6 +49,12 @@ class WeightCache:
         skip_update: torch.Tensor | None = None,
     ) -> QuantizedTensor:
         """The quantized operand of `weight`, rebuilt only as [Note: weight cache] says."""
+        if torch.compiler.is_compiling():
+            # Under torch.compile the weight is quantized inside the graph on every call: the
+            # cache key (version counter, data pointer) cannot be traced, and the rebuild is
+            # bitwise what the cache would hold (weights round to nearest, never stochastically).
+            with torch.no_grad():
+                return build(weight.detach())
         if skip_update is not None:
             return self._get_graph_safe(weight, build, skip_update)
         key = _key(weight)
