@@ -10,6 +10,7 @@ other exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 
@@ -99,19 +100,21 @@ def check_batch(args) -> None:
         raise UsageError(f"--batch and --seq must be positive; got {args.batch} and {args.seq}.")
 
 
-def import_configs_quietly() -> None:
-    """Import qtensor.quantize (and so torchao) without its import-time log lines.
+@contextlib.contextmanager
+def quiet_loggers(*names: str):
+    """Raise the given loggers to ERROR for the duration of the block.
 
-    torchao logs a warning for each of its prebuilt .so files it cannot load (CUDA or another
-    Python's builds: two lines on a CPU-only machine) and torch one deprecation line about an
-    Enum of torchao's; neither concerns qtensor, and they would bury the command's output.
+    Importing torchao logs a warning for each of its prebuilt .so files it cannot load (CUDA or
+    another Python's builds: two lines on a CPU-only machine), and torch logs a deprecation line
+    for each Enum that torchao (or transformers through it) registers with pytree. None of these
+    concerns qtensor, and they would bury the command's output.
     """
-    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    loggers = [logging.getLogger(n) for n in names]
     levels = [log.level for log in loggers]
     for log in loggers:
         log.setLevel(logging.ERROR)
     try:
-        import qtensor.quantize  # noqa: F401
+        yield
     finally:
         for log, level in zip(loggers, levels, strict=True):
             log.setLevel(level)
@@ -136,9 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
         return int(e.code or 0)
     try:
-        if args.command != "bench":
-            import_configs_quietly()
-        return int(args.run(args) or 0)
+        with quiet_loggers("torch.utils._pytree"):
+            if args.command != "bench":  # bench runs scripts in subprocesses: no torchao here
+                with quiet_loggers("torchao"):
+                    import qtensor.quantize  # noqa: F401
+            return int(args.run(args) or 0)
     except UsageError as e:
         return _fail(args.command, str(e))
     except ModuleNotFoundError as e:

@@ -122,7 +122,7 @@ def _plot_sqnr(plt, report: Report, out_dir: Path) -> Path:
 def _plot_scales(plt, report: Report, out_dir: Path) -> Path:
     n = max(1, len(report.configs))
     fig, axes = plt.subplots(n, 1, figsize=(9, 2.4 * n), squeeze=False)
-    for ax, c in zip(axes[:, 0], report.configs):
+    for ax, c in zip(axes[:, 0], report.configs, strict=False):
         total: dict[int, int] = {}
         for lr in c.layers:
             for e, k in lr.scale_histogram.items():

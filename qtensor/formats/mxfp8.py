@@ -80,15 +80,27 @@ def scale_codes(block_amax: torch.Tensor, rule: ScaleRule) -> torch.Tensor:
 
 def quantize_rows(xf: torch.Tensor, rule: ScaleRule) -> MXFP8Data:
     """1x32 blocks along the last dim of fp32 x [..., K]."""
+    data, codes = _quantize_rows(xf, rule)
+    return MXFP8Data(data, e8m0(codes))
+
+
+def _quantize_rows(xf: torch.Tensor, rule: ScaleRule) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 data, int32 scale codes) of 1x32 blocks along the last dim."""
     blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // BLOCK, BLOCK)
     codes = scale_codes(blocks.abs().amax(-1), rule)
     inv = pow2_f32((127 - codes).clamp(-127, 127))
     inv = torch.where(codes == 255, torch.full_like(inv, float("nan")), inv)
-    data = e4m3(blocks * inv[..., None]).reshape(xf.shape)
-    # The scale is made by an exact value conversion (2**(code - 127), NaN for 255), not by a
-    # bitcast of the codes: CPU Inductor has no C++ type for e8m0 and can only run it as an
-    # eager op. The bytes are the codes either way (tests/test_compile_inference.py checks).
-    return MXFP8Data(data, scale_values_from_codes(codes).to(torch.float8_e8m0fnu))
+    return e4m3(blocks * inv[..., None]).reshape(xf.shape), codes
+
+
+def e8m0(codes: torch.Tensor) -> torch.Tensor:
+    """float8_e8m0fnu scales from int32 codes.
+
+    An exact value conversion (2**(code - 127), NaN for 255), not a bitcast of the codes, and
+    done last (after any transpose): CPU Inductor has no C++ type for e8m0, so it can neither
+    bitcast nor copy one inside a kernel; a conversion runs as an eager op. Same bytes.
+    """
+    return scale_values_from_codes(codes).to(torch.float8_e8m0fnu)
 
 
 def quantize(x: torch.Tensor, spec: MXFP8Spec) -> MXFP8Data:
@@ -97,8 +109,8 @@ def quantize(x: torch.Tensor, spec: MXFP8Spec) -> MXFP8Data:
     xf = x.to(torch.float32)
     if not spec.columnwise:
         return quantize_rows(xf, spec.scale_rule)
-    data, scale = quantize_rows(xf.t(), spec.scale_rule)
-    return MXFP8Data(data.t().contiguous(), scale.t().contiguous())
+    data, codes = _quantize_rows(xf.t(), spec.scale_rule)
+    return MXFP8Data(data.t().contiguous(), e8m0(codes.t().contiguous()))
 
 
 def scale_values(scale: torch.Tensor) -> torch.Tensor:

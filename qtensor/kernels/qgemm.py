@@ -72,7 +72,7 @@ def pick_config(m: int, n: int, k: int, batch: int, sms: int) -> Config:
         steps = triton.cdiv(k, bk)
         split = max(1, min(steps // 4, triton.cdiv(4 * sms, tiles_mn)))
         return Config(bm, bn, bk, split, warps=4, stages=4)
-    return Config(128, 256, 64, 1, warps=8, stages=3)
+    return Config(128, 256, 64, 1, warps=8, stages=4)  # 858 us vs 882 with 3 (sweep, H200)
 
 
 def _vector(t: torch.Tensor | None, shape) -> tuple[torch.Tensor | None, int, int]:

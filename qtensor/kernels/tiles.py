@@ -10,7 +10,8 @@ values* (docs/gemm.md), the same numbers the emulated reference multiplies in fp
 - MXFP8: `e4m3 * 2**(code - 127)`, exact in bf16 while the result stays a bf16 normal, i.e.
   for every block whose scale code is at least 10 (block amax >= 2**-108); below that the
   reference's fp32 keeps subnormal bits that bf16 drops.
-- A high-precision left operand must already be bf16 (it is multiplied as it is).
+- A high-precision operand must already be bf16 (it is multiplied as it is); that is also how
+  large products run, on operands decoded to bf16 once by qgemm.decode_bf16.
 Every product of two bf16 unit values is exact in fp32 and the tensor cores accumulate in fp32,
 so the only difference from the reference is the order of the fp32 additions.
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-HP: tl.constexpr = tl.constexpr(0)  # bf16 operand, multiplied as it is
+HP: tl.constexpr = tl.constexpr(0)  # bf16 [R, K], multiplied as it is
 NVFP4: tl.constexpr = tl.constexpr(1)  # packed E2M1 codes [R, K/2] + E4M3 scales [R, K/16]
 MXFP8: tl.constexpr = tl.constexpr(2)  # E4M3 data [R, K] + UE8M0 codes (uint8) [R, K/32]
 

@@ -19,9 +19,11 @@ Each quantized tensor carries `gemm_backend` (qtensor.backends.GemmBackend), res
 it is made or moved; a product runs on its right operand's (the weight's) backend, or the left
 operand's when the right one is high precision:
 - `emulated`: this module's reference, any device.
-- `triton` (qtensor/kernels): decodes packed codes and scales in registers, bf16 tensor cores,
-  fp32 accumulation, this epilogue fused; equal to the reference up to fp32 accumulation order.
-  It covers NVFP4 x NVFP4, MXFP8 x MXFP8 and a bf16 left operand x NVFP4 / MXFP8, 2-D or 3-D.
+- `triton` (qtensor/kernels): bf16 tensor cores, fp32 accumulation, this epilogue fused; equal
+  to the reference up to fp32 accumulation order. Up to 64 rows the weight is decoded in
+  registers as it streams (split-K); above, each operand is decoded to exact bf16 once and the
+  bf16 kernel runs (docs/gemm.md has the measurements behind the split). It covers NVFP4 x
+  NVFP4, MXFP8 x MXFP8 and a bf16 left operand x NVFP4 / MXFP8, 2-D, 3-D and grouped.
 - `scaled_mm` (qtensor/ops/scaled_mm.py): native block-scaled torch._scaled_mm, sm_100+ only,
   fp32 output, then this epilogue. Untested on hardware (docs/gemm.md).
 A product a backend has no kernel for (a quantized left operand times a high-precision right
@@ -202,6 +204,10 @@ def _run_qgemm(a_op, b_amax_op, b, n, bias, out_dtype, config=None, predecode=No
     a = _kernel_operand(a_op, "left", qgemm)
     if predecode if predecode is not None else m > qgemm.DECODE_FIRST_M:
         a, b = qgemm.decode_bf16(a, m, k), qgemm.decode_bf16(b, n, k)
+    elif predecode is None:
+        # Small M: the weight streams and is decoded in registers; the few activation rows are
+        # decoded once up front rather than once per N tile (8192 / 64 = 128 times).
+        a = qgemm.decode_bf16(a, m, k)
     ep = kernel_epilogue(a_op, b_amax_op, bias, qgemm)
     return qgemm.qgemm(a, b, ep, out_dtype=out_dtype, m=m, n=n, k=k, config=config)
 
@@ -249,6 +255,8 @@ def plan(a_op, b_op, bias, out_dtype) -> GemmBackend:
     if backend is GemmBackend.SCALED_MM:
         if scaled_mm_problem(a_op, b_op, bias) is None:
             return backend
+        if gemm_backend_problem(GemmBackend.TRITON, b_op.device) is not None:
+            return GemmBackend.EMULATED
         backend = GemmBackend.TRITON
     if backend is GemmBackend.TRITON and triton_problem(a_op, b_op, bias, out_dtype) is None:
         return backend

@@ -3,7 +3,8 @@
 UNTESTED ON HARDWARE: the project's GPU machine is an H200 (sm_90), which has no block-scaled
 FP4/MX tensor cores, and this backend is never selected there (qtensor.backends). What is tested
 (on CPU) is the argument construction below: operand views, column-major right operand,
-swizzled scales ([Note: swizzled scales]) checked against torchao's layout helper.
+swizzled scales (FORMATS.md "Scale layouts", qtensor/formats/scale_layout.py) checked against
+torchao's layout helper.
 
 The call returns the fp32 block-scaled product `sum_k units_a * units_b` (what the emulated
 reference's matmul computes); the per-tensor factors, row scaling, bias and cast are then the
@@ -17,7 +18,8 @@ from typing import NamedTuple
 
 import torch
 
-from qtensor.ops.scale_layout import to_swizzled
+from qtensor.backends import QuantBackend
+from qtensor.formats import scale_layout
 from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.mxfp8 import MXFP8Tensor
 from qtensor.tensors.nvfp4 import NVFP4Tensor
@@ -47,6 +49,16 @@ def scaled_mm_problem(a_op, b_op, bias=None) -> str | None:
     if bias is not None and bias.dim() != 1:
         return "bias must be 1-D"
     return None
+
+
+def to_swizzled(scale: torch.Tensor) -> torch.Tensor:
+    """Compact [rows, cols] scales -> the flat swizzled buffer torch._scaled_mm takes: the
+    kernels' swizzle op where they are built for this device, else the reference."""
+    from qtensor.ops import quant
+
+    if quant.quant_backend(scale.device) is QuantBackend.REFERENCE:
+        return scale_layout.swizzle(scale).reshape(-1)
+    return quant.swizzle_scale(scale).reshape(-1)
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:

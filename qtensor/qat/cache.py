@@ -81,6 +81,10 @@ class WeightCache:
 
     def get(self, weight, config, backend, is_first_microbatch=None, skip_update=None):
         _check_skip_update(skip_update, weight)
+        if torch.compiler.is_compiling():
+            # Compiled steps convert the weight inside the graph on every call: the cache key
+            # (storage pointer, version counter) cannot be traced; the bytes are the same.
+            return convert_weight(weight, config, backend)
         key = _key(weight, config, backend)
         if self.operands is None or key != self.key:
             self.stats["miss"] += 1

@@ -114,12 +114,11 @@ def _scaled_mm_block(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Te
     """torch._scaled_mm with DeepSeek-style block scales.
 
     The shape checks in ATen: a row-major with 1x128 scales (M, K/128) in column-major strides;
-    b column-major, its scales checked on b.t(): a 128x128 b wants (K/128, N/128) column-major,
-    a 1x128 b wants (K/128, N) row-major. These pass the checks on the H200 (torch 2.11), but
-    the products did not match the emulation there on 2026-11-30 (test_qat_kernels.py, xfail):
-    which of the scale memory orders the kernel reads is still open.
+    b column-major. A 128x128 b = W.t() takes W's tile scales (N/128, K/128) in column-major
+    strides (1, N/128), the layout measured to work on the H200 (docs/gpu notes); a 1x128 b
+    takes its (K/128, N) scales row-major, the same memory as (N, K/128) column-major.
     """
-    scale_b = _col_major(b.scale) if b.layout == "fb_tile" else b.scale.contiguous()
+    scale_b = _col_major(b.scale.t()) if b.layout == "fb_tile" else b.scale.contiguous()
     return torch._scaled_mm(
         a.qdata.contiguous(),
         _col_major(b.qdata),

@@ -1,0 +1,114 @@
+"""torch.compile of training steps: forward + backward of every backward configuration of the
+NVFP4 recipe and of the MXFP4 QAT configs, fullgraph, with outputs and gradients bitwise equal
+to eager.
+
+aot_eager for the full matrix (Dynamo + AOTAutograd trace both passes of the autograd
+functions), Inductor for two of them. Stochastic rounding does not compile yet: its seed is
+drawn from a torch.Generator, which Dynamo cannot trace (kept below as a strict xfail).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+import torch._inductor.config as inductor_config
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+torch.set_num_threads(1)
+
+RECIPES = {  # stochastic rounding off: see the module docstring
+    "nvfp4_backward": dict(stochastic_rounding=False),
+    "dgrad_mxfp8": dict(stochastic_rounding=False, dgrad_mxfp8=True),
+    "high_precision": dict(stochastic_rounding=False, backward_override="high_precision"),
+    "dequantized": dict(stochastic_rounding=False, backward_override="dequantized"),
+    "fourover6_grad": dict(stochastic_rounding=False, rht=False, fourover6_grad=True),
+    "row_scaled": dict(stochastic_rounding=False, rht=False, weight_2d=False,
+                       row_scaled_activation=True),
+}
+QAT = {
+    "qat_mxfp8": dict(host="mxfp8"),
+    "qat_mxfp8_direct": dict(host="mxfp8", direct=True),
+    "qat_fp8_block128": dict(host="fp8_block128"),
+}
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 128, bias=False)).to(
+        torch.bfloat16
+    )
+
+
+def training_model(name: str) -> nn.Module:
+    model = mlp()
+    if name in QAT:
+        from qtensor.qat import MXFP4QATConfig, quantize_
+
+        return quantize_(model, MXFP4QATConfig(**QAT[name]))
+    from qtensor import quantize_
+    from qtensor.training import NVFP4TrainingRecipe, TrainingConfig
+
+    return quantize_(model, TrainingConfig(NVFP4TrainingRecipe(**RECIPES[name])))
+
+
+def step(model, fn, x):
+    """Loss = sum(y^2) in fp32; returns (y, dx, [param grads])."""
+    x = x.detach().requires_grad_(True)
+    for p in model.parameters():
+        p.grad = None
+    y = fn(x)
+    y.float().pow(2).sum().backward()
+    return y.detach(), x.grad, [p.grad for p in model.parameters()]
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str):
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert torch.equal(a, b), f"{what}: max |diff| {(a.float() - b.float()).abs().max().item()}"
+
+
+def compiled_step_matches_eager(name: str, backend: str):
+    model = training_model(name)
+    x = torch.randn(128, 128, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    ref = step(model, model, x)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with inductor_config.patch(emulate_precision_casts=True):
+        out = step(model, compiled, x)
+    assert counter.frame_count == 1
+    assert_bitwise(out[0], ref[0], "output")
+    assert_bitwise(out[1], ref[1], "input gradient")
+    for (pname, _), g, r in zip(model.named_parameters(), out[2], ref[2]):
+        assert_bitwise(g, r, f"gradient of {pname}")
+
+
+@pytest.mark.parametrize("name", list(RECIPES) + list(QAT))
+def test_training_step_aot(name):
+    compiled_step_matches_eager(name, "aot_eager")
+
+
+@pytest.mark.parametrize("name", ["dgrad_mxfp8", "qat_fp8_block128"])
+def test_training_step_inductor(name):
+    compiled_step_matches_eager(name, "inductor")
+
+
+@pytest.mark.xfail(strict=True, reason="CPU Inductor has no C++ type for float8_e8m0fnu "
+                   "(torch/_inductor/codegen/cpp_utils.py DTYPE_TO_CPP) and copies the QAT "
+                   "kernel's e8m0 scales into a graph output inside a C++ kernel; GPU Inductor "
+                   "maps e8m0 to uint8 (the GPU check compiles this config)")
+def test_qat_mxfp8_step_cpu_inductor():
+    compiled_step_matches_eager("qat_mxfp8", "inductor")
+
+
+@pytest.mark.xfail(strict=True, reason="stochastic rounding draws its seed from a "
+                   "torch.Generator (qtensor/ops/quant.py sr_seed), which Dynamo cannot trace")
+def test_stochastic_rounding_compiles():
+    from qtensor import quantize_
+    from qtensor.training import NVFP4TrainingRecipe, TrainingConfig
+
+    model = quantize_(mlp(), TrainingConfig(NVFP4TrainingRecipe()))
+    x = torch.randn(128, 128, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    step(model, torch.compile(model, backend="aot_eager", fullgraph=True), x)
