@@ -158,7 +158,8 @@ def grouped_section(experts: int, tokens=8192, k=2048, n=1536) -> None:
     for name, fn in paths.items():
         ms = median_ms(fn)
         base = base or ms
-        emit(f"| {name} | {ms * 1e3:.1f} | {base / ms:.2f}x | {2 * tokens * k * n / ms / 1e9:.0f} |")
+        tflops = 2 * tokens * k * n / ms / 1e9
+        emit(f"| {name} | {ms * 1e3:.1f} | {base / ms:.2f}x | {tflops:.0f} |")
 
 
 def sweep(n=8192, k=8192) -> None:

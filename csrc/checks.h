@@ -9,7 +9,12 @@
 
 namespace qtensor {
 
-// "[a, b, c]" built by hand: error messages of the CUDA translation unit stay plain strings.
+// Integers enter error messages as strings: on the GPU machine's toolchain, streaming an int64
+// into c10::str from this extension crashed in libstdc++ (std::ostream::_M_insert<long>, seen
+// 2026-11-30 under cuda-gdb), while strings stream fine.
+inline std::string num(int64_t v) { return std::to_string(v); }
+
+// "[a, b, c]" built by hand, for the same reason.
 inline std::string shape_str(const at::Tensor& t) {
   std::string s = "[";
   for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
@@ -51,9 +56,9 @@ inline NvShape nv_shape(const at::Tensor& x, bool columnwise, bool block_2d, con
 
 inline void check_nv_options(int64_t fourover6, int64_t bound, bool columnwise, bool rht,
                              bool stochastic, bool block_2d, bool row_scaled, const char* op) {
-  TORCH_CHECK(bound == 448 || bound == 256, op, ": e4m3_bound must be 448 or 256; got ", bound, ".");
+  TORCH_CHECK(bound == 448 || bound == 256, op, ": e4m3_bound must be 448 or 256; got ", num(bound), ".");
   TORCH_CHECK(fourover6 >= 0 && fourover6 <= 2, op,
-              ": fourover6 is 0 (off), 1 (MAE) or 2 (MSE); got ", fourover6, ".");
+              ": fourover6 is 0 (off), 1 (MAE) or 2 (MSE); got ", num(fourover6), ".");
   TORCH_CHECK(!(fourover6 && (rht || stochastic)), op,
               ": 4over6 excludes RHT and stochastic rounding; turn one of them off.");
   TORCH_CHECK(!rht || columnwise, op,
@@ -68,7 +73,7 @@ inline void check_nv_amax(const at::Tensor& x, const at::Tensor& amax, const NvS
   TORCH_CHECK(amax.scalar_type() == at::kFloat, op, ": amax must be float32; got ",
               amax.scalar_type(), ".");
   TORCH_CHECK(amax.dim() == 0 || (amax.dim() == 1 && amax.size(0) == s.R), op,
-              ": amax must be a scalar or one value per quantized row (", s.R, "); got shape ",
+              ": amax must be a scalar or one value per quantized row (", num(s.R), "); got shape ",
               shape_str(amax), ".");
 }
 
@@ -84,7 +89,7 @@ inline void check_mx_shape(const at::Tensor& x, bool rowwise, bool columnwise, c
 }
 
 inline void check_scale_rule(int64_t rule, const char* op) {
-  TORCH_CHECK(rule == 0 || rule == 1, op, ": scale_rule is 0 (rceil) or 1 (floor); got ", rule, ".");
+  TORCH_CHECK(rule == 0 || rule == 1, op, ": scale_rule is 0 (rceil) or 1 (floor); got ", num(rule), ".");
 }
 
 inline void check_out_dtype(at::ScalarType dt, const char* op) {
@@ -104,7 +109,7 @@ inline void check_nv_dequant(const at::Tensor& q, const at::Tensor& s, const at:
                   (amax.dim() == 0 || (amax.dim() == 1 && amax.size(0) == q.size(0))),
               op, ": amax must be float32, a scalar or one per row; got ", amax.scalar_type(), " ",
               shape_str(amax), ".");
-  TORCH_CHECK(bound == 448 || bound == 256, op, ": e4m3_bound must be 448 or 256; got ", bound, ".");
+  TORCH_CHECK(bound == 448 || bound == 256, op, ": e4m3_bound must be 448 or 256; got ", num(bound), ".");
   check_same_device(q, s, op, "scale");
   check_same_device(q, amax, op, "amax");
 }
@@ -122,7 +127,7 @@ inline void check_mx_dequant(const at::Tensor& q, const at::Tensor& s, bool colu
     const int64_t want = i == d ? q.size(i) / 32 : q.size(i);
     TORCH_CHECK(s.size(i) == want && (i != d || q.size(i) % 32 == 0), op, ": scale shape ",
                 shape_str(s), " does not match qdata ", shape_str(q), " with 32-element blocks along dim ",
-                d, ".");
+                num(d), ".");
   }
   check_same_device(q, s, op, "scale");
 }

@@ -426,8 +426,8 @@ at::Tensor unswizzle_scale_cpu(const at::Tensor& scale, int64_t rows, int64_t co
   const char* op = "qtensor.unswizzle_scale";
   check_scale_bytes(scale, op);
   const int64_t pr = round_up(rows, 128), pc = round_up(cols, 4);
-  TORCH_CHECK(scale.size(0) == pr && scale.size(1) == pc, op, ": a swizzled scale of ", rows, "x",
-              cols, " is ", pr, "x", pc, " (rows padded to 128, columns to 4); got ", shape_str(scale), ".");
+  TORCH_CHECK(scale.size(0) == pr && scale.size(1) == pc, op, ": a swizzled scale of ", num(rows), "x",
+              num(cols), " is ", num(pr), "x", num(pc), " (rows padded to 128, columns to 4); got ", shape_str(scale), ".");
   const at::Tensor s = scale.contiguous().view(at::kByte);
   at::Tensor out = at::empty({rows, cols}, s.options());
   const uint8_t* sp = s.const_data_ptr<uint8_t>();

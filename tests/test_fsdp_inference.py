@@ -92,6 +92,15 @@ def test_hooks_round_trip_bytes(kind):
     assert sum(t.numel() * t.element_size() for t in inputs) < 32 * 96 * 2  # < the bf16 shard
 
 
+@pytest.mark.parametrize("kind", ["nvfp4_rowscaled", "hybrid_nvfp4"])
+def test_single_rank_packs_one_input(kind):
+    """FSDP2 with one rank copies only the first all-gather input: the leaves go packed."""
+    w = quantize_weight(torch.randn(64, 96), kind)
+    _, inputs, full, _ = gather_by_hand(w, 1)
+    assert len(inputs) == 1 and inputs[0].dtype == torch.uint8
+    assert same_bytes(full, w)
+
+
 def test_gathered_dtypes_per_format():
     def dtypes(kind):
         return [t.dtype for t in gather_by_hand(quantize_weight(torch.randn(64, 64), kind), 2)[1]]
@@ -179,12 +188,13 @@ class CollectiveLog:
         setattr(dist, self.name, self.original)
 
 
-def run_kind(rank: int, kind: str, reshard: bool) -> dict:
+def run_kind(rank: int, kind: str, reshard: bool, device: str = "cpu") -> dict:
     from qtensor.distributed import fully_shard
 
-    model = build_model(kind)
+    model = build_model(kind).to(device)
     originals = [model[0].weight, model[2].weight]
     x = torch.randn(6, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    x = x.to(device)
     ref = model(x)
     seen = []
     for lin, w in zip((model[0], model[2]), originals):
@@ -243,10 +253,11 @@ def run_refusals(rank: int) -> dict[str, str]:
     }
 
 
-def fsdp_worker(rank: int, world: int) -> dict:
-    results = {(k, r): run_kind(rank, k, r) for k in KINDS for r in (True, False)
+def fsdp_worker(rank: int, world: int, device: str = "cpu") -> dict:
+    results = {(k, r): run_kind(rank, k, r, device) for k in KINDS for r in (True, False)
                if r or k in ("nvfp4_2d", "hybrid_dgrad_mxfp8")}
-    results["refusal"] = run_refusals(rank)
+    if device == "cpu":
+        results["refusal"] = run_refusals(rank)
     return results
 
 

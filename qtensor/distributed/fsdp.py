@@ -153,6 +153,9 @@ class GatherMetadata:
     sharded: list[Leaf]  # in the order of the all-gather inputs
     replicated: dict[Path, torch.Tensor]
     shape: torch.Size  # the unsharded logical shape
+    # One rank: FSDP2 copies only the first all-gather input (its world-size-1 shortcut), so
+    # the sharded leaves travel packed in one uint8 buffer: (dtype, shape) per leaf, in order.
+    packed: list[tuple[torch.dtype, torch.Size]] | None = None
 
 
 def pre_all_gather(x: QuantizedTensor, mesh, outer_size, module: nn.Module | None):
@@ -169,11 +172,20 @@ def pre_all_gather(x: QuantizedTensor, mesh, outer_size, module: nn.Module | Non
             continue
         inputs.append(t.movedim(leaf.dim, 0).contiguous())
         sharded.append(leaf)
-    return tuple(inputs), GatherMetadata(sharded, replicated, torch.Size(outer_size))
+    meta = GatherMetadata(sharded, replicated, torch.Size(outer_size))
+    if world_size == 1 and len(inputs) > 1:
+        # 4-byte leaves (a row-scaled amax) first, so every view back is aligned.
+        order = sorted(range(len(inputs)), key=lambda i: -inputs[i].element_size())
+        meta.sharded = [sharded[i] for i in order]
+        meta.packed = [(inputs[i].dtype, inputs[i].shape) for i in order]
+        inputs = [torch.cat([inputs[i].reshape(-1).view(torch.uint8) for i in order])]
+    return tuple(inputs), meta
 
 
 def post_all_gather(x: QuantizedTensor, outputs, meta: GatherMetadata, param_dtype, out=None):
     """The unsharded tensor around views of the gathered buffers (FSDP2 owns their memory)."""
+    if meta.packed is not None:
+        outputs = _unpack(outputs[0].view(-1), meta.packed)
     values = {leaf.path: o.movedim(0, leaf.dim) for leaf, o in zip(meta.sharded, outputs)}
     if out is not None:
         # FSDP2 re-gathers into the same buffers, so out's sharded leaves already hold the new
@@ -187,6 +199,15 @@ def post_all_gather(x: QuantizedTensor, outputs, meta: GatherMetadata, param_dty
     full = rebuild(x, values, meta.shape, param_dtype or x.dtype)
     # No extra buffers to free on reshard: every leaf is a view of an all-gather output.
     return full, ()
+
+
+def _unpack(buffer: torch.Tensor, layout) -> list[torch.Tensor]:
+    views, offset = [], 0
+    for dtype, shape in layout:
+        n = shape.numel() * dtype.itemsize
+        views.append(buffer[offset:offset + n].view(dtype).view(shape))
+        offset += n
+    return views
 
 
 def _param_name(module: nn.Module | None, local: torch.Tensor) -> str:

@@ -245,15 +245,23 @@ def _candidate_error(xf, s_b, s_dec, amax_b, spec: NVFP4Spec) -> torch.Tensor:
 
 
 def quantize(
-    x: torch.Tensor, spec: NVFP4Spec, generator: torch.Generator | SRSeed | None = None
+    x: torch.Tensor, spec: NVFP4Spec, generator: torch.Generator | SRSeed | None = None,
+    amax: torch.Tensor | None = None,
 ) -> NVFP4Data:
-    """Quantize x (any float dtype, [..., K]) to NVFP4 bytes per FORMATS.md."""
+    """Quantize x (any float dtype, [..., K]) to NVFP4 bytes per FORMATS.md.
+
+    `amax` replaces x's own global amax (step 1), e.g. the whole weight's amax when x is one
+    FSDP shard of it: the shard's bytes are then the whole tensor's bytes for those rows.
+    """
     check_shape(x.shape, spec)
     xm = as_matrix(x, spec.columnwise)
     if spec.rht:
         xm = apply_rht(xm)
     xf = xm.to(torch.float32)
-    amax, amax_b = _global_amax(xf, spec)
+    if amax is None:
+        amax, amax_b = _global_amax(xf, spec)
+    else:
+        amax_b = amax[:, None] if spec.row_scaled else amax
     s_enc, s_dec = encode_scale(amax_b, spec.e4m3_bound)
     b_amax = block_amax(xf, spec.block_2d)
     if spec.fourover6:

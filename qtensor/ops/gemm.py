@@ -243,7 +243,8 @@ def native_scaled_mm(a_op, b_op, bias, out_dtype) -> torch.Tensor:
 
 
 def product_backend(a_op, b_op) -> GemmBackend:
-    """The backend the tensors ask for: the right operand's, or the left's if b is high precision."""
+    """The backend the tensors ask for: the right operand's, or the left's if b is high
+    precision."""
     owner = b_op if isinstance(b_op, QuantizedTensor) else a_op
     return GemmBackend(getattr(owner, "gemm_backend", GemmBackend.EMULATED.value))
 

@@ -145,14 +145,17 @@ def sr_seed(generator: torch.Generator | SRSeed | None) -> SRSeed:
     return SRSeed(int(seed), 0)
 
 
-def quantize_nvfp4(x, spec: NVFP4Spec, generator=None) -> tuple[NVFP4Data, QuantBackend]:
-    """NVFP4 bytes of x (2-D [R, C] results, as nvfp4.quantize) and the backend that made them."""
+def quantize_nvfp4(x, spec: NVFP4Spec, generator=None, global_amax=None
+                   ) -> tuple[NVFP4Data, QuantBackend]:
+    """NVFP4 bytes of x (2-D [R, C] results, as nvfp4.quantize) and the backend that made them.
+    `global_amax` replaces x's own amax (an FSDP shard quantized with its weight's amax)."""
     backend = quant_backend(x.device)
     sr = sr_seed(generator) if spec.stochastic_rounding else None
     if backend is QuantBackend.REFERENCE:
-        return nvfp4.quantize(x, spec, sr), backend
+        return nvfp4.quantize(x, spec, sr, amax=global_amax), backend
     nvfp4.check_shape(x.shape, spec)  # the same ValueError as the reference, before any kernel
-    a = amax(x, columnwise=spec.columnwise, rht=spec.rht, per_row=spec.row_scaled)
+    a = global_amax if global_amax is not None else amax(
+        x, columnwise=spec.columnwise, rht=spec.rht, per_row=spec.row_scaled)
     qdata, scale = nvfp4_codes(x, a, spec, sr)
     return NVFP4Data(qdata, scale, a), backend
 

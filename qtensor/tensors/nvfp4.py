@@ -72,14 +72,16 @@ class NVFP4Tensor(QuantizedTensor):
         return cls.from_spec(x, spec, generator=generator, check_finite=check_finite)
 
     @classmethod
-    def from_spec(cls, x, spec: NVFP4Spec, *, generator=None, check_finite=True) -> "NVFP4Tensor":
+    def from_spec(cls, x, spec: NVFP4Spec, *, generator=None, check_finite=True,
+                  global_amax=None) -> "NVFP4Tensor":
+        """`global_amax` (fp32) replaces x's own amax: a shard quantized as part of its whole."""
         check_hp_input(x, "NVFP4", check_finite)
         if spec.columnwise and x.dim() != 2:
             raise ValueError(
                 f"NVFP4 columnwise quantization takes a 2-D tensor; got shape {tuple(x.shape)}. "
                 "Flatten the leading dims first (x.reshape(-1, x.shape[-1]))."
             )
-        (qdata, scale, amax), backend = quant.quantize_nvfp4(x, spec, generator)
+        (qdata, scale, amax), backend = quant.quantize_nvfp4(x, spec, generator, global_amax)
         if not spec.columnwise:
             lead = x.shape[:-1]
             qdata = qdata.reshape(*lead, qdata.shape[-1])

@@ -174,10 +174,15 @@ class TrainingLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        w_op = self.weight_cache.get(
-            self.weight, lambda w: quantize_weight(w, self.state.specs),
-            is_first_microbatch=is_first_microbatch, skip_update=self.skip_weight_update,
-        )
+        if isinstance(self.weight, QuantizedTensor):
+            # FSDP2 gathered the weight already quantized for its role (quantize-before-all-
+            # gather, qtensor/distributed/master.py): the operand is the parameter itself.
+            w_op = self.weight
+        else:
+            w_op = self.weight_cache.get(
+                self.weight, lambda w: quantize_weight(w, self.state.specs),
+                is_first_microbatch=is_first_microbatch, skip_update=self.skip_weight_update,
+            )
         backward = needs_backward(x, self.weight, self.bias)
         return TrainingLinearFunction.apply(
             x, self.weight, self.bias, _Operand(w_op), self.state, compute_dtype(x), backward
