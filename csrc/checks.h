@@ -21,6 +21,18 @@ inline std::string shape_str(const at::Tensor& t) {
   return s + "]";
 }
 
+// MXFP4 QAT weights: bf16 or fp32, 2-D [N, K] with N and K multiples of the host's block.
+inline void check_qat_weight(const at::Tensor& w, int64_t rows_mult, int64_t cols_mult,
+                             const char* op) {
+  const auto dt = w.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, op,
+              ": MXFP4 QAT converts bf16 or fp32 weights; got ", dt,
+              ". fp16 cannot hold the MXFP4 grid (2**-127 .. 6 * 2**125).");
+  TORCH_CHECK(w.dim() == 2 && w.size(0) % rows_mult == 0 && w.size(1) % cols_mult == 0, op,
+              ": needs a 2-D weight [N, K] with N divisible by ", num(rows_mult), " and K by ",
+              num(cols_mult), "; got shape ", shape_str(w), ". Exclude this layer from QAT.");
+}
+
 // Shape of the quantized NVFP4 matrix: the input flattened to [M, K]; rowwise R = M, C = K,
 // columnwise (blocks along dim 0) R = K, C = M.
 struct NvShape {

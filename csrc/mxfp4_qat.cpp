@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "checks.h"
 #include "mxfp4_qat_math.h"
 
 namespace qtensor {
@@ -19,15 +20,6 @@ namespace {
 
 using Quad = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-void check_qat_weight(const at::Tensor& w, int64_t rows_mult, int64_t cols_mult, const char* op) {
-  const auto dt = w.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, op,
-              ": MXFP4 QAT converts bf16 or fp32 weights; got ", dt,
-              ". fp16 cannot hold the MXFP4 grid (2**-127 .. 6 * 2**125).");
-  TORCH_CHECK(w.dim() == 2 && w.size(0) % rows_mult == 0 && w.size(1) % cols_mult == 0, op,
-              ": needs a 2-D weight [N, K] with N divisible by ", rows_mult, " and K by ",
-              cols_mult, "; got shape ", w.sizes(), ". Exclude this layer from QAT.");
-}
 
 template <typename T>
 void with_weight(const at::Tensor& w, const char* op, T&& f) {
