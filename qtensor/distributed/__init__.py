@@ -5,9 +5,11 @@
 - `quantize_on_gather`, `precompute_amaxes`: FSDP2 training with the NVFP4 recipe, high-
   precision master shards all-gathered as quantized operands ([Note: quantize before the
   all-gather] in master.py).
+- `parallelize_module`, `plan_problems`: tensor-parallel plans over quantized weights (tp.py).
 """
 
 from qtensor.distributed.fsdp import fully_shard, shard_problems
+from qtensor.distributed.tp import parallelize_module, plan_problems
 
 _MASTER = {"QuantizeOnGatherWeight", "precompute_amaxes", "quantize_on_gather"}
 
@@ -20,5 +22,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'qtensor.distributed' has no attribute {name!r}")
 
 
-__all__ = ["QuantizeOnGatherWeight", "fully_shard", "precompute_amaxes", "quantize_on_gather",
-           "shard_problems"]
+__all__ = ["QuantizeOnGatherWeight", "fully_shard", "parallelize_module", "plan_problems",
+           "precompute_amaxes", "quantize_on_gather", "shard_problems"]
