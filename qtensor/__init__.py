@@ -7,7 +7,7 @@ import torch as _torch
 
 from qtensor.checkpoint import load_file, save_file
 from qtensor.formats import MXFP8Spec, NVFP4Spec
-from qtensor.ops import gemm as _gemm  # registers the GEMM ops and F.linear
+from qtensor.ops import gemm as _gemm  # noqa: F401  registers the GEMM ops and F.linear
 from qtensor.ops.gemm import quantized_mm
 from qtensor.tensors import HybridTensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
 

@@ -19,7 +19,7 @@ from torchao.quantization.transform_module import register_quantize_module_handl
 
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
-from qtensor.tensors import MXFP8Tensor, NVFP4Tensor, quantize_spec
+from qtensor.tensors import quantize_spec
 
 FilterFn = Callable[[nn.Module, str], bool]
 

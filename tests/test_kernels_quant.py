@@ -13,7 +13,6 @@ import pytest
 import torch
 from conftest import (
     GOLDEN_INPUTS,
-    MXFP8_GOLDEN_SPECS,
     NVFP4_GOLDEN_SPECS,
     all_bf16_patterns,
     assert_bits_equal,

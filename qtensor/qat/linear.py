@@ -26,7 +26,6 @@ from qtensor.qat import hosts
 from qtensor.qat.cache import WeightCache, WeightOperands
 from qtensor.qat.hosts import Host
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.training.recipe import OVERRIDES  # backward_override: one vocabulary project-wide
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
 
 

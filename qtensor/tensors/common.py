@@ -173,3 +173,22 @@ def _expand(func, args, kwargs):
             "dims."
         )
     return x.replace()
+
+
+def flips_last_two(x, func, args) -> bool:
+    """Whether aten.t / aten.transpose.int on x swaps its last two dims (False: a no-op).
+
+    Quantized tensors transpose only there: that is the rowwise/columnwise flip.
+    """
+    if x.dim() < 2:
+        return False
+    dims = (0, 1) if func is aten.t.default else args[1:3]
+    dims = sorted(normalize_dim(d, x.dim()) for d in dims)
+    if dims[0] == dims[1]:
+        return False
+    if dims != [x.dim() - 2, x.dim() - 1]:
+        raise ValueError(
+            f"{type(x).__name__} transposes only its last two dims (a rowwise/columnwise flip); "
+            f"got dims {tuple(args[1:3])} for shape {tuple(x.shape)}."
+        )
+    return True

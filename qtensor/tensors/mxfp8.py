@@ -18,6 +18,7 @@ from qtensor.tensors.common import (
     COLUMNWISE,
     ROWWISE,
     check_hp_input,
+    flips_last_two,
     infer_shape,
     normalize_dim,
     slice_bounds,
@@ -84,17 +85,8 @@ class MXFP8Tensor(QuantizedTensor):
 @MXFP8Tensor.implements([aten.t.default, aten.transpose.int])
 def _transpose(func, args, kwargs):
     x = args[0]
-    if x.dim() < 2:
+    if not flips_last_two(x, func, args):
         return x
-    dims = (0, 1) if func is aten.t.default else args[1:3]
-    dims = sorted(normalize_dim(d, x.dim()) for d in dims)
-    if dims[0] == dims[1]:
-        return x
-    if dims != [x.dim() - 2, x.dim() - 1]:
-        raise ValueError(
-            f"MXFP8Tensor transposes only its last two dims (a rowwise/columnwise flip); got "
-            f"dims {tuple(args[1:3])} for shape {tuple(x.shape)}."
-        )
     return x.replace(
         shape=(*x.shape[:-2], x.shape[-1], x.shape[-2]),
         qdata=x.qdata.transpose(-1, -2),

@@ -20,6 +20,7 @@ from qtensor.tensors.common import (
     COLUMNWISE,
     ROWWISE,
     check_hp_input,
+    flips_last_two,
     infer_shape,
     normalize_dim,
     slice_bounds,
@@ -158,17 +159,8 @@ def _transposed(x: NVFP4Tensor) -> NVFP4Tensor:
 @NVFP4Tensor.implements([aten.t.default, aten.transpose.int])
 def _transpose(func, args, kwargs):
     x = args[0]
-    if x.dim() < 2:
+    if not flips_last_two(x, func, args):
         return x
-    dims = (0, 1) if func is aten.t.default else args[1:3]
-    dims = sorted(normalize_dim(d, x.dim()) for d in dims)
-    if dims[0] == dims[1]:
-        return x
-    if dims != [x.dim() - 2, x.dim() - 1]:
-        raise ValueError(
-            f"NVFP4Tensor transposes only its last two dims (a rowwise/columnwise flip); got "
-            f"dims {tuple(args[1:3])} for shape {tuple(x.shape)}."
-        )
     return _transposed(x)
 
 
