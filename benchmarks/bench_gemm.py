@@ -200,14 +200,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="markdown file for the tables")
     p.add_argument("--sweep", action="store_true", help="also sweep tile configs")
-    p.add_argument("--ms", default="1,16,64,4096", help="comma-separated M values")
+    p.add_argument("--ms", default="1,16,64,4096,16384", help="comma-separated M values")
     p.add_argument("--quick", action="store_true", help="8192x8192 only, no torchao or grouped")
     args = p.parse_args()
     ms_list = [int(v) for v in args.ms.split(",")]
     date = datetime.date.today().isoformat()
     emit(f"## GEMM benchmark, {date}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     emit(f"copy bandwidth: {copy_bandwidth():.2f} TB/s (read + write)")
-    for n, k in [(8192, 8192)] if args.quick else [(8192, 8192), (28672, 8192)]:
+    for n, k in [(8192, 8192)] if args.quick else [(8192, 8192), (28672, 8192), (8192, 28672)]:
         dense_section(n, k, ms_list, with_torchao=not args.quick)
     for experts in () if args.quick else (8, 64):
         grouped_section(experts)
