@@ -19,7 +19,8 @@ from torchao.core.config import AOBaseConfig
 from torchao.quantization.transform_module import register_quantize_module_handler
 
 from qtensor.qat.hosts import Host
-from qtensor.qat.linear import OVERRIDES, MXFP4QATLinear, check_weight
+from qtensor.qat.linear import MXFP4QATLinear, check_weight
+from qtensor.training.recipe import OVERRIDES
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
