@@ -239,3 +239,14 @@ def test_wrong_orientation_and_mixed_formats():
         torch.mm(a, MXFP8Tensor.from_hp(_x(32, 64)).t())
     with pytest.raises(ValueError, match="RHT-transformed NVFP4 operand needs an RHT-transformed"):
         quantized_mm(_x(16, 64), NVFP4Tensor.from_hp(_x(64, 32), columnwise=True, rht=True))
+
+
+def test_plain_mm_with_dynamic_activation_weight_refuses():
+    # The act_spec of a dynamic-activation weight is applied by F.linear only; a direct mm would
+    # otherwise run weight-only math without saying so.
+    w = NVFP4Tensor.from_hp(torch.randn(32, 64, dtype=torch.bfloat16))
+    w = w.replace(act_spec=NVFP4Spec())
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="quantizes its activation inside F.linear"):
+        torch.mm(x, w.t())
+    assert torch.nn.functional.linear(x, w).shape == (8, 32)

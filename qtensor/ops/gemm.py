@@ -302,8 +302,19 @@ def with_gemm_backend(x: QuantizedTensor, backend: GemmBackend | str) -> Quantiz
 # ---- op table ---------------------------------------------------------------------------------
 
 
+def _refuse_skipped_activation_quant(a, b) -> None:
+    """A weight with an act_spec multiplies a quantized activation; only F.linear quantizes it."""
+    if getattr(b, "act_spec", None) is not None and not isinstance(a, QuantizedTensor):
+        raise ValueError(
+            "This weight quantizes its activation inside F.linear (act_spec="
+            f"{b.act_spec}); a plain mm/addmm/matmul would silently run weight-only math. Call "
+            "F.linear, or quantize the activation first (qtensor.tensors.quantize_spec)."
+        )
+
+
 @QuantizedTensor.implements([aten.mm.default, aten.bmm.default, aten.matmul.default])
 def _mm(func, args, kwargs):
+    _refuse_skipped_activation_quant(args[0], args[1])
     return quantized_mm(args[0], args[1])
 
 
@@ -312,6 +323,7 @@ def _addmm(func, args, kwargs):
     bias, a, b = args[:3]
     if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
         raise ValueError("Quantized addmm supports beta=1 and alpha=1 only.")
+    _refuse_skipped_activation_quant(a, b)
     return quantized_mm(a, b, bias)
 
 
