@@ -136,7 +136,7 @@ def to_training(model, recipe, specs=None):
             # A TrainingLinear is an nn.Linear: re-wrapping it shares the same Parameters.
             new = TrainingLinear.from_linear(getattr(blk, name), recipe, seed_index=4 * i + j)
             if specs is not None:
-                new.state = LinearState(specs, new.state.generators)
+                new.state = LinearState(specs, new.state.seeds)
             setattr(blk, name, new)
 
 

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace qtensor {
@@ -77,6 +78,23 @@ inline void check_nv_options(int64_t fourover6, int64_t bound, bool columnwise, 
               ": RHT applies only to columnwise (wgrad) operands; set columnwise=True or rht=False.");
   TORCH_CHECK(!(row_scaled && (block_2d || rht || stochastic)), op,
               ": a per-row amax excludes block_2d, rht and stochastic rounding.");
+}
+
+// Stochastic rounding's state: int64 (seed, offset) on the input's device, read by the kernel
+// itself (a CUDA kernel reads it from device memory: no host sync, and a compiled graph can
+// advance it in place). nullptr when rounding to nearest.
+inline const int64_t* sr_state_ptr(const at::Tensor& x, bool stochastic,
+                                   const std::optional<at::Tensor>& sr_state, const char* op) {
+  if (!stochastic) return nullptr;
+  TORCH_CHECK(sr_state.has_value() && sr_state->defined(), op,
+              ": stochastic rounding needs sr_state, an int64 tensor (seed, offset); got None. "
+              "Pass one, or set stochastic=False.");
+  const at::Tensor& st = *sr_state;
+  check_same_device(x, st, op, "sr_state");
+  TORCH_CHECK(st.scalar_type() == at::kLong && st.numel() == 2 && st.is_contiguous(), op,
+              ": sr_state must be a contiguous int64 tensor of 2 elements (seed, offset); got ",
+              st.scalar_type(), " ", shape_str(st), ".");
+  return st.const_data_ptr<int64_t>();
 }
 
 inline void check_nv_amax(const at::Tensor& x, const at::Tensor& amax, const NvShape& s,

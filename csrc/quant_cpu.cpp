@@ -206,7 +206,8 @@ void quantize_tile(const float (*buf)[16], int nr, const NvScale* ts, const NvOp
 std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cpu(const at::Tensor& x, const at::Tensor& amax,
                                                       bool columnwise, bool block_2d,
                                                       int64_t fourover6, int64_t bound, bool rht,
-                                                      bool stochastic, int64_t seed, int64_t offset) {
+                                                      bool stochastic,
+                                                      const std::optional<at::Tensor>& sr_state) {
   const char* op = "qtensor.nvfp4_quantize";
   const NvShape s = nv_shape(x, columnwise, block_2d, op);
   const bool row_scaled = amax.dim() == 1;
@@ -216,8 +217,9 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cpu(const at::Tensor& x, const
   at::Tensor scale = at::empty({s.R, s.C / 16}, x.options().dtype(at::kByte));
   const at::Tensor a = amax.contiguous();
   const float* ap = a.const_data_ptr<float>();
+  const int64_t* sr = sr_state_ptr(x, stochastic, sr_state, op);
   const NvOpts o{block_2d, static_cast<int>(fourover6), static_cast<int>(bound), stochastic,
-                 mix32(static_cast<uint32_t>(seed)), static_cast<uint32_t>(offset)};
+                 sr ? mix32(static_cast<uint32_t>(sr[0])) : 0u, sr ? static_cast<uint32_t>(sr[1]) : 0u};
   const NvScale ts0 = nv_scale(ap[0], o.bound);
   const at::Tensor x2 = x.reshape({s.M, s.K});
   uint8_t* qp = qdata.data_ptr<uint8_t>();
@@ -311,11 +313,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mxfp8_quantize_cpu(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hybrid_quantize_cpu(
     const at::Tensor& x, const at::Tensor& amax, int64_t rule, int64_t fourover6, int64_t bound,
-    bool rht, bool stochastic, int64_t seed, int64_t offset) {
+    bool rht, bool stochastic, const std::optional<at::Tensor>& sr_state) {
   TORCH_CHECK(x.dim() == 2, "qtensor.hybrid_quantize takes a 2-D gradient [M, K]; got shape ",
               shape_str(x), ".");
   auto mx = mxfp8_quantize_cpu(x, rule, true, false);
-  auto nv = nvfp4_quantize_cpu(x, amax, true, false, fourover6, bound, rht, stochastic, seed, offset);
+  auto nv = nvfp4_quantize_cpu(x, amax, true, false, fourover6, bound, rht, stochastic, sr_state);
   return {std::get<0>(mx), std::get<1>(mx), std::get<0>(nv), std::get<1>(nv)};
 }
 

@@ -121,7 +121,7 @@ struct TileArgs {
   const float* amax;
   bool row_scaled, nv_col, nv_2d, nv_rht, nv_sr;
   int nv_4o6, bound;
-  uint32_t key, offset;
+  const int64_t* sr_state;  // stochastic rounding's (seed, offset) in device memory, or nullptr
   uint8_t *nv_q, *nv_s;
   // MXFP8
   int rule;
@@ -202,12 +202,16 @@ __device__ __forceinline__ void nv_phase(const TileArgs& a, float (*tile)[kTile 
   } else {
     sb = e4m3_bits(bam * ts.s_enc_c6);
     const float enc = nv_block_enc(sb, ts.s_dec);
-    const uint32_t base = static_cast<uint32_t>(qrow * C + qcol0) + a.offset;
+    uint32_t key = 0u, base = 0u;
+    if (a.nv_sr) {  // read here, on the device: the host never syncs on the state
+      key = mix32(static_cast<uint32_t>(a.sr_state[0]));
+      base = static_cast<uint32_t>(qrow * C + qcol0) + static_cast<uint32_t>(a.sr_state[1]);
+    }
     unsigned w[2] = {0u, 0u};
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const float p = v[i] * enc;
-      const unsigned c = a.nv_sr ? e2m1_encode_sr(p, sr_bits(a.key, base + i)) : e2m1_encode(p);
+      const unsigned c = a.nv_sr ? e2m1_encode_sr(p, sr_bits(key, base + i)) : e2m1_encode(p);
       w[i >> 3] |= c << (4 * (i & 7));
     }
     codes = make_uint2(w[0], w[1]);
@@ -347,7 +351,7 @@ void run_tiles(const at::Tensor& x2, TileArgs& a, bool nv, bool mxr, bool mxc) {
 }
 
 TileArgs nv_args(const at::Tensor& amax, bool columnwise, bool block_2d, int64_t fourover6,
-                 int64_t bound, bool rht, bool stochastic, int64_t seed, int64_t offset,
+                 int64_t bound, bool rht, bool stochastic, const int64_t* sr_state,
                  at::Tensor& q, at::Tensor& s) {
   TileArgs a{};
   a.amax = amax.data_ptr<float>();
@@ -358,8 +362,7 @@ TileArgs nv_args(const at::Tensor& amax, bool columnwise, bool block_2d, int64_t
   a.nv_sr = stochastic;
   a.nv_4o6 = static_cast<int>(fourover6);
   a.bound = static_cast<int>(bound);
-  a.key = mix32(static_cast<uint32_t>(seed));
-  a.offset = static_cast<uint32_t>(offset);
+  a.sr_state = sr_state;
   a.nv_q = q.data_ptr<uint8_t>();
   a.nv_s = s.data_ptr<uint8_t>();
   return a;
@@ -368,7 +371,8 @@ TileArgs nv_args(const at::Tensor& amax, bool columnwise, bool block_2d, int64_t
 std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cuda(const at::Tensor& x, const at::Tensor& amax,
                                                        bool columnwise, bool block_2d,
                                                        int64_t fourover6, int64_t bound, bool rht,
-                                                       bool stochastic, int64_t seed, int64_t offset) {
+                                                       bool stochastic,
+                                                       const std::optional<at::Tensor>& sr_state) {
   const char* op = "qtensor.nvfp4_quantize";
   const NvShape s = nv_shape(x, columnwise, block_2d, op);
   check_nv_options(fourover6, bound, columnwise, rht, stochastic, block_2d, amax.dim() == 1, op);
@@ -377,7 +381,8 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cuda(const at::Tensor& x, cons
   at::Tensor q = at::empty({s.R, s.C / 2}, x.options().dtype(at::kByte));
   at::Tensor sc = at::empty({s.R, s.C / 16}, x.options().dtype(at::kByte));
   const at::Tensor a = amax.contiguous();
-  TileArgs args = nv_args(a, columnwise, block_2d, fourover6, bound, rht, stochastic, seed, offset, q, sc);
+  const int64_t* sr = sr_state_ptr(x, stochastic, sr_state, op);
+  TileArgs args = nv_args(a, columnwise, block_2d, fourover6, bound, rht, stochastic, sr, q, sc);
   run_tiles(as_aligned_2d(x), args, true, false, false);
   return {q, sc.view(at::kFloat8_e4m3fn)};
 }
@@ -417,7 +422,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mxfp8_quantize_cuda(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hybrid_quantize_cuda(
     const at::Tensor& x, const at::Tensor& amax, int64_t rule, int64_t fourover6, int64_t bound,
-    bool rht, bool stochastic, int64_t seed, int64_t offset) {
+    bool rht, bool stochastic, const std::optional<at::Tensor>& sr_state) {
   const char* op = "qtensor.hybrid_quantize";
   TORCH_CHECK(x.dim() == 2, op, " takes a 2-D gradient [M, K]; got shape ", shape_str(x), ".");
   check_mx_shape(x, true, false, op);
@@ -427,7 +432,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hybrid_quantize_cuda(
   check_nv_amax(x, amax, s, op);
   if (fourover6) {  // 4over6's register budget does not fit beside the MXFP8 phase: two passes
     auto mx = mxfp8_quantize_cuda(x, rule, true, false);
-    auto nv = nvfp4_quantize_cuda(x, amax, true, false, fourover6, bound, rht, stochastic, seed, offset);
+    auto nv = nvfp4_quantize_cuda(x, amax, true, false, fourover6, bound, rht, stochastic, sr_state);
     return {std::get<0>(mx), std::get<1>(mx), std::get<0>(nv), std::get<1>(nv)};
   }
   const c10::cuda::CUDAGuard guard(x.device());
@@ -435,7 +440,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hybrid_quantize_cuda(
   at::Tensor rq = at::empty(x.sizes(), bytes), rs = at::empty({s.M, s.K / 32}, bytes);
   at::Tensor q = at::empty({s.R, s.C / 2}, bytes), sc = at::empty({s.R, s.C / 16}, bytes);
   const at::Tensor a = amax.contiguous();
-  TileArgs args = nv_args(a, true, false, 0, bound, rht, stochastic, seed, offset, q, sc);
+  const int64_t* sr = sr_state_ptr(x, stochastic, sr_state, op);
+  TileArgs args = nv_args(a, true, false, 0, bound, rht, stochastic, sr, q, sc);
   args.rule = static_cast<int>(rule);
   args.mxr_q = rq.data_ptr<uint8_t>();
   args.mxr_s = rs.data_ptr<uint8_t>();

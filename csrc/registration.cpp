@@ -5,7 +5,9 @@
 // transpose [K, M] when `columnwise`; a 1-D `amax` means one amax per row of that matrix.
 // fourover6: 0 off, 1 MAE, 2 MSE. scale_rule: 0 RCEIL, 1 FLOOR. Stochastic rounding draws the 8
 // bits of element i (row-major in the quantized matrix) from (seed, offset + i): quant_math.h
-// `sr_bits`, the same function as qtensor/formats/nvfp4.py `sr_bits`.
+// `sr_bits`, the same function as qtensor/formats/nvfp4.py `sr_bits`. (seed, offset) is the int64
+// tensor `sr_state` [2] on x's device, read inside the kernel (None when not stochastic), so a
+// compiled graph passes a buffer it advances in place instead of Python ints.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -24,7 +26,7 @@ TORCH_LIBRARY(qtensor, m) {
   // NVFP4 codes uint8 [R, C/2] and E4M3 block scales [R, C/16] given the amax.
   m.def(
       "nvfp4_quantize(Tensor x, Tensor amax, bool columnwise, bool block_2d, int fourover6, "
-      "int e4m3_bound, bool rht, bool stochastic, int seed, int offset) -> (Tensor, Tensor)");
+      "int e4m3_bound, bool rht, bool stochastic, Tensor? sr_state) -> (Tensor, Tensor)");
   // MXFP8 (rowwise data, rowwise scale, columnwise data, columnwise scale) from one read; a side
   // not asked for comes back as empty tensors.
   m.def(
@@ -34,7 +36,7 @@ TORCH_LIBRARY(qtensor, m) {
   // (data, scale) and NVFP4 columnwise (codes, scales) given the columnwise amax.
   m.def(
       "hybrid_quantize(Tensor x, Tensor amax, int scale_rule, int fourover6, int e4m3_bound, "
-      "bool rht, bool stochastic, int seed, int offset) -> (Tensor, Tensor, Tensor, Tensor)");
+      "bool rht, bool stochastic, Tensor? sr_state) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "nvfp4_dequantize(Tensor qdata, Tensor scale, Tensor amax, int e4m3_bound, "
       "ScalarType dtype) -> Tensor");

@@ -3,8 +3,9 @@ NVFP4 recipe and of the MXFP4 QAT configs, fullgraph, with outputs and gradients
 to eager.
 
 aot_eager for the full matrix (Dynamo + AOTAutograd trace both passes of the autograd
-functions), Inductor for two of them. Stochastic rounding does not compile yet: its seed is
-drawn from a torch.Generator, which Dynamo cannot trace (kept below as a strict xfail).
+functions), Inductor for two of them. Stochastic rounding reads its (seed, offset) rows from the
+module's int64 buffer, which each forward advances in place: several compiled steps run in one
+graph (no recompilation) and round with the same bits as eager steps.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 torch.set_num_threads(1)
 
-RECIPES = {  # stochastic rounding off: see the module docstring
+RECIPES = {  # stochastic rounding off here; on in the tests at the end
     "nvfp4_backward": dict(stochastic_rounding=False),
     "dgrad_mxfp8": dict(stochastic_rounding=False, dgrad_mxfp8=True),
     "high_precision": dict(stochastic_rounding=False, backward_override="high_precision"),
@@ -102,13 +103,47 @@ def test_qat_mxfp8_step_cpu_inductor():
     compiled_step_matches_eager("qat_mxfp8", "inductor")
 
 
-@pytest.mark.xfail(strict=True, reason="stochastic rounding draws its seed from a "
-                   "torch.Generator (qtensor/ops/quant.py sr_seed), which Dynamo cannot trace")
-def test_stochastic_rounding_compiles():
+def sr_model(**kw) -> nn.Module:
     from qtensor import quantize_
     from qtensor.training import NVFP4TrainingRecipe, TrainingConfig
 
-    model = quantize_(mlp(), TrainingConfig(NVFP4TrainingRecipe()))
-    x = torch.randn(128, 128, dtype=torch.bfloat16)
+    return quantize_(mlp(), TrainingConfig(NVFP4TrainingRecipe(**kw)))  # SR on by default
+
+
+@pytest.mark.parametrize("kw", [{}, dict(dgrad_mxfp8=True)], ids=["nvfp4", "dgrad_mxfp8"])
+def test_stochastic_rounding_steps_compile_and_match_eager(kw):
+    # Three steps: each advances the modules' state buffers, so each rounds with new bits; the
+    # compiled model (one frame, no recompilation) must give eager's bits at every step.
+    eager, compiled_model = sr_model(**kw), sr_model(**kw)
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(128, 128, dtype=torch.bfloat16, generator=gen) for _ in range(3)]
     torch._dynamo.reset()
-    step(model, torch.compile(model, backend="aot_eager", fullgraph=True), x)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(compiled_model, backend=counter, fullgraph=True)
+    grads = []
+    for i, x in enumerate(xs):
+        ref, out = step(eager, eager, x), step(compiled_model, compiled, x)
+        assert_bitwise(out[1], ref[1], f"step {i} input gradient")
+        for (pname, _), g, r in zip(eager.named_parameters(), out[2], ref[2]):
+            assert_bitwise(g, r, f"step {i} gradient of {pname}")
+        grads.append(ref[2][0])
+    assert counter.frame_count == 1, "a step recompiled"
+    assert not torch.equal(grads[0], grads[1]), "the state did not advance between steps"
+    for a, b in zip(eager.modules(), compiled_model.modules()):
+        if hasattr(a, "sr_state"):
+            assert torch.equal(a.sr_state, b.sr_state)
+
+
+def test_stochastic_rounding_step_inductor():
+    eager, compiled_model = sr_model(), sr_model()
+    x = torch.randn(128, 128, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(4))
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(compiled_model, backend=counter, fullgraph=True)
+    with inductor_config.patch(emulate_precision_casts=True):
+        out = step(compiled_model, compiled, x)
+    ref = step(eager, eager, x)
+    assert counter.frame_count == 1
+    assert_bitwise(out[1], ref[1], "input gradient")
+    for (pname, _), g, r in zip(eager.named_parameters(), out[2], ref[2]):
+        assert_bitwise(g, r, f"gradient of {pname}")

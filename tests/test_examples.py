@@ -22,6 +22,9 @@ CI_RUNS = {
     # ~15 s; inductor's C++ codegen of the same graph took 69 s on two cores.
     "hf_causal_lm.py": (["--tiny", "--compile-backend", "aot_eager", "--new-tokens", "4"],
                         ["transformers"]),
+    # 2 gloo ranks, 8 AdamW steps of the tiny model: ~11 s on two shared cores, mostly the
+    # two spawned processes importing torch and torchao.
+    "fsdp2_training.py": (["--nproc", "2", "--size", "tiny", "--steps", "8"], []),
 }
 
 

@@ -13,8 +13,8 @@ import torch
 
 from qtensor import HybridTensor, MXFP8Tensor, NVFP4Tensor, quantized_mm
 from qtensor.formats.mxfp8 import MXFP8Spec
-from qtensor.formats.nvfp4 import NVFP4Spec
-from qtensor.training import Generators, NVFP4TrainingRecipe, TrainingLinear
+from qtensor.formats.nvfp4 import NVFP4Spec, SRSeed
+from qtensor.training import NVFP4TrainingRecipe, SRSeeds, TrainingLinear
 
 M, K, N = 64, 128, 64  # tokens, in_features, out_features
 F32 = torch.float32
@@ -48,8 +48,8 @@ def deq(t):
 
 
 def slot_generator(recipe, usage):
-    """The generator the module's stochastic rounding draws from (docs/training.md)."""
-    return Generators(recipe.seed, 0).get(f"grad_output.{usage}", "cpu")
+    """The (seed, offset) of the module's first step in a slot (docs/training.md)."""
+    return SRSeed(SRSeeds(recipe.seed, 0).seed_for(f"grad_output.{usage}"), 0)
 
 
 # ---- independent references ----------------------------------------------------------------

@@ -170,7 +170,7 @@ def test_quantize_with_training_config():
     assert [type(l).__name__ for l in model] == ["TrainingLinear", "ReLU", "TrainingLinear",
                                                  "Linear"]
     assert list(model.parameters()) == params  # shared: the optimizer still owns them
-    assert (model[0].state.generators.index, model[2].state.generators.index) == (0, 1)
+    assert (model[0].state.seeds.index, model[2].state.seeds.index) == (0, 1)
     x = torch.randn(32, K)
     model(x).square().sum().backward()
     before = model[0].weight.detach().clone()

@@ -9,7 +9,8 @@ import torch
 
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
-from qtensor.training import Generators, NVFP4TrainingRecipe, OperandSpecs, RoleSpec
+from qtensor.training import NVFP4TrainingRecipe, OperandSpecs, RoleSpec, SRSeeds
+from qtensor.training.roles import SR_SLOTS, advance, nth_call
 
 RL = dict(rht=False, stochastic_rounding=False, weight_2d=False)
 
@@ -172,13 +173,22 @@ def test_operand_specs_check_gemm_pairs():
         RoleSpec(NVFP4Spec(), NVFP4Spec())
 
 
-def test_generators_are_deterministic_and_distinct_per_slot_and_module():
-    a, b, c = Generators(0, 0), Generators(0, 0), Generators(0, 1)
-    draw = lambda g, slot: torch.randint(0, 256, (64,), generator=g.get(slot, "cpu"))
-    first = draw(a, "grad_output.rowwise")
-    assert torch.equal(first, draw(b, "grad_output.rowwise"))
-    assert not torch.equal(first, draw(c, "grad_output.rowwise"))
-    assert not torch.equal(draw(Generators(0, 0), "grad_output.columnwise"), first)
-    assert not torch.equal(draw(a, "grad_output.rowwise"), first)  # the stream advances
-    a.reset()
-    assert torch.equal(draw(a, "grad_output.rowwise"), first)
+def test_sr_seeds_are_deterministic_and_distinct_per_slot_and_module():
+    a, b, c = SRSeeds(0, 0), SRSeeds(0, 0), SRSeeds(0, 1)
+    state = a.initial_state()
+    assert state.dtype == torch.int64 and state.shape == (len(SR_SLOTS), 2)
+    assert torch.equal(state, b.initial_state())
+    assert not torch.equal(state[:, 0], c.initial_state()[:, 0])  # another module
+    assert len(set(state[:, 0].tolist())) == len(SR_SLOTS)  # one seed per slot
+    assert not torch.equal(state[:, 0], SRSeeds(1, 0).initial_state()[:, 0])  # another recipe seed
+    assert bool((state[:, 1] == 0).all())
+
+
+def test_advance_returns_this_step_and_moves_the_buffer_in_place():
+    buf = SRSeeds(3, 2).initial_state()
+    first = buf.clone()
+    taken = advance(buf, calls=3)
+    assert torch.equal(taken, first) and taken.data_ptr() != buf.data_ptr()
+    assert torch.equal(buf[:, 0], first[:, 0] + 3) and torch.equal(buf[:, 1], first[:, 1])
+    assert torch.equal(nth_call(taken, 2)[:, 0], first[:, 0] + 2)
+    assert nth_call(taken, 0) is taken and nth_call(None, 1) is None

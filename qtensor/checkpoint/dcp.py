@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from qtensor.checkpoint.schema import SEP, CheckpointError, decode, encode, expected_layout, header
 from qtensor.checkpoint.schema import parse_header
+from qtensor.distributed.master import QuantizeOnGatherWeight
 from qtensor.tensors import HybridTensor, QuantizedTensor
 from qtensor.tensors.common import INFORMATIONAL_ATTRIBUTES
 
@@ -105,7 +106,33 @@ def split(obj: Any, path: str = "", entries: dict | None = None):
     if isinstance(obj, QuantizedTensor):
         entries[path], _ = encode(path, obj)
         return _inner_dict(obj), entries
-    return obj, entries
+    return _unwrap_master(obj), entries
+
+
+def _unwrap_master(obj):
+    """A quantize-on-gather master weight (or its Adam moment) as the plain high-precision
+    tensor it wraps, as a DTensor if it was one; other objects unchanged. The wrapper is
+    qtensor's own class: stored as is, DCP would pickle it (and `load` refuse the global)."""
+    local = obj._local_tensor if isinstance(obj, DTensor) else obj
+    if not isinstance(local, QuantizeOnGatherWeight):
+        return obj
+    if not isinstance(obj, DTensor):
+        return local._data
+    return DTensor.from_local(local._data, obj.device_mesh, obj.placements, run_check=False,
+                              shape=obj.shape, stride=obj.stride())
+
+
+def _forget_amaxes(obj) -> None:
+    """Loaded master weights changed below their Parameters' version counters, so the global
+    amaxes taken before are stale: drop them (the next forward then asks for
+    precompute_amaxes instead of quantizing with an old amax)."""
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _forget_amaxes(v)
+        return
+    local = obj._local_tensor if isinstance(obj, DTensor) else obj
+    if isinstance(local, QuantizeOnGatherWeight):
+        local.amax, local._amax_stamp = None, None
 
 
 def _set_shape(entry: dict, shape: list[int]) -> None:
@@ -116,30 +143,32 @@ def _set_shape(entry: dict, shape: list[int]) -> None:
             _set_shape(sub, shape)
 
 
-def _barrier():
+def _barrier(group=None):
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+def _rank(group=None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def save(state_dict: dict, path: str | os.PathLike) -> None:
-    """Save a (sharded) state_dict, quantized tensors included; collective on every rank."""
+def save(state_dict: dict, path: str | os.PathLike, *, process_group=None) -> None:
+    """Save a (sharded) state_dict, quantized tensors included; collective on every rank of
+    `process_group` (default: the default group)."""
     path = os.fspath(path)
     tmp = f"{path}.incomplete"
-    if _rank() == 0 and os.path.exists(tmp):
+    if _rank(process_group) == 0 and os.path.exists(tmp):
         shutil.rmtree(tmp)  # what an interrupted save left behind
-    _barrier()
+    _barrier(process_group)
     flat, entries = split(state_dict)
     blob = header(entries).encode()
     flat[META] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    dcp.save(flat, checkpoint_id=tmp)
-    _barrier()  # every rank's shards are on disk
-    if _rank() == 0:
+    dcp.save(flat, checkpoint_id=tmp, process_group=process_group)
+    _barrier(process_group)  # every rank's shards are on disk
+    if _rank(process_group) == 0:
         with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump({"world_size": dist.get_world_size() if dist.is_initialized() else 1}, f)
+            world = dist.get_world_size(process_group) if dist.is_initialized() else 1
+            json.dump({"world_size": world}, f)
             f.flush()
             os.fsync(f.fileno())
         old = f"{path}.old"
@@ -148,14 +177,14 @@ def save(state_dict: dict, path: str | os.PathLike) -> None:
             os.replace(path, old)
         os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    _barrier(process_group)
 
 
 def is_complete(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), MARKER))
 
 
-def read_entries(path: str | os.PathLike) -> tuple[dict, Any]:
+def read_entries(path: str | os.PathLike, process_group=None) -> tuple[dict, Any]:
     """({key: JSON entry}, DCP storage metadata) of a complete checkpoint (collective)."""
     path = os.fspath(path)
     if not is_complete(path):
@@ -168,7 +197,8 @@ def read_entries(path: str | os.PathLike) -> tuple[dict, Any]:
     if META not in md.state_dict_metadata:
         raise CheckpointError(f"{path!r}: no {META} entry; not written by qtensor.")
     buf = torch.zeros(md.state_dict_metadata[META].size, dtype=torch.uint8)
-    dcp.load({META: buf}, checkpoint_id=path, planner=SafeLoadPlanner(allow_partial_load=True))
+    dcp.load({META: buf}, checkpoint_id=path, planner=SafeLoadPlanner(allow_partial_load=True),
+             process_group=process_group)
     return parse_header(bytes(buf.numpy()).decode(errors="replace"), path), md
 
 
@@ -206,11 +236,12 @@ def _entry_mismatch(want: dict, got: dict, side: str = "") -> list[str]:
     return out
 
 
-def load(state_dict: dict, path: str | os.PathLike) -> None:
+def load(state_dict: dict, path: str | os.PathLike, *, process_group=None) -> None:
     """Load a checkpoint into `state_dict` in place, resharding as DCP does; every quantized
-    entry is checked against its target before any byte is read (collective on every rank)."""
+    entry is checked against its target before any byte is read (collective on every rank of
+    `process_group`, default: the default group)."""
     path = os.fspath(path)
-    entries, md = read_entries(path)
+    entries, md = read_entries(path, process_group)
     flat, targets = split(state_dict)
     for key, target_entry in targets.items():
         if key not in entries:
@@ -224,8 +255,9 @@ def load(state_dict: dict, path: str | os.PathLike) -> None:
             raise CheckpointError(f"{key!r}: the checkpoint holds a {entry.get('class')} but "
                                   "the target is a high-precision tensor.")
         _check(key, entry, targets[key], md)
-    dcp.load(flat, checkpoint_id=path, planner=SafeLoadPlanner())
+    dcp.load(flat, checkpoint_id=path, planner=SafeLoadPlanner(), process_group=process_group)
     _write_back(state_dict, flat)
+    _forget_amaxes(state_dict)
 
 
 def _lookup(d: dict, key: str):

@@ -136,6 +136,8 @@ class SRSeed(NamedTuple):
 
     i is the element's row-major index in the result [R, C]; the kernels in csrc/ draw the same
     bits (quant_math.h sr_bits), so a given (seed, offset) gives the same bytes on every backend.
+    The same pair may come as an int64 tensor [2] (`sr_state`): a training module's buffer that a
+    compiled graph reads and advances on the device, with no Python int in between.
     """
 
     seed: int
@@ -154,21 +156,43 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def sr_bits(shape: torch.Size, sr: SRSeed, device) -> torch.Tensor:
-    """int32 bits in [0, 256): mix32(((offset + i) mod 2**32) ^ mix32(seed mod 2**32)) >> 24."""
-    key = _mix32(torch.tensor(sr.seed & _U32, dtype=torch.int64, device=device))
+def sr_state_tensor(sr: SRSeed, device=None) -> torch.Tensor:
+    """The int64 tensor [2] (seed, offset) that the ops take for an SRSeed."""
+    return torch.tensor([sr.seed, sr.offset], dtype=torch.int64, device=device)
+
+
+def check_sr_state(state: torch.Tensor, device) -> None:
+    """A state tensor must be int64 (seed, offset) on the data's device (kernels read it there)."""
+    if state.dtype != torch.int64 or state.numel() != 2 or state.device != torch.device(device):
+        raise ValueError(
+            f"A stochastic-rounding state is an int64 tensor of 2 elements (seed, offset) on the "
+            f"data's device {torch.device(device)}; got {state.dtype} {tuple(state.shape)} on "
+            f"{state.device}. Build one with sr_state_tensor(SRSeed(seed, offset), device)."
+        )
+
+
+def sr_bits(shape: torch.Size, sr: SRSeed | torch.Tensor, device) -> torch.Tensor:
+    """int32 bits in [0, 256): mix32(((offset + i) mod 2**32) ^ mix32(seed mod 2**32)) >> 24.
+
+    `sr` is an SRSeed or its int64 state tensor (seed, offset), read without a host sync.
+    """
+    state = sr if isinstance(sr, torch.Tensor) else sr_state_tensor(sr, device)
+    check_sr_state(state, device)
+    state = state.reshape(2) & _U32
+    key = _mix32(state[0])
     n = torch.Size(shape).numel()
-    counter = (torch.arange(n, dtype=torch.int64, device=device) + (sr.offset & _U32)) & _U32
+    counter = (torch.arange(n, dtype=torch.int64, device=device) + state[1]) & _U32
     return (_mix32(counter ^ key) >> 24).to(torch.int32).reshape(shape)
 
 
 def round_codes(
-    v: torch.Tensor, generator: torch.Generator | SRSeed | None, stochastic: bool
+    v: torch.Tensor, generator: torch.Generator | SRSeed | torch.Tensor | None, stochastic: bool
 ) -> torch.Tensor:
-    """E2M1 codes of scaled values: nearest-even, or stochastic with 8 random bits each."""
+    """E2M1 codes of scaled values: nearest-even, or stochastic with 8 random bits each (from
+    the counter hash for an SRSeed or state tensor, else drawn from the generator)."""
     if not stochastic:
         return e2m1_encode(v)
-    if isinstance(generator, SRSeed):
+    if isinstance(generator, (SRSeed, torch.Tensor)):
         r8 = sr_bits(v.shape, generator, v.device)
     else:
         r8 = torch.randint(0, 256, v.shape, generator=generator, device=v.device, dtype=torch.int32)
@@ -245,7 +269,8 @@ def _candidate_error(xf, s_b, s_dec, amax_b, spec: NVFP4Spec) -> torch.Tensor:
 
 
 def quantize(
-    x: torch.Tensor, spec: NVFP4Spec, generator: torch.Generator | SRSeed | None = None,
+    x: torch.Tensor, spec: NVFP4Spec,
+    generator: torch.Generator | SRSeed | torch.Tensor | None = None,
     amax: torch.Tensor | None = None,
 ) -> NVFP4Data:
     """Quantize x (any float dtype, [..., K]) to NVFP4 bytes per FORMATS.md.

@@ -5,8 +5,10 @@ torch.compile, and the one dispatch point the tensor subclasses call.
 GPU, the C++ kernels on the CPU, the pure-torch reference of qtensor/formats when the extension
 is not built (or `QTENSOR_QUANT_BACKEND=reference`, read once by `QuantPolicy.from_env`). Every
 backend produces the same bytes: the kernels are tested bit for bit against the reference.
-Stochastic rounding draws its bits from a counter hash of (seed, offset) (`SRSeed`), so a
-generator is turned into a seed once, here, and every backend rounds the same way.
+Stochastic rounding draws its bits from a counter hash of (seed, offset) (`SRSeed`), which the
+ops take as an int64 tensor [2] on the data's device (`sr_state`): a training module passes its
+buffer (compiled graphs advance it in place, no host sync), a generator is turned into one by a
+single draw here (eager only), and every backend rounds the same way.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from qtensor.backends import QuantBackend
 from qtensor.formats import mxfp4, mxfp8, nvfp4
 from qtensor.formats.mxfp8 import MXFP8Data, MXFP8Spec
-from qtensor.formats.nvfp4 import NVFP4Data, NVFP4Spec, SRSeed
+from qtensor.formats.nvfp4 import NVFP4Data, NVFP4Spec, SRSeed, check_sr_state, sr_state_tensor
 
 QUANT_BACKEND_ENV = "QTENSOR_QUANT_BACKEND"
 _FOUROVERSIX = {None: 0, "mae": 1, "mse": 2}
@@ -110,12 +112,14 @@ def amax(x: torch.Tensor, *, columnwise=False, rht=False, per_row=False) -> torc
     return torch.ops.qtensor.amax.default(x, columnwise, rht, per_row)
 
 
-def nvfp4_codes(x, amax_t, spec: NVFP4Spec, sr: SRSeed | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes uint8 [R, C/2], scales e4m3 [R, C/16]) of x given its amax."""
-    seed, offset = (sr.seed, sr.offset) if sr is not None else (0, 0)
+def nvfp4_codes(x, amax_t, spec: NVFP4Spec, sr: SRSeed | torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [R, C/2], scales e4m3 [R, C/16]) of x given its amax; `sr` is the
+    stochastic-rounding (seed, offset) as an SRSeed or an int64 state tensor on x's device."""
+    state = sr_state_tensor(sr, x.device) if isinstance(sr, SRSeed) else sr
     return torch.ops.qtensor.nvfp4_quantize.default(
         x, amax_t, spec.columnwise, spec.block_2d, _FOUROVERSIX[spec.fourover6],
-        spec.e4m3_bound, spec.rht, spec.stochastic_rounding, seed, offset,
+        spec.e4m3_bound, spec.rht, spec.stochastic_rounding, state,
     )
 
 
@@ -136,13 +140,18 @@ def unswizzle_scale(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 # ---- the dispatch point ------------------------------------------------------------------------
 
 
-def sr_seed(generator: torch.Generator | SRSeed | None) -> SRSeed:
-    """The (seed, offset) of stochastic rounding: given, or one draw from the generator."""
-    if isinstance(generator, SRSeed):
+def sr_state(generator: torch.Generator | SRSeed | torch.Tensor | None, device) -> torch.Tensor:
+    """Stochastic rounding's int64 state (seed, offset) on `device`: a state tensor as given, an
+    SRSeed's pair, or (seed drawn once from the generator, 0). The draw reads a
+    torch.Generator, which torch.compile cannot trace: compiled code passes a state tensor."""
+    if isinstance(generator, torch.Tensor):
+        check_sr_state(generator, device)
         return generator
-    device = generator.device if generator is not None else "cpu"
-    seed = torch.randint(0, 2**31 - 1, (), generator=generator, device=device)
-    return SRSeed(int(seed), 0)
+    if isinstance(generator, SRSeed):
+        return sr_state_tensor(generator, device)
+    gen_device = generator.device if generator is not None else "cpu"
+    seed = torch.randint(0, 2**31 - 1, (), generator=generator, device=gen_device)
+    return torch.stack([seed, torch.zeros_like(seed)]).to(device)
 
 
 def quantize_nvfp4(x, spec: NVFP4Spec, generator=None, global_amax=None
@@ -150,7 +159,7 @@ def quantize_nvfp4(x, spec: NVFP4Spec, generator=None, global_amax=None
     """NVFP4 bytes of x (2-D [R, C] results, as nvfp4.quantize) and the backend that made them.
     `global_amax` replaces x's own amax (an FSDP shard quantized with its weight's amax)."""
     backend = quant_backend(x.device)
-    sr = sr_seed(generator) if spec.stochastic_rounding else None
+    sr = sr_state(generator, x.device) if spec.stochastic_rounding else None
     if backend is QuantBackend.REFERENCE:
         return nvfp4.quantize(x, spec, sr, amax=global_amax), backend
     nvfp4.check_shape(x.shape, spec)  # the same ValueError as the reference, before any kernel
@@ -197,14 +206,13 @@ def quantize_hybrid_grad(x, scale_rule: str, spec: NVFP4Spec, generator=None):
     if not spec.columnwise:
         raise ValueError(f"the hybrid gradient cast takes a columnwise NVFP4 spec; got {spec}.")
     backend = quant_backend(x.device)
-    sr = sr_seed(generator) if spec.stochastic_rounding else None
+    sr = sr_state(generator, x.device) if spec.stochastic_rounding else None
     if backend is QuantBackend.REFERENCE:
         return mxfp8.quantize(x, MXFP8Spec(scale_rule)), nvfp4.quantize(x, spec, sr), backend
     a = amax(x, columnwise=True, rht=spec.rht, per_row=spec.row_scaled)
-    seed, offset = (sr.seed, sr.offset) if sr is not None else (0, 0)
     rq, rs, nq, ns = torch.ops.qtensor.hybrid_quantize.default(
         x, a, _SCALE_RULE[scale_rule], _FOUROVERSIX[spec.fourover6], spec.e4m3_bound, spec.rht,
-        spec.stochastic_rounding, seed, offset,
+        spec.stochastic_rounding, sr,
     )
     return MXFP8Data(rq, rs), NVFP4Data(nq, ns, a), backend
 
@@ -252,7 +260,7 @@ def _register_fakes() -> None:
         return x.new_empty((rows,) if per_row else (), dtype=torch.float32)
 
     @torch.library.register_fake(lib + "nvfp4_quantize")
-    def _(x, amax, columnwise, block_2d, fourover6, bound, rht, stochastic, seed, offset):
+    def _(x, amax, columnwise, block_2d, fourover6, bound, rht, stochastic, sr_state):
         k = x.shape[-1]
         m = x.numel() // k
         r, c = (k, m) if columnwise else (m, k)
@@ -275,7 +283,7 @@ def _register_fakes() -> None:
         return _mx_outputs(x, rowwise, columnwise)
 
     @torch.library.register_fake(lib + "hybrid_quantize")
-    def _(x, amax, scale_rule, fourover6, bound, rht, stochastic, seed, offset):
+    def _(x, amax, scale_rule, fourover6, bound, rht, stochastic, sr_state):
         rq, rs, _, _ = _mx_outputs(x, True, False)
         m, k = x.shape
         return rq, rs, x.new_empty((k, m // 2), dtype=torch.uint8), x.new_empty(

@@ -6,7 +6,7 @@
 from qtensor.training.grouped import GroupedLinear
 from qtensor.training.linear import TrainingLinear, TrainingLinearFunction
 from qtensor.training.recipe import NVFP4TrainingRecipe
-from qtensor.training.roles import Generators, OperandSpecs, RoleSpec
+from qtensor.training.roles import OperandSpecs, RoleSpec, SRSeeds
 from qtensor.training.weight_cache import WeightCache
 
 
@@ -19,11 +19,11 @@ def __getattr__(name):
 
 
 __all__ = [
-    "Generators",
     "GroupedLinear",
     "NVFP4TrainingRecipe",
     "OperandSpecs",
     "RoleSpec",
+    "SRSeeds",
     "TrainingConfig",
     "TrainingLinear",
     "TrainingLinearFunction",

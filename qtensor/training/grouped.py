@@ -31,13 +31,15 @@ from qtensor.training.linear import (
     backward_gemms,
     compute_dtype,
     forward_input,
+    init_sr_state,
     needs_backward,
     quantize_weight,
     saved_for_backward,
     shape_error,
+    take_sr_state,
 )
 from qtensor.training.recipe import NVFP4TrainingRecipe
-from qtensor.training.roles import Generators, fprop, quantize_rowwise
+from qtensor.training.roles import SRSeeds, fprop, nth_call, quantize_rowwise
 from qtensor.training.weight_cache import WeightCache
 
 
@@ -59,7 +61,7 @@ def shared_input_rowwise(x2: torch.Tensor, state: LinearState):
 class GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, w_holder: _Operand, state: LinearState, splits, dtype,
-                backward):
+                backward, sr):
         override = state.specs.backward_override
         ys, x_saved, w_saved = [], [], []
         with torch.autocast(x.device.type, enabled=False):
@@ -72,13 +74,14 @@ class GroupedLinearFunction(torch.autograd.Function):
                     continue
                 x_e = x2[start:start + m]
                 row = shared[start:start + m] if shared is not None else None
-                x_op = forward_input(x_e, state, backward, rowwise=row)
+                # Expert e rounds with seed + e: the step advanced the state by E seeds.
+                x_op = forward_input(x_e, state, backward, rowwise=row, sr=nth_call(sr, e))
                 b_e = bias[e].to(dtype) if bias is not None else None
                 ys.append(fprop(x_op, w_holder.op[e], b_e, dtype))
                 xs, ws = saved_for_backward(x_e, x_op, weight[e], w_holder.op[e], override)
                 x_saved.append(xs)
                 w_saved.append(ws)
-        ctx.save_for_backward(*x_saved, *w_saved)
+        ctx.save_for_backward(*x_saved, *w_saved, sr)
         ctx.state, ctx.splits, ctx.dtype, ctx.x_dtype = state, splits, dtype, x.dtype
         ctx.w_meta = (weight.shape, weight.dtype)
         ctx.b_dtype = bias.dtype if bias is not None else None
@@ -90,7 +93,7 @@ class GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         saved = ctx.saved_tensors
         n_exp = len(ctx.splits)
-        x_saved, w_saved = saved[:n_exp], saved[n_exp:]
+        x_saved, w_saved, sr = saved[:n_exp], saved[n_exp:2 * n_exp], saved[2 * n_exp]
         (w_shape, w_dtype), dtype = ctx.w_meta, ctx.dtype
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         dxs = []
@@ -101,7 +104,7 @@ class GroupedLinearFunction(torch.autograd.Function):
                 if m == 0:
                     continue
                 dx_e, dw_e = backward_gemms(dy2[start:start + m], x_saved[e], w_saved[e],
-                                            ctx.state, dtype, w_dtype, need)
+                                            ctx.state, dtype, w_dtype, need, nth_call(sr, e))
                 dxs.append(dx_e)
                 if dw is not None:
                     dw[e] = dw_e
@@ -113,7 +116,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         if need[0]:
             k = w_shape[-1]
             dx = torch.cat(dxs).to(ctx.x_dtype) if dxs else dy.new_zeros(0, k, dtype=ctx.x_dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 class GroupedLinear(nn.Module):
@@ -139,7 +142,8 @@ class GroupedLinear(nn.Module):
 
     def _setup(self, recipe: NVFP4TrainingRecipe, seed_index: int) -> None:
         self.recipe = recipe
-        self.state = LinearState(recipe.operand_specs(), Generators(recipe.seed, seed_index))
+        self.state = LinearState(recipe.operand_specs(), SRSeeds(recipe.seed, seed_index))
+        init_sr_state(self, self.state.seeds, self.weight.device)
         self.weight_cache = WeightCache()
         self.skip_weight_update: torch.Tensor | None = None
 
@@ -173,9 +177,11 @@ class GroupedLinear(nn.Module):
             self.weight, self._build_weight,
             is_first_microbatch=is_first_microbatch, skip_update=self.skip_weight_update,
         )
+        backward = needs_backward(x, self.weight, self.bias)
+        sr = take_sr_state(self, x, calls=self.num_experts) if backward else None
         return GroupedLinearFunction.apply(
             x, self.weight, self.bias, _Operand(w_ops), self.state, splits, compute_dtype(x),
-            needs_backward(x, self.weight, self.bias),
+            backward, sr,
         )
 
     def _splits(self, x: torch.Tensor, tokens_per_expert) -> tuple[int, ...]:

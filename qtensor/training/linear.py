@@ -22,12 +22,15 @@ from torch import nn
 from qtensor.tensors import QuantizedTensor
 from qtensor.training.recipe import NVFP4TrainingRecipe
 from qtensor.training.roles import (
-    Generators,
     OperandSpecs,
+    SRSeeds,
+    advance,
     dgrad,
     fprop,
     quantize_role,
     quantize_rowwise,
+    sr_for_role,
+    uses_stochastic_rounding,
     wgrad,
 )
 from qtensor.training.weight_cache import WeightCache
@@ -35,10 +38,10 @@ from qtensor.training.weight_cache import WeightCache
 
 @dataclasses.dataclass
 class LinearState:
-    """What the autograd function needs besides tensors: the specs and the generators."""
+    """What the autograd function needs besides tensors: the specs and the rounding seeds."""
 
     specs: OperandSpecs
-    generators: Generators
+    seeds: SRSeeds
 
 
 @dataclasses.dataclass
@@ -58,13 +61,14 @@ def quantize_weight(weight: torch.Tensor, specs: OperandSpecs) -> QuantizedTenso
     return quantize_role(weight, specs.weight, "weight")
 
 
-def forward_input(x2: torch.Tensor, state: LinearState, backward: bool, rowwise=None):
-    """The input's operand, 2-D [M, K] in the compute dtype; rowwise only without a backward."""
+def forward_input(x2: torch.Tensor, state: LinearState, backward: bool, rowwise=None, sr=None):
+    """The input's operand, 2-D [M, K] in the compute dtype; rowwise only without a backward.
+    `sr`: this step's stochastic-rounding rows (take_sr_state), None without stochastic rounding."""
     specs = state.specs
     if not backward:
         return rowwise if rowwise is not None else quantize_rowwise(x2, specs.input, "input")
-    gens = state.generators.for_role("input", specs.input, x2.device)
-    return quantize_role(x2, specs.input, "input", gens, rowwise=rowwise)
+    return quantize_role(x2, specs.input, "input", sr_for_role("input", specs.input, sr),
+                         rowwise=rowwise)
 
 
 def needs_backward(*tensors) -> bool:
@@ -77,11 +81,11 @@ def saved_for_backward(x2, x_op, weight, w_op, override):
     return (x2, weight) if override == "high_precision" else (x_op, w_op)
 
 
-def backward_gemms(dy2, x_saved, w_saved, state: LinearState, dtype, w_dtype, need):
+def backward_gemms(dy2, x_saved, w_saved, state: LinearState, dtype, w_dtype, need, sr=None):
     """(dX [M, K] in dtype, dW [N, K] in w_dtype) from dY [M, N]; None where not needed."""
     override = state.specs.backward_override
     if override is None:
-        return quantized_backward(dy2, x_saved, w_saved, state, dtype, w_dtype, need)
+        return quantized_backward(dy2, x_saved, w_saved, state, dtype, w_dtype, need, sr)
     if override == "high_precision":
         x_hp, w_hp = x_saved.to(dtype), w_saved.to(dtype)
     else:
@@ -89,10 +93,10 @@ def backward_gemms(dy2, x_saved, w_saved, state: LinearState, dtype, w_dtype, ne
     return high_precision_backward(dy2, x_hp, w_hp, w_dtype, need)
 
 
-def quantized_backward(dy2, x_op, w_op, state: LinearState, dtype, w_dtype, need):
+def quantized_backward(dy2, x_op, w_op, state: LinearState, dtype, w_dtype, need, sr=None):
     """grad_output quantized for its role, then dgrad and wgrad on the recipe's operands."""
-    gens = state.generators.for_role("grad_output", state.specs.grad_output, dy2.device)
-    dy_op = quantize_role(dy2, state.specs.grad_output, "grad_output", gens)
+    dy_sr = sr_for_role("grad_output", state.specs.grad_output, sr)
+    dy_op = quantize_role(dy2, state.specs.grad_output, "grad_output", dy_sr)
     dx = dgrad(dy_op, w_op, dtype) if need[0] else None
     dw = wgrad(dy_op, x_op, w_dtype) if need[1] else None
     return dx, dw
@@ -107,14 +111,15 @@ def high_precision_backward(dy2, x_hp, w_hp, w_dtype, need):
 
 class TrainingLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, w_holder: _Operand, state: LinearState, dtype, backward):
+    def forward(ctx, x, weight, bias, w_holder: _Operand, state: LinearState, dtype, backward,
+                sr):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-            x_op = forward_input(x2, state, backward)
+            x_op = forward_input(x2, state, backward, sr=sr)
             b = bias.to(dtype) if bias is not None else None
             y = fprop(x_op, w_holder.op, b, dtype)
         override = state.specs.backward_override
-        ctx.save_for_backward(*saved_for_backward(x2, x_op, weight, w_holder.op, override))
+        ctx.save_for_backward(*saved_for_backward(x2, x_op, weight, w_holder.op, override), sr)
         ctx.state, ctx.dtype, ctx.x_meta = state, dtype, (x.shape, x.dtype)
         ctx.w_dtype = weight.dtype
         ctx.b_dtype = bias.dtype if bias is not None else None
@@ -122,19 +127,38 @@ class TrainingLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x_saved, w_saved = ctx.saved_tensors
+        x_saved, w_saved, sr = ctx.saved_tensors
         x_shape, x_dtype = ctx.x_meta
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         with torch.autocast(dy.device.type, enabled=False):
             dy2 = dy.reshape(-1, dy.shape[-1]).to(ctx.dtype)
             dx, dw = backward_gemms(dy2, x_saved, w_saved, ctx.state, ctx.dtype, ctx.w_dtype,
-                                    need)
+                                    need, sr)
             db = None
             if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
                 db = dy2.float().sum(0).to(ctx.b_dtype)
         if dx is not None:
             dx = dx.reshape(x_shape).to(x_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
+
+
+def init_sr_state(module: nn.Module, seeds: SRSeeds, device) -> None:
+    """Register the module's stochastic-rounding state: a non-persistent int64 buffer [slots, 2]
+    that moves with the module (`.to`, FSDP2) and that forwards advance in place."""
+    module.register_buffer("sr_state", seeds.initial_state(device), persistent=False)
+
+
+def take_sr_state(module: nn.Module, x: torch.Tensor, calls: int = 1) -> torch.Tensor | None:
+    """This step's stochastic-rounding rows (None when no slot rounds stochastically); the
+    module's buffer moves on in place, so a compiled step reads and advances it on the device."""
+    if not uses_stochastic_rounding(module.state.specs):
+        return None
+    if module.sr_state.device != x.device:
+        raise ValueError(
+            f"The stochastic-rounding state is on {module.sr_state.device} but the input is on "
+            f"{x.device}: move the module with .to({str(x.device)!r}) (it moves the buffer)."
+        )
+    return advance(module.sr_state, calls)
 
 
 class TrainingLinear(nn.Linear):
@@ -159,9 +183,20 @@ class TrainingLinear(nn.Linear):
                 "Apply the training config to the unquantized model."
             )
         self.recipe = recipe
-        self.state = LinearState(recipe.operand_specs(), Generators(recipe.seed, seed_index))
+        self.state = LinearState(recipe.operand_specs(), SRSeeds(recipe.seed, seed_index))
+        init_sr_state(self, self.state.seeds, self.weight.device)
         self.weight_cache = WeightCache()
         self.skip_weight_update: torch.Tensor | None = None
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if "sr_state" in self._buffers:  # nn.Linear.__init__ calls this before _setup
+            self.reset_sr_state()
+
+    def reset_sr_state(self) -> None:
+        """Rewind stochastic rounding to its initial state (e.g. after to_empty from meta)."""
+        with torch.no_grad():
+            self.sr_state.copy_(self.state.seeds.initial_state(self.sr_state.device))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: NVFP4TrainingRecipe, seed_index: int = 0):
@@ -184,8 +219,9 @@ class TrainingLinear(nn.Linear):
                 is_first_microbatch=is_first_microbatch, skip_update=self.skip_weight_update,
             )
         backward = needs_backward(x, self.weight, self.bias)
+        sr = take_sr_state(self, x) if backward else None
         return TrainingLinearFunction.apply(
-            x, self.weight, self.bias, _Operand(w_op), self.state, compute_dtype(x), backward
+            x, self.weight, self.bias, _Operand(w_op), self.state, compute_dtype(x), backward, sr
         )
 
     def extra_repr(self) -> str:

@@ -101,54 +101,81 @@ def _check_pair(gemm: str, name_a: str, a: Spec | None, name_b: str, b: Spec | N
 # ---- randomness ------------------------------------------------------------------------------
 
 
-class Generators:
-    """One torch.Generator per (slot, device) for stochastic rounding, created on first use.
+class SRSeeds:
+    """Where a module's stochastic rounding starts: one seed per slot, the state in a tensor.
 
     The seed of a slot is crc32("{seed}/{index}/{slot}"): deterministic, distinct per module
-    (index) and per usage, and independent of the order the other slots draw in. That is why a
-    recipe whose grad_output rowwise side stops drawing (dgrad_mxfp8) keeps the NVFP4
-    columnwise (wgrad) bytes of the full NVFP4 recipe bit for bit.
+    (index) and per usage, and independent of whether the other slots round stochastically.
+    That is why a recipe whose grad_output rowwise side stops rounding stochastically
+    (dgrad_mxfp8) keeps the NVFP4 columnwise (wgrad) bytes of the full NVFP4 recipe bit for bit.
+
+    The module holds the state as an int64 buffer [len(SR_SLOTS), 2] of (seed, offset) rows
+    (`initial_state`); each forward that will run a backward takes this step's rows (`advance`)
+    and moves every seed on by one in place. The kernels read the rows on the device, so a
+    compiled step is one graph with no host sync and no recompilation per step.
     """
 
     def __init__(self, seed: int = 0, index: int = 0):
         self.seed, self.index = seed, index
-        self._gens: dict[tuple[str, torch.device], torch.Generator] = {}
 
     def seed_for(self, slot: str) -> int:
         return zlib.crc32(f"{self.seed}/{self.index}/{slot}".encode())
 
-    def get(self, slot: str, device: torch.device) -> torch.Generator:
-        key = (slot, torch.device(device))
-        gen = self._gens.get(key)
-        if gen is None:
-            gen = torch.Generator(device=key[1])
-            gen.manual_seed(self.seed_for(slot))
-            self._gens[key] = gen
-        return gen
+    def initial_state(self, device=None) -> torch.Tensor:
+        """int64 [len(SR_SLOTS), 2]: (slot seed, offset 0) per slot."""
+        return torch.tensor([[self.seed_for(slot), 0] for slot in SR_SLOTS], dtype=torch.int64,
+                            device=device)
 
-    def reset(self) -> None:
-        """Reseed every generator to its initial state."""
-        for (slot, _), gen in self._gens.items():
-            gen.manual_seed(self.seed_for(slot))
 
-    def for_role(self, name: str, role: RoleSpec, device) -> tuple:
-        """(rowwise, columnwise) generators; None for a usage without stochastic rounding."""
-        return tuple(
-            self.get(f"{name}.{usage}", device) if getattr(spec, "stochastic_rounding", False)
-            else None
-            for usage, spec in (("rowwise", role.rowwise), ("columnwise", role.columnwise))
-        )
+# The slots that may round stochastically: the roles quantized in the training step itself.
+SR_SLOTS = ("input.rowwise", "input.columnwise", "grad_output.rowwise", "grad_output.columnwise")
+
+
+def uses_stochastic_rounding(specs: OperandSpecs) -> bool:
+    """Whether any slot of SR_SLOTS rounds stochastically under these specs."""
+    return any(getattr(_slot_spec(specs, slot), "stochastic_rounding", False) for slot in SR_SLOTS)
+
+
+def _slot_spec(specs: OperandSpecs, slot: str) -> Spec | None:
+    name, usage = slot.split(".")
+    return getattr(specs.role(name), usage)
+
+
+def advance(state: torch.Tensor, calls: int = 1) -> torch.Tensor:
+    """This step's (seed, offset) rows (a copy), then every seed of the module's buffer moves on
+    by `calls` in place: call j of the step uses seed + j (`nth_call`). mix32 of the seed in
+    the bit hash (formats/nvfp4.py sr_bits) makes neighbouring seeds' streams unrelated."""
+    taken = state.clone()
+    state[:, 0] += calls
+    return taken
+
+
+def nth_call(states: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """The rows of call n of a step (seed + n), e.g. expert n of a grouped linear."""
+    if states is None or n == 0:
+        return states
+    return states + states.new_tensor([n, 0])
+
+
+def sr_for_role(name: str, role: RoleSpec, states: torch.Tensor | None) -> tuple:
+    """(rowwise, columnwise) state rows of a role; None for a usage without stochastic rounding."""
+    return tuple(
+        states[SR_SLOTS.index(f"{name}.{usage}")]
+        if states is not None and getattr(spec, "stochastic_rounding", False) else None
+        for usage, spec in (("rowwise", role.rowwise), ("columnwise", role.columnwise))
+    )
 
 
 # ---- quantize an operand for its role --------------------------------------------------------
 
 
-def quantize_rowwise(x: torch.Tensor, role: RoleSpec, name: str, generator=None):
-    """The rowwise usage of a 2-D tensor [R, C]."""
-    return _quantize(x, role.rowwise, name, "rowwise", generator)
+def quantize_rowwise(x: torch.Tensor, role: RoleSpec, name: str, sr=None):
+    """The rowwise usage of a 2-D tensor [R, C]; `sr`: its stochastic-rounding state row
+    (sr_for_role), an SRSeed, or a generator (eager only)."""
+    return _quantize(x, role.rowwise, name, "rowwise", sr)
 
 
-def quantize_role(x: torch.Tensor, role: RoleSpec, name: str, generators=(None, None),
+def quantize_role(x: torch.Tensor, role: RoleSpec, name: str, sr=(None, None),
                   rowwise: QuantizedTensor | None = None):
     """A 2-D tensor [R, C] quantized for its role: one tensor, or a HybridTensor of both usages.
 
@@ -157,20 +184,20 @@ def quantize_role(x: torch.Tensor, role: RoleSpec, name: str, generators=(None, 
     """
     if x.dim() != 2:
         raise ValueError(f"quantize_role takes a 2-D tensor; got shape {tuple(x.shape)}.")
-    row = rowwise if rowwise is not None else quantize_rowwise(x, role, name, generators[0])
+    row = rowwise if rowwise is not None else quantize_rowwise(x, role, name, sr[0])
     if role.columnwise is None:
         return row
     src = row.dequantize(x.dtype) if role.columnwise_source == "rowwise_dequantized" else x
-    col = _quantize(src, role.columnwise, name, "columnwise", generators[1])
+    col = _quantize(src, role.columnwise, name, "columnwise", sr[1])
     return HybridTensor(x.shape, x.dtype, x.device, rowwise=row, columnwise=col,
                         columnwise_source=role.columnwise_source)
 
 
-def _quantize(x, spec, name, usage, generator):
+def _quantize(x, spec, name, usage, sr):
     try:
         # Not checked for NaN/Inf: the check costs a device sync per operand; a non-finite
         # value poisons its amax and decodes to NaN, which the loss then shows.
-        return quantize_spec(x, spec, generator=generator, check_finite=False)
+        return quantize_spec(x, spec, generator=sr, check_finite=False)
     except ValueError as err:
         raise ValueError(
             f"Cannot quantize the {name} {usage} operand of shape {tuple(x.shape)}: {err} "

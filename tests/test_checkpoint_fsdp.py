@@ -1,0 +1,288 @@
+"""Sharded checkpoints of real FSDP2 models (qtensor.distributed.fully_shard) on CPU gloo.
+
+One spawned group of 2 ranks runs every distributed check; the 1-rank runs use a process group
+of rank 0 alone (rank 1 waits at a barrier), so no second group is spawned:
+
+- inference: a model with NVFP4 (4over6 bound 256, row-scaled, 16x16 tiles), MXFP8 and
+  HybridTensor weights, `fully_shard`ed, saved with qtensor.checkpoint.dcp on 2 ranks and on 1;
+  loaded on 2 ranks, on 1 and (in the test process) into a model that was never sharded.
+  Outputs after loading equal the saved model's bit for bit.
+- training: the NVFP4 recipe with quantize-on-gather master weights (qtensor/distributed/
+  master.py), Adam, the stochastic-rounding generators and a quantized buffer; saved after one
+  step on 2 ranks and on 1, resumed on the other world size. The next step's loss, master
+  weights and Adam state equal those of the run that was not interrupted, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import qtensor
+from qtensor import HybridTensor, MXFP8Spec, NVFP4Spec, NVFP4Tensor
+from qtensor.checkpoint import dcp as qdcp
+from qtensor.distributed.launch import run_local
+from qtensor.tensors import QuantizedTensor
+
+# Weight formats of the inference model; each Linear pair is 64 -> 64 -> 128, so every shard of
+# 2 ranks keeps whole blocks (16x16 tiles: 32 rows; the hybrid's MXFP8 columnwise side: 32 rows).
+KINDS = {
+    "nvfp4_4o6_b256": lambda: qtensor.NVFP4DynamicActivationNVFP4WeightConfig(
+        weight=NVFP4Spec(fourover6="mae", e4m3_bound=256),
+        activation=NVFP4Spec(fourover6="mse", e4m3_bound=256)),
+    "nvfp4_rowscaled": lambda: qtensor.NVFP4DynamicActivationNVFP4WeightConfig(
+        weight=NVFP4Spec(row_scaled=True), activation=NVFP4Spec(row_scaled=True)),
+    "nvfp4_2d": lambda: qtensor.NVFP4WeightOnlyConfig(weight=NVFP4Spec(block_2d=True)),
+    "mxfp8": lambda: qtensor.MXFP8DynamicActivationMXFP8WeightConfig(),
+    "hybrid": None,  # NVFP4 2D fprop side, MXFP8 dgrad side from the decoded rowwise bytes
+}
+
+
+class Zoo(nn.Module):
+    """One MLP per weight format, run on the same input (FSDP2's root needs a forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlps = nn.ModuleDict()
+
+    def forward(self, x) -> dict[str, torch.Tensor]:
+        return {kind: mlp(x) for kind, mlp in self.mlps.items()}
+
+
+def inference_model(seed: int) -> Zoo:
+    torch.manual_seed(seed)
+    zoo = Zoo()
+    models = zoo.mlps
+    for kind, config in KINDS.items():
+        mlp = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 128)).to(torch.bfloat16)
+        if config is not None:
+            qtensor.quantize_(mlp, config())
+        else:
+            for lin in (mlp[0], mlp[2]):
+                w = HybridTensor.from_hp(lin.weight.detach(), rowwise=NVFP4Spec(block_2d=True),
+                                         columnwise=MXFP8Spec(),
+                                         columnwise_source="rowwise_dequantized")
+                lin.weight = nn.Parameter(w, requires_grad=False)
+        models[kind] = mlp
+    return zoo
+
+
+def shard_inference(zoo: Zoo, mesh) -> Zoo:
+    from qtensor.distributed import fully_shard
+
+    for mlp in zoo.mlps.values():
+        for lin in (mlp[0], mlp[2]):
+            fully_shard(lin, mesh=mesh)
+    fully_shard(zoo, mesh=mesh)
+    return zoo
+
+
+def x_inference() -> torch.Tensor:
+    return torch.randn(6, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+
+
+@torch.no_grad()
+def outputs(zoo: Zoo) -> dict[str, torch.Tensor]:
+    return zoo(x_inference())
+
+
+# ---- training -----------------------------------------------------------------------------------
+
+
+class FrozenProjection(nn.Module):
+    """A frozen NVFP4 projection held as a buffer: quantized state outside the optimizer."""
+
+    def __init__(self):
+        super().__init__()
+        w = torch.randn(64, 64) / 8
+        self.register_buffer("weight", NVFP4Tensor.from_hp(w, row_scaled=True))
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+def training_model(mesh) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from qtensor.distributed import fully_shard, quantize_on_gather
+    from qtensor.training import NVFP4TrainingRecipe, TrainingConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(FrozenProjection(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 128))
+    qtensor.quantize_(model, TrainingConfig(NVFP4TrainingRecipe()))  # fp32 masters, SR on
+    quantize_on_gather(model)
+    for lin in (model[1], model[3]):
+        fully_shard(lin, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def train_step(model, opt, step: int) -> torch.Tensor:
+    from qtensor.distributed import precompute_amaxes
+
+    x = torch.randn(32, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(step))
+    precompute_amaxes(model)
+    loss = model(x).float().square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def training_state(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def resume(model, opt, path, group) -> None:
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = training_state(model, opt)
+    qdcp.load(state, path, process_group=group)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def full_training_state(model, opt) -> list[torch.Tensor]:
+    """Every master weight, bias and Adam moment, gathered (collective), as plain tensors."""
+    from torch.distributed.tensor import DTensor
+
+    def full(t):
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        return getattr(t, "_data", t).detach().clone()
+
+    out = []
+    for p in model.parameters():
+        out.append(full(p))
+        out += [full(v) for _, v in sorted(opt.state[p].items())]
+    return out
+
+
+# ---- the 2-rank worker -----------------------------------------------------------------------
+
+
+def one_rank_group():
+    """(mesh, group) of rank 0 alone; rank 1 gets (None, None). Collective on every rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = dist.new_group([0])
+    if dist.get_rank() != 0:
+        return None, None
+    return DeviceMesh.from_group(group, "cpu"), group
+
+
+def worker(rank: int, world: int, tmp: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh2 = init_device_mesh("cpu", (world,))
+    mesh1, group1 = one_rank_group()
+    result = {}
+
+    # inference: save from 2 ranks and from 1, load each on 2 ranks and on 1
+    models = inference_model(0)
+    want = outputs(models)
+    if rank == 0:
+        torch.save(want, os.path.join(tmp, "want.pt"))
+    qdcp.save(shard_inference(models, mesh2).state_dict(), os.path.join(tmp, "inf2"))
+    result["saved_sharded_equal"] = _equal(outputs(models), want)
+    if rank == 0:
+        m1 = shard_inference(inference_model(0), mesh1)
+        qdcp.save(m1.state_dict(), os.path.join(tmp, "inf1"), process_group=group1)
+    dist.barrier()
+    for src in ("inf1", "inf2"):
+        fresh = shard_inference(inference_model(1), mesh2)
+        qdcp.load(fresh.state_dict(), os.path.join(tmp, src))
+        result[f"{src}->2"] = _equal(outputs(fresh), want)
+        if rank == 0:
+            fresh = shard_inference(inference_model(1), mesh1)
+            qdcp.load(fresh.state_dict(), os.path.join(tmp, src), process_group=group1)
+            result[f"{src}->1"] = _equal(outputs(fresh), want)
+        dist.barrier()
+
+    # training: step 1, save, step 2 (the reference); resume on the other world size
+    result.update(_training(rank, mesh2, mesh1, group1, tmp))
+    return result
+
+
+def _training(rank, mesh2, mesh1, group1, tmp) -> dict:
+    model, opt = training_model(mesh2)
+    train_step(model, opt, 1)
+    qdcp.save(training_state(model, opt), os.path.join(tmp, "train2"))
+    ref2 = (train_step(model, opt, 2), full_training_state(model, opt))
+    ref1 = None
+    if rank == 0:
+        model, opt = training_model(mesh1)
+        train_step(model, opt, 1)
+        qdcp.save(training_state(model, opt), os.path.join(tmp, "train1"),
+                  process_group=group1)
+        ref1 = (train_step(model, opt, 2), full_training_state(model, opt))
+    dist.barrier()
+    result = {}
+    model, opt = training_model(mesh2)
+    resume(model, opt, os.path.join(tmp, "train1"), None)
+    got = (train_step(model, opt, 2), full_training_state(model, opt))
+    if rank == 0:
+        result["train1->2"] = _equal_step(got, ref1)
+        result["same_run_1_vs_2"] = _equal_step(ref1, ref2)
+        model, opt = training_model(mesh1)
+        resume(model, opt, os.path.join(tmp, "train2"), group1)
+        result["train2->1"] = _equal_step((train_step(model, opt, 2),
+                                           full_training_state(model, opt)), ref2)
+    dist.barrier()
+    return result
+
+
+def _equal(a: dict, b: dict) -> dict[str, bool]:
+    return {k: torch.equal(a[k], b[k]) for k in b}
+
+
+def _equal_step(got, ref) -> list[bool]:
+    loss, state = got
+    return [torch.equal(loss, ref[0])] + [torch.equal(x, y) for x, y in zip(state, ref[1],
+                                                                            strict=True)]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    import warnings
+
+    tmp = tmp_path_factory.mktemp("fsdp_dcp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = run_local(worker, 2, str(tmp))
+    return tmp, results
+
+
+def test_sharding_keeps_outputs(saved):
+    _, results = saved
+    for res in results:
+        assert all(res["saved_sharded_equal"].values()), res["saved_sharded_equal"]
+
+
+@pytest.mark.parametrize("route", ["inf1->2", "inf2->2", "inf1->1", "inf2->1"])
+def test_inference_checkpoint_reshards(saved, route):
+    _, results = saved
+    ranks = results if route.endswith("2") else results[:1]
+    for res in ranks:
+        assert res[route] == {k: True for k in KINDS}, route
+
+
+@pytest.mark.parametrize("src", ["inf1", "inf2"])
+def test_inference_checkpoint_into_unsharded_model(saved, src):
+    tmp, _ = saved
+    models = inference_model(1)
+    want = torch.load(tmp / "want.pt")
+    assert not any(_equal(outputs(models), want).values())  # the load has work to do
+    qdcp.load(models.state_dict(), tmp / src)
+    assert _equal(outputs(models), want) == {k: True for k in KINDS}
+
+
+@pytest.mark.parametrize("route", ["train2->1", "train1->2"])
+def test_training_resumes_on_another_world_size(saved, route):
+    _, results = saved
+    checks = results[0][route]
+    assert len(checks) == 1 + 4 * 3 and all(checks), checks  # loss; 4 params x (p, m, v)
