@@ -106,11 +106,11 @@ class FrozenProjection(nn.Module):
         return F.linear(x, self.weight)
 
 
-def training_model(mesh) -> tuple[nn.Module, torch.optim.Optimizer]:
+def training_model(mesh, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     from qtensor.distributed import fully_shard, quantize_on_gather
     from qtensor.training import NVFP4TrainingRecipe, TrainingConfig
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = nn.Sequential(FrozenProjection(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 128))
     qtensor.quantize_(model, TrainingConfig(NVFP4TrainingRecipe()))  # fp32 masters, SR on
     quantize_on_gather(model)
@@ -136,7 +136,7 @@ def training_state(model, opt) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, opt)
-    return {"model": msd, "optim": osd}
+    return {"model": msd, "optim": osd, "sr": qdcp.sr_states(model)}
 
 
 def resume(model, opt, path, group) -> None:
@@ -148,18 +148,23 @@ def resume(model, opt, path, group) -> None:
 
 
 def full_training_state(model, opt) -> list[torch.Tensor]:
-    """Every master weight, bias and Adam moment, gathered (collective), as plain tensors."""
+    """Every master weight, bias and Adam state, gathered (collective), and every buffer (the
+    quantized one's bytes, the stochastic-rounding positions), as plain tensors."""
     from torch.distributed.tensor import DTensor
 
     def full(t):
         t = t.full_tensor() if isinstance(t, DTensor) else t
-        return getattr(t, "_data", t).detach().clone()
+        t = getattr(t, "_data", t)  # a QuantizeOnGatherWeight's master
+        if isinstance(t, QuantizedTensor):
+            return torch.cat([full(getattr(t, n)).reshape(-1).view(torch.uint8)
+                              for n in t.tensor_data_names])
+        return t.detach().clone()
 
     out = []
     for p in model.parameters():
         out.append(full(p))
         out += [full(v) for _, v in sorted(opt.state[p].items())]
-    return out
+    return out + [full(b) for b in model.buffers()]
 
 
 # ---- the 2-rank worker -----------------------------------------------------------------------
@@ -209,29 +214,28 @@ def worker(rank: int, world: int, tmp: str) -> dict:
 
 
 def _training(rank, mesh2, mesh1, group1, tmp) -> dict:
-    model, opt = training_model(mesh2)
-    train_step(model, opt, 1)
-    qdcp.save(training_state(model, opt), os.path.join(tmp, "train2"))
-    ref2 = (train_step(model, opt, 2), full_training_state(model, opt))
-    ref1 = None
-    if rank == 0:
-        model, opt = training_model(mesh1)
+    """Save after step 1 on 2 ranks and on 1, remember step 2 of the uninterrupted runs, then
+    resume each checkpoint on the other world size (in a model built from another seed) and
+    take step 2 there."""
+    runs = [("train2", mesh2, None)] + ([("train1", mesh1, group1)] if rank == 0 else [])
+    ref = {}
+    for name, mesh, group in runs:
+        model, opt = training_model(mesh, 0)
         train_step(model, opt, 1)
-        qdcp.save(training_state(model, opt), os.path.join(tmp, "train1"),
-                  process_group=group1)
-        ref1 = (train_step(model, opt, 2), full_training_state(model, opt))
+        qdcp.save(training_state(model, opt), os.path.join(tmp, name), process_group=group)
+        ref[name] = (train_step(model, opt, 2), full_training_state(model, opt))
+        dist.barrier(group)
     dist.barrier()
-    result = {}
-    model, opt = training_model(mesh2)
+    result = {"sr_states": sorted(qdcp.sr_states(training_model(mesh2, 0)[0]))}
+    model, opt = training_model(mesh2, 1)
     resume(model, opt, os.path.join(tmp, "train1"), None)
     got = (train_step(model, opt, 2), full_training_state(model, opt))
     if rank == 0:
-        result["train1->2"] = _equal_step(got, ref1)
-        result["same_run_1_vs_2"] = _equal_step(ref1, ref2)
-        model, opt = training_model(mesh1)
+        result["train1->2"] = _equal_step(got, ref["train1"])
+        model, opt = training_model(mesh1, 1)
         resume(model, opt, os.path.join(tmp, "train2"), group1)
-        result["train2->1"] = _equal_step((train_step(model, opt, 2),
-                                           full_training_state(model, opt)), ref2)
+        got = (train_step(model, opt, 2), full_training_state(model, opt))
+        result["train2->1"] = _equal_step(got, ref["train2"])
     dist.barrier()
     return result
 
@@ -285,4 +289,11 @@ def test_inference_checkpoint_into_unsharded_model(saved, src):
 def test_training_resumes_on_another_world_size(saved, route):
     _, results = saved
     checks = results[0][route]
-    assert len(checks) == 1 + 4 * 3 and all(checks), checks  # loss; 4 params x (p, m, v)
+    # the loss; 4 parameters x (master, Adam exp_avg, exp_avg_sq, step); 3 buffers (the frozen
+    # NVFP4 projection, the two TrainingLinears' stochastic-rounding positions)
+    assert len(checks) == 1 + 4 * 4 + 3 and all(checks), checks
+
+
+def test_training_checkpoint_holds_the_rounding_state(saved):
+    _, results = saved
+    assert results[0]["sr_states"] == ["1.sr_state", "3.sr_state"]

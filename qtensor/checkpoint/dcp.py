@@ -260,6 +260,24 @@ def load(state_dict: dict, path: str | os.PathLike, *, process_group=None) -> No
     _forget_amaxes(state_dict)
 
 
+def sr_states(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{"MODULE.sr_state": buffer} of every module that rounds gradients stochastically.
+
+    [Note: stochastic-rounding state in training checkpoints]
+    A TrainingLinear keeps where its stochastic-rounding streams stand in `sr_state`, an int64
+    buffer of (seed, offset) rows that every training forward advances in place
+    (qtensor/training/linear.py). It is non-persistent, so `model.state_dict()` (and
+    `get_state_dict`) leave it out, and a run resumed from weights and optimizer state alone
+    replays the first step's rounding. Save these buffers next to them, e.g.
+    `{"model": msd, "optim": osd, "sr": sr_states(model)}`: the values are the buffers
+    themselves, so `load` writes the saved positions straight into the model. Every rank
+    advances identical buffers, so DCP stores one copy, loadable on any world size.
+    """
+    return {f"{name}.sr_state" if name else "sr_state": buf
+            for name, module in model.named_modules()
+            if isinstance(buf := getattr(module, "sr_state", None), torch.Tensor)}
+
+
 def _lookup(d: dict, key: str):
     """d's value at a dotted DCP path whose own keys may contain dots."""
     if key in d:
