@@ -11,6 +11,7 @@
 
 #include "checks.h"
 #include "quant_math.h"
+#include "quant_rows.h"
 
 namespace qtensor {
 namespace {
@@ -382,6 +383,10 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cuda(const at::Tensor& x, cons
   at::Tensor sc = at::empty({s.R, s.C / 16}, x.options().dtype(at::kByte));
   const at::Tensor a = amax.contiguous();
   const int64_t* sr = sr_state_ptr(x, stochastic, sr_state, op);
+  if (!columnwise && !block_2d && !rht && !stochastic) {  // 1x16 rowwise blocks: no tile needed
+    nvfp4_rows_cuda(as_aligned_2d(x), a, fourover6, bound, q, sc);
+    return {q, sc.view(at::kFloat8_e4m3fn)};
+  }
   TileArgs args = nv_args(a, columnwise, block_2d, fourover6, bound, rht, stochastic, sr, q, sc);
   run_tiles(as_aligned_2d(x), args, true, false, false);
   return {q, sc.view(at::kFloat8_e4m3fn)};
@@ -415,7 +420,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mxfp8_quantize_cuda(
     a.mxc_q = cq.data_ptr<uint8_t>();
     a.mxc_s = cs.data_ptr<uint8_t>();
   }
-  run_tiles(as_aligned_2d(x), a, false, rowwise, columnwise);
+  if (rowwise && !columnwise) mxfp8_rows_cuda(as_aligned_2d(x), rule, rq, rs);  // no tile needed
+  else run_tiles(as_aligned_2d(x), a, false, rowwise, columnwise);
   return {rq.view(at::kFloat8_e4m3fn), rs.view(at::kFloat8_e8m0fnu), cq.view(at::kFloat8_e4m3fn),
           cs.view(at::kFloat8_e8m0fnu)};
 }
@@ -539,6 +545,10 @@ at::Tensor amax_cuda(const at::Tensor& x, bool columnwise, bool rht, bool per_ro
                            : at::zeros({}, x.options().dtype(at::kFloat));
   const at::Tensor x2 = as_aligned_2d(x);
   const int mode = !per_row ? 0 : (columnwise ? 2 : 1);
+  if (!rht && mode != 2) {  // one amax or one per input row: streamed, no 16-row panels
+    amax_rows_cuda(x2, per_row, out);
+    return out;
+  }
   dispatch_float(x.scalar_type(), op, [&](auto tag) {
     using T = decltype(tag);
     constexpr int kN = Vec<T>::kN;

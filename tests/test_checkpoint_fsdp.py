@@ -8,9 +8,10 @@ of rank 0 alone (rank 1 waits at a barrier), so no second group is spawned:
   loaded on 2 ranks, on 1 and (in the test process) into a model that was never sharded.
   Outputs after loading equal the saved model's bit for bit.
 - training: the NVFP4 recipe with quantize-on-gather master weights (qtensor/distributed/
-  master.py), Adam, the stochastic-rounding generators and a quantized buffer; saved after one
-  step on 2 ranks and on 1, resumed on the other world size. The next step's loss, master
-  weights and Adam state equal those of the run that was not interrupted, bit for bit.
+  master.py), Adam, stochastic rounding (its `sr_state` buffers, saved with
+  `dcp.sr_states`) and a quantized buffer; saved after one step on 2 ranks and on 1, resumed on
+  the other world size in a model built from another seed. The next step's loss, master
+  weights, Adam state and buffers equal those of the run that was not interrupted, bit for bit.
 """
 
 from __future__ import annotations
@@ -297,3 +298,25 @@ def test_training_resumes_on_another_world_size(saved, route):
 def test_training_checkpoint_holds_the_rounding_state(saved):
     _, results = saved
     assert results[0]["sr_states"] == ["1.sr_state", "3.sr_state"]
+
+
+def test_master_weights_load_unwrapped_and_drop_their_amax(tmp_path):
+    """A quantize-on-gather master (not sharded here) is stored as the plain tensor it wraps
+    (no qtensor class pickled into the checkpoint) and loaded into the wrapped tensor in place;
+    its global amax, taken before the load, is dropped so the next forward asks for a new one."""
+    from qtensor.distributed.master import QuantizeOnGatherWeight
+    from qtensor.training import NVFP4TrainingRecipe
+
+    role = NVFP4TrainingRecipe().operand_specs().weight
+    src = QuantizeOnGatherWeight(torch.randn(64, 64), role)
+    qdcp.save({"w": src}, tmp_path / "ckpt")
+    dst = QuantizeOnGatherWeight(torch.zeros(64, 64), role)
+    dst.amax, dst._amax_stamp = torch.tensor(1.0), (dst, dst._version)
+    qdcp.load({"w": dst}, tmp_path / "ckpt")
+    assert torch.equal(dst._data, src._data)
+    assert dst.amax is None and dst._amax_stamp is None
+    # DCP wrote a plain tensor: the file loads with weights_only=True, no qtensor class in it
+    stored = [f for f in os.listdir(tmp_path / "ckpt") if f.endswith(".distcp")]
+    for f in stored:
+        with open(tmp_path / "ckpt" / f, "rb") as fh:
+            assert b"QuantizeOnGatherWeight" not in fh.read()

@@ -30,6 +30,7 @@ DEVICES = [
 
 def _op_samples(device):
     x = torch.randn(32, 64, device=device).bfloat16()
+    sr = lambda seed, offset: torch.tensor([seed, offset], device=device)  # int64 (seed, offset)
     a = Q.amax(x)
     col_a = Q.amax(x, columnwise=True)
     s = torch.randint(0, 127, (40, 6), dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
@@ -39,10 +40,10 @@ def _op_samples(device):
     return [
         (ops.amax.default, (x, True, False, True)),
         (ops.amax.default, (x, True, True, False)),
-        (ops.nvfp4_quantize.default, (x, a, False, True, 2, 256, False, False, 0, 0)),
-        (ops.nvfp4_quantize.default, (x, col_a, True, False, 0, 448, True, True, 3, 5)),
+        (ops.nvfp4_quantize.default, (x, a, False, True, 2, 256, False, False, None)),
+        (ops.nvfp4_quantize.default, (x, col_a, True, False, 0, 448, True, True, sr(3, 5))),
         (ops.mxfp8_quantize.default, (x, 1, True, True)),
-        (ops.hybrid_quantize.default, (x, col_a, 0, 0, 448, False, True, 1, 0)),
+        (ops.hybrid_quantize.default, (x, col_a, 0, 0, 448, False, True, sr(1, 0))),
         (ops.nvfp4_dequantize.default, (nv[0], nv[1], a, 448, torch.bfloat16)),
         (ops.mxfp8_dequantize.default, (mx[0], mx[1], False, torch.float32)),
         (ops.mxfp4_fake_quantize.default, (torch.randn(8, 64, device=device, requires_grad=True),)),
@@ -139,21 +140,27 @@ def test_bad_input_raises_before_the_kernel(device):
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         ops.amax(x.int(), False, False, False)
     with pytest.raises(RuntimeError, match="divisible by 16"):
-        ops.nvfp4_quantize(x[:, :24], a, False, False, 0, 448, False, False, 0, 0)
+        ops.nvfp4_quantize(x[:, :24], a, False, False, 0, 448, False, False, None)
     with pytest.raises(RuntimeError, match="leading dims must be divisible by 16"):
-        ops.nvfp4_quantize(x[:24], a, True, False, 0, 448, False, False, 0, 0)
+        ops.nvfp4_quantize(x[:24], a, True, False, 0, 448, False, False, None)
     with pytest.raises(RuntimeError, match="e4m3_bound must be 448 or 256"):
-        ops.nvfp4_quantize(x, a, False, False, 0, 300, False, False, 0, 0)
+        ops.nvfp4_quantize(x, a, False, False, 0, 300, False, False, None)
     with pytest.raises(RuntimeError, match="4over6 excludes RHT"):
-        ops.nvfp4_quantize(x, a, True, False, 1, 448, True, False, 0, 0)
+        ops.nvfp4_quantize(x, a, True, False, 1, 448, True, False, None)
     with pytest.raises(RuntimeError, match="one value per quantized row"):
-        ops.nvfp4_quantize(x, torch.ones(5, device=device), False, False, 0, 448, False, False, 0, 0)
+        ops.nvfp4_quantize(x, torch.ones(5, device=device), False, False, 0, 448, False, False, None)
     with pytest.raises(RuntimeError, match="divisible by 32"):
         ops.mxfp8_quantize(x[:, :48], 0, True, False)
     with pytest.raises(RuntimeError, match="fp16 cannot hold"):
         ops.mxfp4_fake_quantize(x.half())
     with pytest.raises(RuntimeError, match="rows padded to 128"):
         ops.unswizzle_scale(torch.zeros(128, 4, dtype=torch.uint8, device=device), 200, 4)
+    with pytest.raises(RuntimeError, match="stochastic rounding needs sr_state"):
+        ops.nvfp4_quantize(x, a, False, False, 0, 448, False, True, None)
+    with pytest.raises(RuntimeError, match="int64 tensor of 2 elements"):
+        ops.nvfp4_quantize(x, a, False, False, 0, 448, False, True, torch.zeros(3, device=device))
     if device == "cuda":
         with pytest.raises(RuntimeError, match="input's device"):
-            ops.nvfp4_quantize(x, a.cpu(), False, False, 0, 448, False, False, 0, 0)
+            ops.nvfp4_quantize(x, a.cpu(), False, False, 0, 448, False, False, None)
+        with pytest.raises(RuntimeError, match="input's device"):  # the kernel reads it there
+            ops.nvfp4_quantize(x, a, False, False, 0, 448, False, True, torch.zeros(2).long())

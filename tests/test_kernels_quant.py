@@ -267,6 +267,34 @@ def test_stochastic_rounding_statistics(device):
         assert abs(got.double().mean().item() - v) < 0.01 * (hi - lo).item() + 1e-3, f"{v}: biased"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_tensor_rounds_like_its_seed(device):
+    # The ops take (seed, offset) as an int64 tensor on the data's device; the kernel, the
+    # reference given the tensor and the reference given the SRSeed must give the same bytes.
+    x = (torch.randn(96, 160, generator=torch.Generator().manual_seed(5)) * 3).bfloat16().to(device)
+    spec = NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)
+    state = torch.tensor([2**33 + 77, 2**32 + 40], device=device)  # only the low 32 bits count
+    seed = SRSeed(77, 40)
+    ref = nvfp4.quantize(x, spec, seed)
+    for sr in (state, seed):
+        assert_bytes_equal(nvfp4.quantize(x, spec, sr).qdata, ref.qdata, f"reference {sr}")
+        assert_bytes_equal(kernel_nvfp4(x, spec, sr)[0], ref.qdata, f"kernel {sr}")
+    _, nv, _ = Q.quantize_hybrid_grad(x, "rceil", spec, state)
+    assert_bytes_equal(nv.qdata, ref.qdata, "hybrid kernel")
+    with pytest.raises(ValueError, match="int64 tensor of 2 elements"):
+        Q.quantize_nvfp4(x, spec, state.int())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_generator_is_one_seed_draw(device):
+    # A torch.Generator becomes (one randint draw in [0, 2**31 - 1), offset 0), drawn once.
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(6)).to(device)
+    spec = NVFP4Spec(stochastic_rounding=True)
+    seed = int(torch.randint(0, 2**31 - 1, (), generator=torch.Generator().manual_seed(9)))
+    got, _ = Q.quantize_nvfp4(x, spec, torch.Generator().manual_seed(9))
+    assert_bytes_equal(got.qdata, nvfp4.quantize(x, spec, SRSeed(seed, 0)).qdata, "codes")
+
+
 # ---- dequantize, swizzle, MXFP4 gradient ----------------------------------------------------------
 
 

@@ -131,6 +131,29 @@ def test_token_count_errors():
     assert torch.isfinite(hp.weight.grad).all()
 
 
+def test_stochastic_rounding_expert_e_rounds_with_seed_plus_e():
+    # One step advances the grouped module's seeds by E; expert e rounds with seed + e, so it is
+    # bitwise a TrainingLinear whose state starts e seeds later.
+    recipe = NVFP4TrainingRecipe()  # 2D weights, RHT, stochastic rounding
+    g, x, dy = make(recipe)
+    start_state = g.sr_state.clone()
+    y, dx, dw, db = run_grouped(g, x, dy)
+    assert torch.equal(g.sr_state[:, 0], start_state[:, 0] + E)
+    start = 0
+    for e, m in enumerate(SPLITS):
+        if m == 0:
+            continue
+        lin = TrainingLinear(K, N, recipe=recipe)
+        with torch.no_grad():
+            lin.weight.copy_(g.weight[e])
+            lin.bias.copy_(g.bias[e])
+            lin.sr_state[:, 0] += e
+        xe = x[start:start + m].clone().requires_grad_()
+        lin(xe).backward(dy[start:start + m])
+        assert torch.equal(xe.grad, dx[start:start + m]) and torch.equal(lin.weight.grad, dw[e])
+        start += m
+
+
 def test_stochastic_rounding_is_deterministic_per_module():
     recipe = NVFP4TrainingRecipe()  # stochastic rounding on
     grads = []

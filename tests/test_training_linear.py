@@ -47,9 +47,10 @@ def deq(t):
     return t.dequantize(F32)
 
 
-def slot_generator(recipe, usage):
-    """The (seed, offset) of the module's first step in a slot (docs/training.md)."""
-    return SRSeed(SRSeeds(recipe.seed, 0).seed_for(f"grad_output.{usage}"), 0)
+def slot_generator(recipe, usage, step=0):
+    """The (seed, offset) of the module's step `step` in a slot: each step moves the seed on by
+    one (docs/training.md, "Randomness")."""
+    return SRSeed(SRSeeds(recipe.seed, 0).seed_for(f"grad_output.{usage}") + step, 0)
 
 
 # ---- independent references ----------------------------------------------------------------
@@ -149,9 +150,13 @@ def test_backward_overrides(override):
 # ---- dispatch parity and numerics ------------------------------------------------------------
 
 
-def test_dgrad_mxfp8_equals_explicit_hybrid_tensors_bitwise():
+@pytest.mark.parametrize("step", [0, 2])
+def test_dgrad_mxfp8_equals_explicit_hybrid_tensors_bitwise(step):
     r = NVFP4TrainingRecipe(dgrad_mxfp8=True)  # with RHT and stochastic rounding
     m, x, g = make(r)
+    for _ in range(step):  # earlier steps: each advances the stochastic-rounding seeds
+        run(m, x, g)
+        m.weight.grad = m.bias.grad = None
     y, dx, dw = run(m, x, g)
     w, b = m.weight.detach(), m.bias.detach()
     x_h = HybridTensor.from_hp(x, rowwise=NVFP4Spec(),
@@ -161,7 +166,7 @@ def test_dgrad_mxfp8_equals_explicit_hybrid_tensors_bitwise():
     dy_h = HybridTensor.from_hp(g, rowwise=MXFP8Spec(),
                                 columnwise=NVFP4Spec(rht=True, stochastic_rounding=True,
                                                       columnwise=True),
-                                generator=slot_generator(r, "columnwise"))
+                                generator=slot_generator(r, "columnwise", step))
     assert torch.equal(y, quantized_mm(x_h, w_h.t(), b, out_dtype=F32))
     assert torch.equal(dx, quantized_mm(dy_h, w_h, out_dtype=F32))
     assert torch.equal(dw, quantized_mm(dy_h.t(), x_h, out_dtype=F32))

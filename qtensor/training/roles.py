@@ -141,13 +141,23 @@ def _slot_spec(specs: OperandSpecs, slot: str) -> Spec | None:
     return getattr(specs.role(name), usage)
 
 
+@torch.library.custom_op("qtensor::sr_advance", mutates_args=("state",))
 def advance(state: torch.Tensor, calls: int = 1) -> torch.Tensor:
     """This step's (seed, offset) rows (a copy), then every seed of the module's buffer moves on
     by `calls` in place: call j of the step uses seed + j (`nth_call`). mix32 of the seed in
-    the bit hash (formats/nvfp4.py sr_bits) makes neighbouring seeds' streams unrelated."""
+    the bit hash (formats/nvfp4.py sr_bits) makes neighbouring seeds' streams unrelated.
+
+    An opaque op on purpose: written as clone + add_, AOTAutograd's partitioner moves the
+    clone (used only by the backward) into the backward graph, where it reads the buffer after
+    the forward's in-place advance, and the backward rounds with the next step's bits."""
     taken = state.clone()
     state[:, 0] += calls
     return taken
+
+
+@advance.register_fake
+def _(state, calls=1):
+    return torch.empty_like(state)
 
 
 def nth_call(states: torch.Tensor | None, n: int) -> torch.Tensor | None:

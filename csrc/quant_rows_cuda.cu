@@ -1,0 +1,429 @@
+// Rowwise quantizers and the amax pass at memory speed. A rowwise block (16 elements NVFP4, 32
+// MXFP8) is contiguous in the input, so no shared-memory tile is needed: each thread reads its own
+// 16 elements with 16-byte read-only loads, kSlots blocks per thread issued before any math so
+// 64 B per thread are in flight, and writes its codes with one vector store (a warp's stores
+// cover 256 contiguous bytes of NVFP4 codes, 512 of MXFP8). The math is quant_math.h's, plus
+// quant_rows_math.h's cheaper equivalents on the domains where they are proven equal; built with
+// --fmad=false like quant_cuda.cu, whose tile kernel keeps every other mode.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_fp16.h>
+
+#include "quant_math.h"
+#include "quant_rows.h"
+#include "quant_rows_math.h"
+
+namespace qtensor {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kSlots = 2;  // 16-element blocks per thread: 2 x 32 B of bf16 in flight
+constexpr unsigned kFull = 0xFFFFFFFFu;
+
+template <typename F>
+void dispatch_dtype(at::ScalarType t, const char* op, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    case at::kHalf: f(at::Half{}); break;
+    default: TORCH_CHECK(false, op, ": unsupported dtype ", t, ".");
+  }
+}
+
+// 16 bytes of each input dtype widened to fp32 (exact).
+template <typename T>
+struct In;
+template <>
+struct In<float> {
+  static constexpr int kN = 4;
+  __device__ static void unpack(uint4 r, float* o) {
+    o[0] = __uint_as_float(r.x); o[1] = __uint_as_float(r.y);
+    o[2] = __uint_as_float(r.z); o[3] = __uint_as_float(r.w);
+  }
+};
+template <>
+struct In<at::BFloat16> {
+  static constexpr int kN = 8;
+  __device__ static void unpack(uint4 r, float* o) {
+    const unsigned w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      o[2 * i] = __uint_as_float(w[i] << 16);
+      o[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+  }
+};
+template <>
+struct In<at::Half> {
+  static constexpr int kN = 8;
+  __device__ static void unpack(uint4 r, float* o) {
+    const unsigned w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      o[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xFFFFu)));
+      o[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
+    }
+  }
+};
+
+// The 16-element blocks first, first + kThreads, ...: in each slot a warp reads 32 consecutive
+// blocks (1 KB of bf16), one 32-byte sector per thread, both halves of it from L1 after one miss.
+template <typename T>
+struct Slots {
+  static constexpr int kC = 16 / In<T>::kN;  // 16-byte loads per block
+  uint4 raw[kSlots][kC];
+  __device__ void load(const T* x, int64_t first, int64_t n) {
+#pragma unroll
+    for (int u = 0; u < kSlots; ++u) {
+      const int64_t b = first + u * kThreads;
+#pragma unroll
+      for (int c = 0; c < kC; ++c)
+        raw[u][c] = b < n ? __ldg(reinterpret_cast<const uint4*>(x + b * 16 + c * In<T>::kN))
+                          : make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  __device__ void unpack(int u, float* v) const {
+#pragma unroll
+    for (int c = 0; c < kC; ++c) In<T>::unpack(raw[u][c], v + c * In<T>::kN);
+  }
+};
+
+// max |v| as fp32: non-negative floats order like their bits and NaN's bits lie above inf, so an
+// integer max is torch.amax on the values (a NaN block gives a NaN; its payload is not contract).
+__device__ __forceinline__ float absmax16(const float* v) {
+  uint32_t m = 0u;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) m = max(m, f2u(v[i]) & 0x7FFFFFFFu);
+  return u2f(m);
+}
+
+// Sign bits of 16 elements at bit 3 of their nibbles (the E2M1 sign), two words of 8.
+__device__ __forceinline__ uint2 sign_nibbles(const float* v) {
+  unsigned w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) w[i >> 3] |= (f2u(v[i]) & 0x80000000u) >> (28 - 4 * (i & 7));
+  return make_uint2(w[0], w[1]);
+}
+
+// ---- NVFP4 ---------------------------------------------------------------------------------------
+
+// Codes of one block at the block factor enc, as e2m1_encode(v * enc). Where no product can be
+// NaN (no NaN input, 0 < enc <= FLT_MAX), |v * enc| = |v| * enc and its sign is v's, so the
+// NaN-free code (equal to e2m1_code_bits on every non-NaN pattern, checked exhaustively) and v's
+// sign bit give the same nibbles; otherwise the general encoder runs.
+__device__ __forceinline__ uint2 nv_codes(const float* v, float bam, float enc) {
+  if (f2u(bam) <= 0x7F800000u && enc > 0.f) {
+    uint2 w = sign_nibbles(v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w.x |= e2m1_code_nonan(f2u(fabsf(v[i]) * enc)) << (4 * i);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w.y |= e2m1_code_nonan(f2u(fabsf(v[i + 8]) * enc)) << (4 * i);
+    return w;
+  }
+  unsigned w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) w[i >> 3] |= e2m1_encode(v[i] * enc) << (4 * (i & 7));
+  return make_uint2(w[0], w[1]);
+}
+
+// 4over6 error of candidate scale s and its codes, the general way (any amax, any scale): the
+// tile kernel's candidate() with the reference's true division by 6B.
+template <bool MSE>
+__device__ float fo6_error_general(const float* v, uint8_t s, const NvScale& ts, float six_b, uint2* codes) {
+  const float enc = nv_block_enc(s, ts.s_dec);
+  const float sf = e4m3_value(s);
+  float err = 0.f;
+  unsigned w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float p = v[i] * enc;
+    const float r = e2m1_round_abs(abs_f(p));
+    const unsigned sg = e2m1_sign(p);
+    w[i >> 3] |= (e2m1_code_abs(r) | (sg << 3)) << (4 * (i & 7));
+    float val = ((r * sf) * ts.amax) / six_b;
+    if (sg) val = -val;
+    const float d = val - v[i];
+    err = err + (MSE ? d * d : abs_f(d));
+  }
+  *codes = make_uint2(w[0], w[1]);
+  return err;
+}
+
+// The same in fo6_fast_domain with a finite block: there enc > 0, so v * enc is never NaN and
+// its sign is v's; then val - v = sign(v) (|val| - |v|) exactly, and |d| and d * d only see
+// |val| - |v|. |val| comes from the code by an exponent shift (quant_rows_math.h, checked for
+// every scale byte). The sum runs element 0..15 like the reference. Codes without sign bits.
+template <bool MSE>
+__device__ __forceinline__ float fo6_error_fast(const float* v, float sf, const NvScale& ts, float six_b,
+                                                uint2* codes) {
+  const float enc = clamp_max(1.f / (sf * ts.s_dec), FLT_MAX);  // nv_block_enc of sf's byte
+  const Fo6Values t = fo6_values(sf, ts.amax, six_b);
+  float err = 0.f;
+  unsigned w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float a = fabsf(v[i]);
+    const uint32_t c = e2m1_code_nonan(f2u(a * enc));
+    w[i >> 3] |= c << (4 * (i & 7));
+    const float d = fo6_value(c, t) - a;
+    err = err + (MSE ? d * d : fabsf(d));
+  }
+  *codes = make_uint2(w[0], w[1]);
+  return err;
+}
+
+// One 4over6 block: both candidates, map-to-4 where its error is strictly lower (ties and NaN
+// errors keep map-to-6). Equal candidate bytes give equal errors, so the map-to-6 codes directly.
+template <bool MSE>
+__device__ __forceinline__ uint8_t fo6_block(const float* v, float bam, const NvScale& ts, float six_b,
+                                             uint2* codes) {
+  uint8_t s6, s4;
+  fourover6_candidates(bam, ts, &s6, &s4);
+  if (s6 == s4) {
+    *codes = nv_codes(v, bam, nv_block_enc(s6, ts.s_dec));
+    return s6;
+  }
+  const float sf6 = e4m3_value(s6), sf4 = e4m3_value(s4);
+  uint2 c6, c4;
+  float e6, e4;
+  if (f2u(bam) < 0x7F800000u && fo6_fast_domain(ts.amax, sf6) && fo6_fast_domain(ts.amax, sf4)) {
+    e6 = fo6_error_fast<MSE>(v, sf6, ts, six_b, &c6);
+    e4 = fo6_error_fast<MSE>(v, sf4, ts, six_b, &c4);
+    const uint2 sg = sign_nibbles(v);
+    c6 = make_uint2(c6.x | sg.x, c6.y | sg.y);
+    c4 = make_uint2(c4.x | sg.x, c4.y | sg.y);
+  } else {
+    e6 = fo6_error_general<MSE>(v, s6, ts, six_b, &c6);
+    e4 = fo6_error_general<MSE>(v, s4, ts, six_b, &c4);
+  }
+  const bool map4 = e4 < e6;
+  *codes = map4 ? c4 : c6;
+  return map4 ? s4 : s6;
+}
+
+// FO6: 0 plain, 1 4over6 MAE, 2 4over6 MSE. nblocks = M K / 16 blocks, bpr = K / 16 per row.
+template <typename T, bool ROW_SCALED, int FO6>
+__global__ void __launch_bounds__(kThreads) nv_rows_kernel(const T* x, int64_t nblocks, int64_t bpr,
+                                                           bool idx32, const float* amax, int bound,
+                                                           uint2* q, uint8_t* s) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * (kThreads * kSlots) + threadIdx.x;
+  Slots<T> in;
+  in.load(x, first, nblocks);
+  const float six_b = static_cast<float>(6 * bound);
+  NvScale ts{};
+  if constexpr (!ROW_SCALED) ts = nv_scale(amax[0], bound);
+#pragma unroll
+  for (int u = 0; u < kSlots; ++u) {
+    const int64_t b = first + u * kThreads;
+    if (b >= nblocks) break;
+    if constexpr (ROW_SCALED) {
+      const int64_t row = idx32 ? static_cast<int64_t>(static_cast<uint32_t>(b) / static_cast<uint32_t>(bpr))
+                                : b / bpr;
+      ts = nv_scale(amax[row], bound);
+    }
+    float v[16];
+    in.unpack(u, v);
+    const float bam = absmax16(v);
+    uint8_t sb;
+    uint2 codes;
+    if constexpr (FO6 == 0) {
+      sb = e4m3_bits(bam * ts.s_enc_c6);
+      codes = nv_codes(v, bam, nv_block_enc(sb, ts.s_dec));
+    } else {
+      sb = fo6_block<FO6 == 2>(v, bam, ts, six_b, &codes);
+    }
+    q[b] = codes;
+    s[b] = sb;
+  }
+}
+
+// ---- MXFP8 ---------------------------------------------------------------------------------------
+
+// Two E4M3 bytes of products that are not NaN: the hardware's satfinite nearest-even conversion
+// is clamp-then-round (e4m3_bits) there, as in the tile kernel.
+__device__ __forceinline__ unsigned e4m3x2_nonan(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned short r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return e4m3_bits(lo) | (static_cast<unsigned>(e4m3_bits(hi)) << 8);
+#endif
+}
+
+// Threads 2j and 2j+1 hold the two halves of 32-block j (one shuffle joins their amaxes), so each
+// thread stores 16 contiguous code bytes. A finite block amax gives a finite multiplier and no NaN
+// product; a NaN or inf amax gives code 255, whose NaN multiplier makes every byte 0x7F.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) mx_rows_kernel(const T* x, int64_t nhalves, int rule,
+                                                           uint4* q, uint8_t* s) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * (kThreads * kSlots) + threadIdx.x;
+  Slots<T> in;
+  in.load(x, first, nhalves);
+#pragma unroll
+  for (int u = 0; u < kSlots; ++u) {  // no early exit: every lane takes part in the shuffle
+    const int64_t h = first + u * kThreads;
+    float v[16];
+    in.unpack(u, v);
+    uint32_t am = f2u(absmax16(v));
+    am = max(am, __shfl_xor_sync(kFull, am, 1));
+    const uint32_t code = mx_scale_code(u2f(am), rule);
+    uint4 bytes = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+    if (code != 255u) {
+      const float inv = mx_inv_scale(code);
+      unsigned w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        w[i] = e4m3x2_nonan(v[4 * i] * inv, v[4 * i + 1] * inv) |
+               (e4m3x2_nonan(v[4 * i + 2] * inv, v[4 * i + 3] * inv) << 16);
+      bytes = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    if (h < nhalves) {
+      q[h] = bytes;
+      if ((h & 1) == 0) s[h >> 1] = static_cast<uint8_t>(code);
+    }
+  }
+}
+
+// ---- amax ----------------------------------------------------------------------------------------
+
+constexpr int kAmaxLoads = 4;  // 16-byte loads in flight per thread and iteration
+
+// Running max of |element| bits over one 16-byte word; 16-bit formats keep two 16-bit maxima.
+template <typename T>
+__device__ __forceinline__ uint32_t absmax_word(uint32_t m, uint4 r) {
+  if constexpr (sizeof(T) == 4) {
+    m = max(m, max(r.x & 0x7FFFFFFFu, r.y & 0x7FFFFFFFu));
+    return max(m, max(r.z & 0x7FFFFFFFu, r.w & 0x7FFFFFFFu));
+  } else {
+    m = __vmaxu2(m, __vmaxu2(r.x & 0x7FFF7FFFu, r.y & 0x7FFF7FFFu));
+    return __vmaxu2(m, __vmaxu2(r.z & 0x7FFF7FFFu, r.w & 0x7FFF7FFFu));
+  }
+}
+
+// fp32 bits of the running max (exact widening: bf16 by a shift, fp16 by the conversion).
+template <typename T>
+__device__ __forceinline__ uint32_t absmax_bits(uint32_t m) {
+  if constexpr (sizeof(T) == 4) {
+    return m;
+  } else {
+    const uint32_t h = max(m & 0xFFFFu, m >> 16);
+    if constexpr (std::is_same_v<T, at::BFloat16>) return h << 16;
+    else return f2u(__half2float(__ushort_as_half(static_cast<unsigned short>(h))));
+  }
+}
+
+// One amax of n 16-byte words: a grid-stride loop, one atomicMax per warp.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) amax_all_kernel(const uint4* x, int64_t n, unsigned* out) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  uint32_t m = 0u;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride * kAmaxLoads) {
+    uint4 r[kAmaxLoads];
+#pragma unroll
+    for (int u = 0; u < kAmaxLoads; ++u) r[u] = i + u * stride < n ? __ldcs(x + i + u * stride) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int u = 0; u < kAmaxLoads; ++u) m = absmax_word<T>(m, r[u]);
+  }
+  const uint32_t bits = __reduce_max_sync(kFull, absmax_bits<T>(m));
+  if ((threadIdx.x & 31) == 0 && bits != 0u) atomicMax(out, bits);
+}
+
+// One amax per row of `words` 16-byte words: 2**lanes_log2 lanes (<= 32, aligned in the warp)
+// share a row, reduce by shuffles and store it; no atomics, each row has one owner.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) amax_row_kernel(const uint4* x, int64_t M, int64_t words,
+                                                            int lanes_log2, unsigned* out) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t row = t >> lanes_log2;
+  const int lanes = 1 << lanes_log2, li = static_cast<int>(t & (lanes - 1));
+  uint32_t m = 0u;
+  if (row < M) {
+    const uint4* p = x + row * words;
+    for (int64_t c = li; c < words; c += static_cast<int64_t>(lanes) * kAmaxLoads) {
+      uint4 r[kAmaxLoads];
+#pragma unroll
+      for (int u = 0; u < kAmaxLoads; ++u)
+        r[u] = c + u * lanes < words ? __ldcs(p + c + u * lanes) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+      for (int u = 0; u < kAmaxLoads; ++u) m = absmax_word<T>(m, r[u]);
+    }
+  }
+  uint32_t bits = absmax_bits<T>(m);
+  for (int o = lanes >> 1; o >= 1; o >>= 1) bits = max(bits, __shfl_xor_sync(kFull, bits, o));
+  if (li == 0 && row < M) out[row] = bits;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int sm_count() {
+  int dev = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
+template <typename T, bool ROW_SCALED>
+void launch_nv(const at::Tensor& x2, const float* amax, int64_t fourover6, int bound, uint2* q, uint8_t* s) {
+  const int64_t nblocks = x2.numel() / 16, bpr = x2.size(1) / 16;
+  const bool idx32 = nblocks <= static_cast<int64_t>(UINT32_MAX);
+  const int64_t grid = ceil_div(nblocks, kThreads * kSlots);
+  const T* x = x2.const_data_ptr<T>();
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  if (fourover6 == 1)
+    nv_rows_kernel<T, ROW_SCALED, 1><<<grid, kThreads, 0, stream>>>(x, nblocks, bpr, idx32, amax, bound, q, s);
+  else if (fourover6 == 2)
+    nv_rows_kernel<T, ROW_SCALED, 2><<<grid, kThreads, 0, stream>>>(x, nblocks, bpr, idx32, amax, bound, q, s);
+  else
+    nv_rows_kernel<T, ROW_SCALED, 0><<<grid, kThreads, 0, stream>>>(x, nblocks, bpr, idx32, amax, bound, q, s);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void nvfp4_rows_cuda(const at::Tensor& x2, const at::Tensor& amax, int64_t fourover6, int64_t bound,
+                     at::Tensor& q, at::Tensor& s) {
+  const float* a = amax.const_data_ptr<float>();
+  auto* qp = reinterpret_cast<uint2*>(q.data_ptr<uint8_t>());
+  uint8_t* sp = s.data_ptr<uint8_t>();
+  dispatch_dtype(x2.scalar_type(), "qtensor.nvfp4_quantize", [&](auto tag) {
+    using T = decltype(tag);
+    if (amax.dim() == 1) launch_nv<T, true>(x2, a, fourover6, static_cast<int>(bound), qp, sp);
+    else launch_nv<T, false>(x2, a, fourover6, static_cast<int>(bound), qp, sp);
+  });
+}
+
+void mxfp8_rows_cuda(const at::Tensor& x2, int64_t rule, at::Tensor& q, at::Tensor& s) {
+  const int64_t nhalves = x2.numel() / 16;
+  dispatch_dtype(x2.scalar_type(), "qtensor.mxfp8_quantize", [&](auto tag) {
+    using T = decltype(tag);
+    mx_rows_kernel<T><<<ceil_div(nhalves, kThreads * kSlots), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        x2.const_data_ptr<T>(), nhalves, static_cast<int>(rule), reinterpret_cast<uint4*>(q.data_ptr<uint8_t>()),
+        s.data_ptr<uint8_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void amax_rows_cuda(const at::Tensor& x2, bool per_row, at::Tensor& out) {
+  auto* o = reinterpret_cast<unsigned*>(out.data_ptr<float>());
+  const auto* x = reinterpret_cast<const uint4*>(x2.const_data_ptr());
+  const int64_t words = x2.numel() * x2.element_size() / 16;  // rows are whole words: K % 16 == 0
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  dispatch_dtype(x2.scalar_type(), "qtensor.amax", [&](auto tag) {
+    using T = decltype(tag);
+    if (!per_row) {
+      // 8 CTAs of 256 per SM fill it; more would only add atomics.
+      const int64_t grid = std::min<int64_t>(ceil_div(words, kThreads * kAmaxLoads), 8 * sm_count());
+      amax_all_kernel<T><<<grid, kThreads, 0, stream>>>(x, words, o);
+    } else {
+      const int64_t M = x2.size(0), row_words = words / M;
+      int lanes_log2 = 0;  // the fewest lanes (up to a warp) that cover a row in one load each
+      while (lanes_log2 < 5 && (int64_t{1} << lanes_log2) < row_words) ++lanes_log2;
+      amax_row_kernel<T><<<ceil_div(M << lanes_log2, kThreads), kThreads, 0, stream>>>(x, M, row_words, lanes_log2, o);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace qtensor
