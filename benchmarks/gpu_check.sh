@@ -29,6 +29,7 @@ step build python3 setup.py build_ext --inplace
 step env python3 -c "import torch, qtensor.ops.quant as q; print(torch.cuda.get_device_name(), torch.__version__, q.extension_status())"
 # FSDP2 over NCCL (tests/test_fsdp_gpu.py) needs 2 GPUs (nvidia-h200-x2); on one GPU it skips.
 step tests python3 -m pytest -m cuda -q -ra --continue-on-collection-errors ${QTENSOR_GPU_TESTS:-tests/}
+step demo_cuda python3 -m qtensor demo --device cuda
 step bench_quantize python3 benchmarks/bench_quantize.py --out "$LOG/bench_quantize.md"
 step bench_gemm python3 benchmarks/bench_gemm.py --out "$LOG/bench_gemm.md"
 step bench_training python3 benchmarks/bench_training.py --out "$LOG/bench_training.json"

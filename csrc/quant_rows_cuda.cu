@@ -115,14 +115,14 @@ __global__ void __launch_bounds__(kThreads) nv_rows_kernel(const T* x, int64_t n
     in.unpack(u, v);
     const float bam = absmax16(v);
     uint8_t sb;
-    uint2 codes;
+    Codes codes;
     if constexpr (FO6 == 0) {
       sb = e4m3_bits(bam * ts.s_enc_c6);
       codes = nv_codes(v, bam, nv_block_enc(sb, ts.s_dec));
     } else {
       sb = fo6_block<FO6 == 2>(v, bam, ts, six_b, &codes);
     }
-    q[b] = codes;
+    q[b] = make_uint2(codes.x, codes.y);
     s[b] = sb;
   }
 }

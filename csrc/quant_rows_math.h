@@ -51,4 +51,124 @@ QT_HD float fo6_value(uint32_t c, const Fo6Values& t) {
   return u2f(c >= 2u ? big : (c == 1u ? t.e0 : 0u));
 }
 
+// ---- whole blocks (the rowwise kernels call these; a host program checks them against the
+// tile kernel's per-block code) --------------------------------------------------------------------
+
+QT_HD uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
+struct Codes {  // 16 E2M1 nibbles, element 2j in the low nibble of byte j
+  uint32_t x, y;
+};
+
+// max |v| as fp32: non-negative floats order like their bits and NaN's bits lie above inf, so an
+// integer max is torch.amax on the values (a NaN block gives a NaN; its payload is not contract).
+QT_HD float absmax16(const float* v) {
+  uint32_t m = 0u;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) m = umax(m, f2u(v[i]) & 0x7FFFFFFFu);
+  return u2f(m);
+}
+
+// Sign bits of 16 elements at bit 3 of their nibbles (the E2M1 sign), two words of 8.
+QT_HD Codes sign_nibbles(const float* v) {
+  unsigned w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) w[i >> 3] |= (f2u(v[i]) & 0x80000000u) >> (28 - 4 * (i & 7));
+  return Codes{w[0], w[1]};
+}
+
+// Codes of one block at the block factor enc, as e2m1_encode(v * enc). Where no product can be
+// NaN (no NaN input, 0 < enc <= FLT_MAX), |v * enc| = |v| * enc and its sign is v's, so the
+// NaN-free code (equal to e2m1_code_bits on every non-NaN pattern, checked exhaustively) and v's
+// sign bit give the same nibbles; otherwise the general encoder runs.
+QT_HD Codes nv_codes(const float* v, float bam, float enc) {
+  if (f2u(bam) <= 0x7F800000u && enc > 0.f) {
+    Codes w = sign_nibbles(v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w.x |= e2m1_code_nonan(f2u(fabsf(v[i]) * enc)) << (4 * i);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w.y |= e2m1_code_nonan(f2u(fabsf(v[i + 8]) * enc)) << (4 * i);
+    return w;
+  }
+  unsigned w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) w[i >> 3] |= e2m1_encode(v[i] * enc) << (4 * (i & 7));
+  return Codes{w[0], w[1]};
+}
+
+// 4over6 error of candidate scale s and its codes, the general way (any amax, any scale): the
+// tile kernel's candidate() with the reference's true division by 6B.
+template <bool MSE>
+QT_HD float fo6_error_general(const float* v, uint8_t s, const NvScale& ts, float six_b, Codes* codes) {
+  const float enc = nv_block_enc(s, ts.s_dec);
+  const float sf = e4m3_value(s);
+  float err = 0.f;
+  unsigned w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float p = v[i] * enc;
+    const float r = e2m1_round_abs(abs_f(p));
+    const unsigned sg = e2m1_sign(p);
+    w[i >> 3] |= (e2m1_code_abs(r) | (sg << 3)) << (4 * (i & 7));
+    float val = ((r * sf) * ts.amax) / six_b;
+    if (sg) val = -val;
+    const float d = val - v[i];
+    err = err + (MSE ? d * d : abs_f(d));
+  }
+  *codes = Codes{w[0], w[1]};
+  return err;
+}
+
+// The same in fo6_fast_domain with a finite block: there enc > 0, so v * enc is never NaN and
+// its sign is v's; then val - v = sign(v) (|val| - |v|) exactly, and |d| and d * d only see
+// |val| - |v|. |val| comes from the code by an exponent shift (quant_rows_math.h, checked for
+// every scale byte). The sum runs element 0..15 like the reference. Codes without sign bits.
+template <bool MSE>
+QT_HD float fo6_error_fast(const float* v, float sf, const NvScale& ts, float six_b,
+                                                Codes* codes) {
+  const float enc = clamp_max(1.f / (sf * ts.s_dec), FLT_MAX);  // nv_block_enc of sf's byte
+  const Fo6Values t = fo6_values(sf, ts.amax, six_b);
+  float err = 0.f;
+  unsigned w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float a = fabsf(v[i]);
+    const uint32_t c = e2m1_code_nonan(f2u(a * enc));
+    w[i >> 3] |= c << (4 * (i & 7));
+    const float d = fo6_value(c, t) - a;
+    err = err + (MSE ? d * d : fabsf(d));
+  }
+  *codes = Codes{w[0], w[1]};
+  return err;
+}
+
+// One 4over6 block: both candidates, map-to-4 where its error is strictly lower (ties and NaN
+// errors keep map-to-6). Equal candidate bytes give equal errors, so the map-to-6 codes directly.
+template <bool MSE>
+QT_HD uint8_t fo6_block(const float* v, float bam, const NvScale& ts, float six_b,
+                                             Codes* codes) {
+  uint8_t s6, s4;
+  fourover6_candidates(bam, ts, &s6, &s4);
+  if (s6 == s4) {
+    *codes = nv_codes(v, bam, nv_block_enc(s6, ts.s_dec));
+    return s6;
+  }
+  const float sf6 = e4m3_value(s6), sf4 = e4m3_value(s4);
+  Codes c6, c4;
+  float e6, e4;
+  if (f2u(bam) < 0x7F800000u && fo6_fast_domain(ts.amax, sf6) && fo6_fast_domain(ts.amax, sf4)) {
+    e6 = fo6_error_fast<MSE>(v, sf6, ts, six_b, &c6);
+    e4 = fo6_error_fast<MSE>(v, sf4, ts, six_b, &c4);
+    const Codes sg = sign_nibbles(v);
+    c6 = Codes{c6.x | sg.x, c6.y | sg.y};
+    c4 = Codes{c4.x | sg.x, c4.y | sg.y};
+  } else {
+    e6 = fo6_error_general<MSE>(v, s6, ts, six_b, &c6);
+    e4 = fo6_error_general<MSE>(v, s4, ts, six_b, &c4);
+  }
+  const bool map4 = e4 < e6;
+  *codes = map4 ? c4 : c6;
+  return map4 ? s4 : s6;
+}
+
 }  // namespace qtensor
