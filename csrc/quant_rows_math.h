@@ -121,11 +121,10 @@ QT_HD float fo6_error_general(const float* v, uint8_t s, const NvScale& ts, floa
 
 // The same in fo6_fast_domain with a finite block: there enc > 0, so v * enc is never NaN and
 // its sign is v's; then val - v = sign(v) (|val| - |v|) exactly, and |d| and d * d only see
-// |val| - |v|. |val| comes from the code by an exponent shift (quant_rows_math.h, checked for
-// every scale byte). The sum runs element 0..15 like the reference. Codes without sign bits.
+// |val| - |v|. |val| comes from the code by an exponent shift (fo6_value, checked for every
+// scale byte). The sum runs element 0..15 like the reference. Codes without sign bits.
 template <bool MSE>
-QT_HD float fo6_error_fast(const float* v, float sf, const NvScale& ts, float six_b,
-                                                Codes* codes) {
+QT_HD float fo6_error_fast(const float* v, float sf, const NvScale& ts, float six_b, Codes* codes) {
   const float enc = clamp_max(1.f / (sf * ts.s_dec), FLT_MAX);  // nv_block_enc of sf's byte
   const Fo6Values t = fo6_values(sf, ts.amax, six_b);
   float err = 0.f;
@@ -145,8 +144,7 @@ QT_HD float fo6_error_fast(const float* v, float sf, const NvScale& ts, float si
 // One 4over6 block: both candidates, map-to-4 where its error is strictly lower (ties and NaN
 // errors keep map-to-6). Equal candidate bytes give equal errors, so the map-to-6 codes directly.
 template <bool MSE>
-QT_HD uint8_t fo6_block(const float* v, float bam, const NvScale& ts, float six_b,
-                                             Codes* codes) {
+QT_HD uint8_t fo6_block(const float* v, float bam, const NvScale& ts, float six_b, Codes* codes) {
   uint8_t s6, s4;
   fourover6_candidates(bam, ts, &s6, &s4);
   if (s6 == s4) {

@@ -33,7 +33,7 @@ class TrainingConfig(AOBaseConfig):
                 f"TrainingConfig takes an NVFP4TrainingRecipe; got {type(self.recipe).__name__}."
             )
         # Numbers the modules this config converts, in quantize_'s (deterministic) traversal
-        # order; module k seeds its stochastic-rounding generators from (recipe.seed, k). Not a
+        # order; module k seeds its stochastic-rounding state from (recipe.seed, k). Not a
         # field: it is bookkeeping, outside the config's value (eq, repr, serialization).
         object.__setattr__(self, "_seed_index", itertools.count())
 

@@ -63,7 +63,7 @@ class NVFP4TrainingRecipe:
     # None: quantized backward. "high_precision": both backward GEMMs in the compute dtype on
     # the original input and weight. "dequantized": on the dequantized forward operands.
     backward_override: BackwardOverride | None = None
-    # Base seed of the stochastic-rounding generators (docs/training.md, "Randomness").
+    # Base seed of the stochastic-rounding state (docs/training.md, "Randomness").
     seed: int = 0
 
     def __post_init__(self):
