@@ -81,7 +81,10 @@ def check(a, b, name: str) -> None:
     out = triton_mm(a_op, b_op, None, torch.float32)
     ref = emulated_mm(a_op, b_op, None, torch.float32)
     err = ((out - ref).norm() / ref.norm()).item()
-    assert err < 1e-5, f"{name}: relative error {err:.2e} against the emulated reference"
+    # fp32 accumulation order alone gives ~1e-5 at K = 8192 (the tests hold smaller shapes to a
+    # tighter bound); anything far above that is a wrong result, not a reordering.
+    print(f"check {name}: relative Frobenius error {err:.2e} vs the emulated reference")
+    assert err < 1e-4, f"{name}: relative error {err:.2e} against the emulated reference"
 
 
 def torchao_weight_only(w: torch.Tensor):

@@ -64,7 +64,7 @@ def gpu_cases(shape):
         key = (id(x), True, False, False)
         if key not in amax:
             amax[key] = Q.amax(x, columnwise=True)
-        return torch.ops.qtensor.hybrid_quantize.default(x, amax[key], 0, 0, 448, False, False, 0, 0)
+        return torch.ops.qtensor.hybrid_quantize.default(x, amax[key], 0, 0, 448, False, False, None)
 
     return [
         ("copy", lambda x: x.clone(), 4, None),

@@ -711,7 +711,8 @@ at::Tensor unswizzle_scale_cuda(const at::Tensor& scale, int64_t rows, int64_t c
   check_scale_bytes(scale, op);
   TORCH_CHECK(scale.size(0) == round_up(rows, 128) && scale.size(1) == round_up(cols, 4), op,
               ": a swizzled scale of ", num(rows), "x", num(cols), " is ", num(round_up(rows, 128)), "x",
-              num(round_up(cols, 4)), "; got ", shape_str(scale), ".");
+              num(round_up(cols, 4)), " (rows padded to 128, columns to 4); got ", shape_str(scale),
+              ".");
   return swizzle_cuda(scale, false, rows, cols);
 }
 
