@@ -103,5 +103,13 @@ def test_triton_grouped_matches_reference(kind):
             err = (out - ref).norm() / ref.norm()
             assert err < 1e-5, f"relative Frobenius error {err:.3e}"  # accumulation order only
         else:
+            # bf16 outputs: the fp32 result rounded once, up to the fp32 accumulation order. Near
+            # a cancellation a reordering can move the rounded value by several ulps (seen: 3 on
+            # the H200, where split-K sums in a run-dependent order), so the bound is the bf16
+            # rounding of the fp32 reference plus an order term on the scale of the row.
+            ref32 = grouped_mm_reference(a_op, b_op, offs, bias, torch.float32)
+            scale = ref32.norm(dim=-1, keepdim=True) / ref32.shape[-1] ** 0.5
+            tol = 2.0**-8 * ref32.abs() + 1e-5 * scale
+            assert ((out.float() - ref32).abs() <= tol).all()
             ulps = (out.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
-            assert ulps.max() <= 1 and (ulps > 0).float().mean() < 0.01
+            assert (ulps > 0).float().mean() < 0.01
