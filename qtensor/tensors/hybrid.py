@@ -39,6 +39,30 @@ def quantize_spec(x, spec: Spec, *, generator=None, check_finite=True) -> Quanti
     return tensor_class(spec).from_spec(x, spec, generator=generator, check_finite=check_finite)
 
 
+def _is_gradient_cast(row_spec, col_spec, source: str) -> bool:
+    """MXFP8 rowwise + 1D NVFP4 columnwise of the same input: the dgrad-in-MXFP8 recipe's
+    grad_output, which one kernel writes from one read (the same bytes as two casts)."""
+    return (
+        isinstance(row_spec, MXFP8Spec)
+        and isinstance(col_spec, NVFP4Spec)
+        and not col_spec.block_2d
+        and source == "original"
+    )
+
+
+def _gradient_cast(x, row_spec: MXFP8Spec, col_spec: NVFP4Spec, generator):
+    from qtensor.formats import mxfp8, nvfp4
+    from qtensor.ops import quant
+
+    mxfp8.check_shape(x.shape, row_spec)
+    nvfp4.check_shape(x.shape, col_spec)
+    mx_data, nv_data, backend = quant.quantize_hybrid_grad(
+        x, row_spec.scale_rule, col_spec, generator
+    )
+    return (MXFP8Tensor.wrap(x, row_spec, mx_data, backend),
+            NVFP4Tensor.wrap(x, col_spec, nv_data, backend))
+
+
 class HybridTensor(QuantizedTensor):
     tensor_data_names = ("rowwise", "columnwise")
     tensor_attribute_names = ("columnwise_source",)
@@ -64,9 +88,12 @@ class HybridTensor(QuantizedTensor):
             raise ValueError(f"HybridTensor takes a 2-D tensor; got shape {tuple(x.shape)}.")
         row_spec = dataclasses.replace(rowwise, columnwise=False)
         col_spec = dataclasses.replace(columnwise, columnwise=True)
-        row = quantize_spec(x, row_spec, generator=generator, check_finite=False)
-        src = row.dequantize(x.dtype) if columnwise_source == "rowwise_dequantized" else x
-        col = quantize_spec(src, col_spec, generator=generator, check_finite=False)
+        if _is_gradient_cast(row_spec, col_spec, columnwise_source):
+            row, col = _gradient_cast(x, row_spec, col_spec, generator)
+        else:
+            row = quantize_spec(x, row_spec, generator=generator, check_finite=False)
+            src = row.dequantize(x.dtype) if columnwise_source == "rowwise_dequantized" else x
+            col = quantize_spec(src, col_spec, generator=generator, check_finite=False)
         return cls(x.shape, x.dtype, x.device, rowwise=row, columnwise=col,
                    columnwise_source=columnwise_source)
 

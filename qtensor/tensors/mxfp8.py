@@ -54,7 +54,13 @@ class MXFP8Tensor(QuantizedTensor):
     @classmethod
     def from_spec(cls, x, spec: MXFP8Spec, *, generator=None, check_finite=True) -> "MXFP8Tensor":
         check_hp_input(x, "MXFP8", check_finite)
-        (qdata, scale), backend = quant.quantize_mxfp8(x, spec)
+        data, backend = quant.quantize_mxfp8(x, spec)
+        return cls.wrap(x, spec, data, backend)
+
+    @classmethod
+    def wrap(cls, x, spec: MXFP8Spec, data, backend) -> "MXFP8Tensor":
+        """The tensor holding `data` (MXFP8Data of x quantized with spec)."""
+        qdata, scale = data
         return cls(
             x.shape,
             x.dtype,

@@ -82,7 +82,13 @@ class NVFP4Tensor(QuantizedTensor):
                 f"NVFP4 columnwise quantization takes a 2-D tensor; got shape {tuple(x.shape)}. "
                 "Flatten the leading dims first (x.reshape(-1, x.shape[-1]))."
             )
-        (qdata, scale, amax), backend = quant.quantize_nvfp4(x, spec, generator, global_amax)
+        data, backend = quant.quantize_nvfp4(x, spec, generator, global_amax)
+        return cls.wrap(x, spec, data, backend)
+
+    @classmethod
+    def wrap(cls, x, spec: NVFP4Spec, data, backend) -> "NVFP4Tensor":
+        """The tensor holding `data` (reference-layout NVFP4Data of x quantized with spec)."""
+        qdata, scale, amax = data
         if not spec.columnwise:
             lead = x.shape[:-1]
             qdata = qdata.reshape(*lead, qdata.shape[-1])
