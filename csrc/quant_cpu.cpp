@@ -1,5 +1,7 @@
 // CPU kernels of every qtensor op: plain C++ loops over 16x16 tiles and 32-element blocks,
-// parallel over rows with at::parallel_for. The math is quant_math.h, shared with CUDA.
+// parallel over rows with at::parallel_for. The math is quant_math.h, shared with CUDA; the
+// rowwise NVFP4 and MXFP8 paths use its vectorizable forms (quant_cpu_math.h) and the block
+// functions of quant_rows_math.h, all equal to the general functions bit for bit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -8,7 +10,9 @@
 #include <vector>
 
 #include "checks.h"
+#include "quant_cpu_math.h"
 #include "quant_math.h"
+#include "quant_rows_math.h"
 
 namespace qtensor {
 namespace {
@@ -32,7 +36,7 @@ template <typename T>
 struct QView {
   const T* p;
   int64_t sr, sc;
-  float at(int64_t i, int64_t j) const { return static_cast<float>(p[i * sr + j * sc]); }
+  float at(int64_t i, int64_t j) const { return to_f32(p[i * sr + j * sc]); }
 };
 
 template <typename T>
@@ -47,7 +51,7 @@ void load_tile(const QView<T>& v, int64_t i0, int nr, int64_t j0, bool rht, floa
   for (int r = 0; r < nr; ++r) {
     if (v.sc == 1) {  // rowwise contiguous rows: a plain converting copy the compiler vectorizes
       const T* p = v.p + (i0 + r) * v.sr + j0;
-      for (int c = 0; c < 16; ++c) buf[r][c] = static_cast<float>(p[c]);
+      for (int c = 0; c < 16; ++c) buf[r][c] = to_f32(p[c]);
     } else {
       for (int c = 0; c < 16; ++c) buf[r][c] = v.at(i0 + r, j0 + c);
     }
@@ -62,8 +66,13 @@ float flat_amax(const T* p, int64_t n) {
   return at::parallel_reduce(
       0, n, 1 << 16, 0.f,
       [&](int64_t b, int64_t e, float m) {
-        for (int64_t i = b; i < e; ++i) m = nan_max(m, abs_f(static_cast<float>(p[i])));
-        return m;
+        // An int32 max of the sign-cleared patterns (vectorizes; NaN lies above inf).
+        int32_t mb = 0;
+        for (int64_t i = b; i < e; ++i) {
+          const int32_t a = static_cast<int32_t>(f2u(to_f32(p[i]))) & 0x7FFFFFFF;
+          mb = a > mb ? a : mb;
+        }
+        return nan_max(m, u2f(static_cast<uint32_t>(mb)));
       },
       nan_max);
 }

@@ -39,7 +39,7 @@ def quantize_spec(x, spec: Spec, *, generator=None, check_finite=True) -> Quanti
     return tensor_class(spec).from_spec(x, spec, generator=generator, check_finite=check_finite)
 
 
-def _is_gradient_cast(row_spec, col_spec, source: str) -> bool:
+def is_gradient_cast(row_spec, col_spec, source: str) -> bool:
     """MXFP8 rowwise + 1D NVFP4 columnwise of the same input: the dgrad-in-MXFP8 recipe's
     grad_output, which one kernel writes from one read (the same bytes as two casts)."""
     return (
@@ -50,7 +50,8 @@ def _is_gradient_cast(row_spec, col_spec, source: str) -> bool:
     )
 
 
-def _gradient_cast(x, row_spec: MXFP8Spec, col_spec: NVFP4Spec, generator):
+def gradient_cast(x, row_spec: MXFP8Spec, col_spec: NVFP4Spec, generator=None):
+    """(MXFP8 rowwise, NVFP4 columnwise) tensors of a 2-D x, from one read of it."""
     from qtensor.formats import mxfp8, nvfp4
     from qtensor.ops import quant
 
@@ -88,8 +89,8 @@ class HybridTensor(QuantizedTensor):
             raise ValueError(f"HybridTensor takes a 2-D tensor; got shape {tuple(x.shape)}.")
         row_spec = dataclasses.replace(rowwise, columnwise=False)
         col_spec = dataclasses.replace(columnwise, columnwise=True)
-        if _is_gradient_cast(row_spec, col_spec, columnwise_source):
-            row, col = _gradient_cast(x, row_spec, col_spec, generator)
+        if is_gradient_cast(row_spec, col_spec, columnwise_source):
+            row, col = gradient_cast(x, row_spec, col_spec, generator)
         else:
             row = quantize_spec(x, row_spec, generator=generator, check_finite=False)
             src = row.dequantize(x.dtype) if columnwise_source == "rowwise_dequantized" else x

@@ -22,6 +22,7 @@ from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.ops.gemm import quantized_mm
 from qtensor.tensors import HybridTensor, QuantizedTensor, quantize_spec
+from qtensor.tensors.hybrid import gradient_cast, is_gradient_cast
 from qtensor.tensors.hybrid import SOURCES
 
 Spec = NVFP4Spec | MXFP8Spec
@@ -194,6 +195,12 @@ def quantize_role(x: torch.Tensor, role: RoleSpec, name: str, sr=(None, None),
     """
     if x.dim() != 2:
         raise ValueError(f"quantize_role takes a 2-D tensor; got shape {tuple(x.shape)}.")
+    if rowwise is None and is_gradient_cast(role.rowwise, role.columnwise, role.columnwise_source):
+        # grad_output of dgrad_mxfp8: one read writes both usages (MXFP8 rows, NVFP4 columns).
+        row, col = _with_context(gradient_cast, name, "hybrid", x, role.rowwise, role.columnwise,
+                                 sr[1])
+        return HybridTensor(x.shape, x.dtype, x.device, rowwise=row, columnwise=col,
+                            columnwise_source=role.columnwise_source)
     row = rowwise if rowwise is not None else quantize_rowwise(x, role, name, sr[0])
     if role.columnwise is None:
         return row
@@ -204,10 +211,15 @@ def quantize_role(x: torch.Tensor, role: RoleSpec, name: str, sr=(None, None),
 
 
 def _quantize(x, spec, name, usage, sr):
+    # Not checked for NaN/Inf: the check costs a device sync per operand; a non-finite
+    # value poisons its amax and decodes to NaN, which the loss then shows.
+    return _with_context(quantize_spec, name, usage, x, spec, generator=sr, check_finite=False)
+
+
+def _with_context(fn, name, usage, x, *args, **kwargs):
+    """fn(x, ...) with a shape error restated for a training linear's operand."""
     try:
-        # Not checked for NaN/Inf: the check costs a device sync per operand; a non-finite
-        # value poisons its amax and decodes to NaN, which the loss then shows.
-        return quantize_spec(x, spec, generator=sr, check_finite=False)
+        return fn(x, *args, **kwargs)
     except ValueError as err:
         raise ValueError(
             f"Cannot quantize the {name} {usage} operand of shape {tuple(x.shape)}: {err} "
