@@ -212,6 +212,65 @@ void quantize_tile(const float (*buf)[16], int nr, const NvScale* ts, const NvOp
   }
 }
 
+// ---- NVFP4 rowwise: blocks along the contiguous last dim -------------------------------------
+// Without 2D tiles, RHT or stochastic rounding a row needs no 16x16 tile: it is converted to fp32
+// once, then each 16-element block gets its scale and codes from the block functions of the CUDA
+// rowwise kernel (quant_rows_math.h) or the vectorizable encoder (quant_cpu_math.h).
+
+void store_codes(const Codes& c, uint8_t* q) {  // element 2j in the low nibble of byte j
+  for (int j = 0; j < 4; ++j) q[j] = static_cast<uint8_t>(c.x >> (8 * j));
+  for (int j = 0; j < 4; ++j) q[4 + j] = static_cast<uint8_t>(c.y >> (8 * j));
+}
+
+// Plain NVFP4 of one fp32 row of C values into its C/2 code bytes and C/16 scale bytes.
+void nv_row_plain(const float* v, int64_t C, const NvScale& ts, uint8_t* q, uint8_t* s) {
+  for (int64_t jb = 0; jb < C / 16; ++jb) {
+    const float* b = v + jb * 16;
+    const uint8_t sb = e4m3_bits(u2f(absmax_bits(b, 16)) * ts.s_enc_c6);
+    const float enc = nv_block_enc(sb, ts.s_dec);
+    uint8_t c[16];
+    for (int i = 0; i < 16; ++i) c[i] = e2m1_encode_vec(b[i] * enc);
+    for (int i = 0; i < 8; ++i) q[jb * 8 + i] = static_cast<uint8_t>(c[2 * i] | (c[2 * i + 1] << 4));
+    s[jb] = sb;
+  }
+}
+
+template <bool MSE>
+void nv_row_fo6(const float* v, int64_t C, const NvScale& ts, float six_b, uint8_t* q, uint8_t* s) {
+  for (int64_t jb = 0; jb < C / 16; ++jb) {
+    const float* b = v + jb * 16;
+    Codes c;
+    s[jb] = fo6_block<MSE>(b, u2f(absmax_bits(b, 16)), ts, six_b, &c);
+    store_codes(c, q + jb * 8);
+  }
+}
+
+template <typename T>
+void nv_rows(const at::Tensor& x2, const float* ap, bool row_scaled, const NvOpts& o, uint8_t* qp,
+             uint8_t* sp) {
+  const int64_t M = x2.size(0), C = x2.size(1), rs = x2.stride(0);
+  const T* p = x2.const_data_ptr<T>();
+  const NvScale ts0 = nv_scale(ap[0], o.bound);
+  const float six_b = static_cast<float>(6 * o.bound);
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(C);
+    for (int64_t i = b; i < e; ++i) {
+      const T* row = p + i * rs;
+      for (int64_t j = 0; j < C; ++j) buf[j] = to_f32(row[j]);
+      const NvScale ts = row_scaled ? nv_scale(ap[i], o.bound) : ts0;
+      uint8_t* q = qp + i * (C / 2);
+      uint8_t* s = sp + i * (C / 16);
+      if (o.fourover6 == 0) {
+        nv_row_plain(buf.data(), C, ts, q, s);
+      } else if (o.fourover6 == 1) {
+        nv_row_fo6<false>(buf.data(), C, ts, six_b, q, s);
+      } else {
+        nv_row_fo6<true>(buf.data(), C, ts, six_b, q, s);
+      }
+    }
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cpu(const at::Tensor& x, const at::Tensor& amax,
                                                       bool columnwise, bool block_2d,
                                                       int64_t fourover6, int64_t bound, bool rht,
@@ -233,8 +292,13 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cpu(const at::Tensor& x, const
   const at::Tensor x2 = x.reshape({s.M, s.K});
   uint8_t* qp = qdata.data_ptr<uint8_t>();
   uint8_t* sp = scale.data_ptr<uint8_t>();
+  const bool rows = !columnwise && !block_2d && !rht && !stochastic && x2.stride(1) == 1;
   dispatch_float(x.scalar_type(), op, [&](auto tag) {
     using T = decltype(tag);
+    if (rows) {
+      nv_rows<T>(x2, ap, row_scaled, o, qp, sp);
+      return;
+    }
     const auto v = q_view<T>(x2, columnwise);
     at::parallel_for(0, (s.R + 15) / 16, 1, [&](int64_t b, int64_t e) {
       float buf[16][16];
@@ -257,14 +321,15 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cpu(const at::Tensor& x, const
 template <typename T>
 void mx_rows(const T* x, int64_t M, int64_t K, int rule, uint8_t* q, uint8_t* s) {
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(K);
     for (int64_t row = b; row < e; ++row) {
+      for (int64_t k = 0; k < K; ++k) buf[k] = to_f32(x[row * K + k]);
       for (int64_t kb = 0; kb < K / 32; ++kb) {
-        const int64_t base = row * K + kb * 32;
-        float m = 0.f;
-        for (int i = 0; i < 32; ++i) m = nan_max(m, abs_f(static_cast<float>(x[base + i])));
-        const uint32_t code = mx_scale_code(m, rule);
+        const float* v = buf.data() + kb * 32;
+        const uint32_t code = mx_scale_code(u2f(absmax_bits(v, 32)), rule);
         const float inv = mx_inv_scale(code);
-        for (int i = 0; i < 32; ++i) q[base + i] = e4m3_bits(mul_keep_nan(static_cast<float>(x[base + i]), inv));
+        uint8_t* qb = q + row * K + kb * 32;
+        for (int i = 0; i < 32; ++i) qb[i] = e4m3_bits_vec(mul_keep_nan(v[i], inv));
         s[row * (K / 32) + kb] = static_cast<uint8_t>(code);
       }
     }
@@ -274,18 +339,22 @@ void mx_rows(const T* x, int64_t M, int64_t K, int rule, uint8_t* q, uint8_t* s)
 template <typename T>
 void mx_cols(const T* x, int64_t M, int64_t K, int rule, uint8_t* q, uint8_t* s) {
   at::parallel_for(0, M / 32, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> cm(K), inv(K);
+    std::vector<int32_t> cm(K);  // column max |x| as sign-cleared fp32 patterns (NaN above inf)
+    std::vector<float> inv(K);
     for (int64_t mb = b; mb < e; ++mb) {
-      std::fill(cm.begin(), cm.end(), 0.f);
+      std::fill(cm.begin(), cm.end(), 0);
       for (int64_t r = mb * 32; r < mb * 32 + 32; ++r)
-        for (int64_t k = 0; k < K; ++k) cm[k] = nan_max(cm[k], abs_f(static_cast<float>(x[r * K + k])));
+        for (int64_t k = 0; k < K; ++k) {
+          const int32_t a = static_cast<int32_t>(f2u(to_f32(x[r * K + k]))) & 0x7FFFFFFF;
+          cm[k] = a > cm[k] ? a : cm[k];
+        }
       for (int64_t k = 0; k < K; ++k) {
-        const uint32_t code = mx_scale_code(cm[k], rule);
+        const uint32_t code = mx_scale_code(u2f(static_cast<uint32_t>(cm[k])), rule);
         s[mb * K + k] = static_cast<uint8_t>(code);
         inv[k] = mx_inv_scale(code);
       }
       for (int64_t r = mb * 32; r < mb * 32 + 32; ++r)
-        for (int64_t k = 0; k < K; ++k) q[r * K + k] = e4m3_bits(mul_keep_nan(static_cast<float>(x[r * K + k]), inv[k]));
+        for (int64_t k = 0; k < K; ++k) q[r * K + k] = e4m3_bits_vec(mul_keep_nan(to_f32(x[r * K + k]), inv[k]));
     }
   });
 }

@@ -16,8 +16,8 @@ Backends, chosen once per device (`gemm_backend`): EMULATED decodes both operand
 fp32 values and runs one fp32 matmul (every platform; the reference); SCALED_MM, opt-in
 (MXFP4QATConfig.native_gemm), runs the FP8 block host natively through torch._scaled_mm on
 sm_90+ (1x128 x 128x128 for fprop and dgrad, 1x128 x 1x128 for wgrad); on the H200 it does not
-yet match the emulation (docs/qat.md, Status). The MXFP8 host has no native GEMM on Hopper (block-scaled MX needs
-sm_100) and stays emulated there.
+yet match the emulation (docs/qat.md, Status). The MXFP8 host has no native GEMM on Hopper
+(block-scaled MX needs sm_100) and stays emulated there.
 """
 
 from __future__ import annotations
