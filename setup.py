@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 from setuptools import setup
 
@@ -23,6 +24,10 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join("csrc")
 # No -ffast-math, no FMA contraction: the kernels must round exactly like the reference.
 CXX_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno"]
+# at::parallel_for is a header template that runs serially unless the extension itself is built
+# with OpenMP (ATen/ParallelOpenMP.h tests _OPENMP): without it the CPU kernels used one core.
+# torch's Linux builds use OpenMP (libgomp); elsewhere the kernels stay single-threaded.
+OPENMP_FLAGS = ["-fopenmp"] if sys.platform.startswith("linux") else []
 NVCC_FLAGS = ["-O3", "-std=c++17", "--fmad=false", "--expt-relaxed-constexpr", "-lineinfo"]
 
 
@@ -71,13 +76,16 @@ def _extensions():
         ext = cpp_extension.CUDAExtension(
             sources=sources + cuda_sources,
             extra_compile_args={
-                "cxx": CXX_FLAGS + ["-DQTENSOR_WITH_CUDA"],
+                "cxx": CXX_FLAGS + OPENMP_FLAGS + ["-DQTENSOR_WITH_CUDA"],
                 "nvcc": NVCC_FLAGS + _cuda_gencode(version),
             },
+            extra_link_args=OPENMP_FLAGS,
             **kwargs,
         )
     else:
-        ext = cpp_extension.CppExtension(sources=sources, extra_compile_args=CXX_FLAGS, **kwargs)
+        ext = cpp_extension.CppExtension(
+            sources=sources, extra_compile_args=CXX_FLAGS + OPENMP_FLAGS, extra_link_args=OPENMP_FLAGS, **kwargs
+        )
     build_ext = cpp_extension.BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)
     return [ext], {"build_ext": build_ext}
 

@@ -142,10 +142,16 @@ def run_cpu(lines: list[str]) -> None:
         ("nvfp4 4o6 mae", lambda: nvfp4.quantize(x, NVFP4Spec(fourover6="mae", e4m3_bound=256)),
          lambda: Q.quantize_nvfp4(x, NVFP4Spec(fourover6="mae", e4m3_bound=256))),
         ("mxfp8 row", lambda: mxfp8.quantize(x, MXFP8Spec()), lambda: Q.quantize_mxfp8(x, MXFP8Spec())),
+        ("nvfp4 row-scaled (amax incl.)", lambda: nvfp4.quantize(x, NVFP4Spec(row_scaled=True)),
+         lambda: Q.quantize_nvfp4(x, NVFP4Spec(row_scaled=True))),
+        ("nvfp4 4o6 mse", lambda: nvfp4.quantize(x, NVFP4Spec(fourover6="mse", e4m3_bound=256)),
+         lambda: Q.quantize_nvfp4(x, NVFP4Spec(fourover6="mse", e4m3_bound=256))),
+        ("mxfp8 col", lambda: mxfp8.quantize(x, MXFP8Spec(columnwise=True)),
+         lambda: Q.quantize_mxfp8(x, MXFP8Spec(columnwise=True))),
     ]
     for name, ref, ker in cases:
         tr, tk = best_of(ref), best_of(ker)
-        lines.append(f"| {name} | {tr:.3f} | {tk:.3f} | {tr / tk:.1f}x |")
+        lines.append(f"| {name} | {tr:.4f} | {tk:.4f} | {tr / tk:.1f}x |")
         print(lines[-1], flush=True)
 
 

@@ -1,6 +1,6 @@
 // CPU kernels of every qtensor op: plain C++ loops over 16x16 tiles and 32-element blocks,
 // parallel over rows with at::parallel_for. The math is quant_math.h, shared with CUDA; the
-// rowwise NVFP4 and MXFP8 paths use its vectorizable forms (quant_cpu_math.h) and the block
+// rowwise NVFP4 and MXFP8 paths use its SIMD-lane forms (quant_cpu_math.h) and the block
 // functions of quant_rows_math.h, all equal to the general functions bit for bit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -61,20 +61,23 @@ void load_tile(const QView<T>& v, int64_t i0, int nr, int64_t j0, bool rht, floa
 
 // ---- amax -------------------------------------------------------------------------------------
 
+// max |p[i]| over n contiguous values: an int32 max of the sign-cleared patterns (vectorizes;
+// NaN lies above inf, so a NaN anywhere gives a NaN).
+template <typename T>
+float absmax_run(const T* p, int64_t n) {
+  int32_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t a = static_cast<int32_t>(f2u(to_f32(p[i]))) & 0x7FFFFFFF;
+    m = a > m ? a : m;
+  }
+  return u2f(static_cast<uint32_t>(m));
+}
+
 template <typename T>
 float flat_amax(const T* p, int64_t n) {
   return at::parallel_reduce(
       0, n, 1 << 16, 0.f,
-      [&](int64_t b, int64_t e, float m) {
-        // An int32 max of the sign-cleared patterns (vectorizes; NaN lies above inf).
-        int32_t mb = 0;
-        for (int64_t i = b; i < e; ++i) {
-          const int32_t a = static_cast<int32_t>(f2u(to_f32(p[i]))) & 0x7FFFFFFF;
-          mb = a > mb ? a : mb;
-        }
-        return nan_max(m, u2f(static_cast<uint32_t>(mb)));
-      },
-      nan_max);
+      [&](int64_t b, int64_t e, float m) { return nan_max(m, absmax_run(p + b, e - b)); }, nan_max);
 }
 
 at::Tensor amax_cpu(const at::Tensor& x, bool columnwise, bool rht, bool per_row) {
@@ -88,6 +91,14 @@ at::Tensor amax_cpu(const at::Tensor& x, bool columnwise, bool rht, bool per_row
     using T = decltype(tag);
     if (!per_row && !rht && x2.is_contiguous()) {
       out.fill_(flat_amax(x2.const_data_ptr<T>(), x2.numel()));
+      return;
+    }
+    if (per_row && !columnwise && x2.stride(1) == 1) {  // rows along the contiguous last dim
+      const T* p = x2.const_data_ptr<T>();
+      float* o = out.data_ptr<float>();
+      at::parallel_for(0, s.R, 16, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) o[i] = absmax_run(p + i * x2.stride(0), s.C);
+      });
       return;
     }
     const auto v = q_view<T>(x2, columnwise);
@@ -217,31 +228,36 @@ void quantize_tile(const float (*buf)[16], int nr, const NvScale* ts, const NvOp
 // once, then each 16-element block gets its scale and codes from the block functions of the CUDA
 // rowwise kernel (quant_rows_math.h) or the vectorizable encoder (quant_cpu_math.h).
 
-void store_codes(const Codes& c, uint8_t* q) {  // element 2j in the low nibble of byte j
-  for (int j = 0; j < 4; ++j) q[j] = static_cast<uint8_t>(c.x >> (8 * j));
-  for (int j = 0; j < 4; ++j) q[4 + j] = static_cast<uint8_t>(c.y >> (8 * j));
-}
-
-// Plain NVFP4 of one fp32 row of C values into its C/2 code bytes and C/16 scale bytes.
-void nv_row_plain(const float* v, int64_t C, const NvScale& ts, uint8_t* q, uint8_t* s) {
-  for (int64_t jb = 0; jb < C / 16; ++jb) {
+// Plain NVFP4 of one fp32 row of C values into its C/2 code bytes and C/16 scale bytes; the
+// scales of four blocks at a time (the divisions overlap), the rest one block at a time.
+QT_CPU_CLONES void nv_row_plain(const float* v, int64_t C, const NvScale& ts, uint8_t* q, uint8_t* s) {
+  const int64_t nb = C / 16, nb4 = nb & ~int64_t{3};
+  for (int64_t jb = 0; jb < nb4; jb += 4) {
     const float* b = v + jb * 16;
-    const uint8_t sb = e4m3_bits(u2f(absmax_bits(b, 16)) * ts.s_enc_c6);
-    const float enc = nv_block_enc(sb, ts.s_dec);
-    uint8_t c[16];
-    for (int i = 0; i < 16; ++i) c[i] = e2m1_encode_vec(b[i] * enc);
-    for (int i = 0; i < 8; ++i) q[jb * 8 + i] = static_cast<uint8_t>(c[2 * i] | (c[2 * i + 1] << 4));
+    const vi4 bam{static_cast<int32_t>(absmax_bits(b, 4)), static_cast<int32_t>(absmax_bits(b + 16, 4)),
+                  static_cast<int32_t>(absmax_bits(b + 32, 4)), static_cast<int32_t>(absmax_bits(b + 48, 4))};
+    vf4 enc;
+    const vi4 sb = nv_scale_lanes(bam, ts, &enc);
+    for (int l = 0; l < 4; ++l) {
+      nv_block_codes(b + 16 * l, enc[l], q + (jb + l) * 8);
+      s[jb + l] = static_cast<uint8_t>(sb[l]);
+    }
+  }
+  for (int64_t jb = nb4; jb < nb; ++jb) {
+    const float* b = v + jb * 16;
+    const uint8_t sb = e4m3_bits(u2f(absmax_bits(b, 4)) * ts.s_enc_c6);
+    nv_block_codes(b, nv_block_enc(sb, ts.s_dec), q + jb * 8);
     s[jb] = sb;
   }
 }
 
-template <bool MSE>
-void nv_row_fo6(const float* v, int64_t C, const NvScale& ts, float six_b, uint8_t* q, uint8_t* s) {
+QT_CPU_CLONES void nv_row_fo6(const float* v, int64_t C, const NvScale& ts, float six_b, bool mse,
+                              uint8_t* q, uint8_t* s) {
   for (int64_t jb = 0; jb < C / 16; ++jb) {
     const float* b = v + jb * 16;
-    Codes c;
-    s[jb] = fo6_block<MSE>(b, u2f(absmax_bits(b, 16)), ts, six_b, &c);
-    store_codes(c, q + jb * 8);
+    const float bam = u2f(absmax_bits(b, 4));
+    s[jb] = mse ? fo6_block_lanes<true>(b, bam, ts, six_b, q + jb * 8)
+                : fo6_block_lanes<false>(b, bam, ts, six_b, q + jb * 8);
   }
 }
 
@@ -262,10 +278,8 @@ void nv_rows(const at::Tensor& x2, const float* ap, bool row_scaled, const NvOpt
       uint8_t* s = sp + i * (C / 16);
       if (o.fourover6 == 0) {
         nv_row_plain(buf.data(), C, ts, q, s);
-      } else if (o.fourover6 == 1) {
-        nv_row_fo6<false>(buf.data(), C, ts, six_b, q, s);
       } else {
-        nv_row_fo6<true>(buf.data(), C, ts, six_b, q, s);
+        nv_row_fo6(buf.data(), C, ts, six_b, o.fourover6 == 2, q, s);
       }
     }
   });
@@ -318,20 +332,29 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cpu(const at::Tensor& x, const
 
 // ---- MXFP8 ------------------------------------------------------------------------------------
 
+// MXFP8 rowwise of one fp32 row of K values: K bytes of data, K/32 scale codes.
+QT_CPU_CLONES void mx_row(const float* v, int64_t K, int rule, uint8_t* q, uint8_t* s) {
+  for (int64_t kb = 0; kb < K / 32; ++kb) {
+    const uint32_t code = mx_scale_code(u2f(absmax_bits(v + kb * 32, 8)), rule);
+    mx_codes(v + kb * 32, mx_inv_scale(code), code != 255u, 32, q + kb * 32);
+    s[kb] = static_cast<uint8_t>(code);
+  }
+}
+
+// One row of a columnwise block: element k scaled by inv[k].
+QT_CPU_CLONES void mx_col_row(const float* v, const float* inv, int64_t K, uint8_t* q) {
+  const int64_t K16 = K & ~int64_t{15};  // mx_codes takes groups of 16; the rest one by one
+  mx_codes(v, inv, K16, q);
+  for (int64_t k = K16; k < K; ++k) q[k] = e4m3_bits_vec(mul_keep_nan(v[k], inv[k]));
+}
+
 template <typename T>
 void mx_rows(const T* x, int64_t M, int64_t K, int rule, uint8_t* q, uint8_t* s) {
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     std::vector<float> buf(K);
     for (int64_t row = b; row < e; ++row) {
       for (int64_t k = 0; k < K; ++k) buf[k] = to_f32(x[row * K + k]);
-      for (int64_t kb = 0; kb < K / 32; ++kb) {
-        const float* v = buf.data() + kb * 32;
-        const uint32_t code = mx_scale_code(u2f(absmax_bits(v, 32)), rule);
-        const float inv = mx_inv_scale(code);
-        uint8_t* qb = q + row * K + kb * 32;
-        for (int i = 0; i < 32; ++i) qb[i] = e4m3_bits_vec(mul_keep_nan(v[i], inv));
-        s[row * (K / 32) + kb] = static_cast<uint8_t>(code);
-      }
+      mx_row(buf.data(), K, rule, q + row * K, s + row * (K / 32));
     }
   });
 }
@@ -340,21 +363,23 @@ template <typename T>
 void mx_cols(const T* x, int64_t M, int64_t K, int rule, uint8_t* q, uint8_t* s) {
   at::parallel_for(0, M / 32, 1, [&](int64_t b, int64_t e) {
     std::vector<int32_t> cm(K);  // column max |x| as sign-cleared fp32 patterns (NaN above inf)
-    std::vector<float> inv(K);
+    std::vector<float> inv(K), buf(32 * K);
     for (int64_t mb = b; mb < e; ++mb) {
       std::fill(cm.begin(), cm.end(), 0);
-      for (int64_t r = mb * 32; r < mb * 32 + 32; ++r)
+      for (int64_t r = 0; r < 32; ++r) {
+        float* row = buf.data() + r * K;
+        for (int64_t k = 0; k < K; ++k) row[k] = to_f32(x[(mb * 32 + r) * K + k]);
         for (int64_t k = 0; k < K; ++k) {
-          const int32_t a = static_cast<int32_t>(f2u(to_f32(x[r * K + k]))) & 0x7FFFFFFF;
+          const int32_t a = static_cast<int32_t>(f2u(row[k])) & 0x7FFFFFFF;
           cm[k] = a > cm[k] ? a : cm[k];
         }
+      }
       for (int64_t k = 0; k < K; ++k) {
         const uint32_t code = mx_scale_code(u2f(static_cast<uint32_t>(cm[k])), rule);
         s[mb * K + k] = static_cast<uint8_t>(code);
         inv[k] = mx_inv_scale(code);
       }
-      for (int64_t r = mb * 32; r < mb * 32 + 32; ++r)
-        for (int64_t k = 0; k < K; ++k) q[r * K + k] = e4m3_bits_vec(mul_keep_nan(to_f32(x[r * K + k]), inv[k]));
+      for (int64_t r = 0; r < 32; ++r) mx_col_row(buf.data() + r * K, inv.data(), K, q + (mb * 32 + r) * K);
     }
   });
 }

@@ -217,6 +217,19 @@ def test_mxfp8_shapes_and_dtypes(device):
                 assert_bytes_equal(got[3], col.scale, f"mx col scale {shape}")
 
 
+def test_mxfp8_columnwise_odd_width_cpu():
+    # The CPU columnwise kernel converts 16 columns at a time and the rest one by one: widths
+    # 17 and 40 leave 1 and 8 columns to that tail.
+    g = torch.Generator().manual_seed(12)
+    for cols in (17, 40):
+        x = (torch.randn(64, cols, generator=g) * torch.logspace(-20, 20, cols)).bfloat16()
+        for rule in ("rceil", "floor"):
+            got = Q.mxfp8_both(x, rule, False, True)
+            col = mxfp8.quantize(x, MXFP8Spec(rule, columnwise=True))
+            assert_bytes_equal(got[2], col.qdata, f"mx col width {cols}")
+            assert_bytes_equal(got[3], col.scale, f"mx col scale width {cols}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("spec", [
     NVFP4Spec(columnwise=True), NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True),
