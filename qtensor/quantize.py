@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 from torch import nn
@@ -34,67 +34,67 @@ def _check_inference_spec(spec, role: str) -> None:
         )
 
 
+class _InferenceConfig(AOBaseConfig):
+    """Validation and spec access shared by the inference configs (each a frozen dataclass
+    with a `weight` spec, an optional `activation` spec and `skip_incompatible`)."""
+
+    spec_type: ClassVar[type]
+
+    def __post_init__(self):
+        for role in ("weight", "activation"):
+            spec = getattr(self, role, None)
+            if role == "activation" and spec is None:
+                continue
+            if not isinstance(spec, self.spec_type):
+                raise TypeError(
+                    f"{type(self).__name__}.{role} takes an {self.spec_type.__name__}; got "
+                    f"{type(spec).__name__}."
+                )
+            _check_inference_spec(spec, role)
+        if getattr(getattr(self, "activation", None), "block_2d", False):
+            raise ValueError("2D (16x16) blocks are for weights; set activation.block_2d=False.")
+
+    def specs(self):
+        return self.weight, getattr(self, "activation", None)
+
+
 @dataclasses.dataclass(frozen=True)
-class NVFP4WeightOnlyConfig(AOBaseConfig):
+class NVFP4WeightOnlyConfig(_InferenceConfig):
     """NVFP4 weights, high-precision activations."""
 
+    spec_type: ClassVar[type] = NVFP4Spec
     weight: NVFP4Spec = NVFP4Spec()
     # Leave layers whose shapes NVFP4 cannot take in high precision instead of raising.
     skip_incompatible: bool = False
 
-    def __post_init__(self):
-        _check_inference_spec(self.weight, "weight")
-
-    def specs(self):
-        return self.weight, None
-
 
 @dataclasses.dataclass(frozen=True)
-class NVFP4DynamicActivationNVFP4WeightConfig(AOBaseConfig):
+class NVFP4DynamicActivationNVFP4WeightConfig(_InferenceConfig):
     """NVFP4 weights and activations quantized on the fly (row-scaled and 4over6 allowed)."""
 
+    spec_type: ClassVar[type] = NVFP4Spec
     weight: NVFP4Spec = NVFP4Spec()
     activation: NVFP4Spec = NVFP4Spec()
     skip_incompatible: bool = False
 
-    def __post_init__(self):
-        _check_inference_spec(self.weight, "weight")
-        _check_inference_spec(self.activation, "activation")
-        if self.activation.block_2d:
-            raise ValueError("2D (16x16) blocks are for weights; set activation.block_2d=False.")
-
-    def specs(self):
-        return self.weight, self.activation
-
 
 @dataclasses.dataclass(frozen=True)
-class MXFP8WeightOnlyConfig(AOBaseConfig):
+class MXFP8WeightOnlyConfig(_InferenceConfig):
     """MXFP8 weights, high-precision activations."""
 
+    spec_type: ClassVar[type] = MXFP8Spec
     weight: MXFP8Spec = MXFP8Spec()
     skip_incompatible: bool = False
 
-    def __post_init__(self):
-        _check_inference_spec(self.weight, "weight")
-
-    def specs(self):
-        return self.weight, None
-
 
 @dataclasses.dataclass(frozen=True)
-class MXFP8DynamicActivationMXFP8WeightConfig(AOBaseConfig):
+class MXFP8DynamicActivationMXFP8WeightConfig(_InferenceConfig):
     """MXFP8 weights and activations quantized on the fly."""
 
+    spec_type: ClassVar[type] = MXFP8Spec
     weight: MXFP8Spec = MXFP8Spec()
     activation: MXFP8Spec = MXFP8Spec()
     skip_incompatible: bool = False
-
-    def __post_init__(self):
-        _check_inference_spec(self.weight, "weight")
-        _check_inference_spec(self.activation, "activation")
-
-    def specs(self):
-        return self.weight, self.activation
 
 
 CONFIGS = (

@@ -167,3 +167,17 @@ def test_quantize_rejects_other_configs():
     with pytest.raises(TypeError, match="quantize_ takes one of NVFP4WeightOnlyConfig.*got "
                                         "Int8WeightOnlyConfig"):
         qtensor.quantize_(nn.Sequential(nn.Linear(64, 64)), Int8WeightOnlyConfig())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: NVFP4WeightOnlyConfig(weight=MXFP8Spec()),
+        lambda: NVFP4DynamicActivationNVFP4WeightConfig(activation=MXFP8Spec()),
+        lambda: MXFP8WeightOnlyConfig(weight=NVFP4Spec()),
+        lambda: MXFP8DynamicActivationMXFP8WeightConfig(activation=NVFP4Spec()),
+    ],
+)
+def test_config_refuses_a_spec_of_the_other_format(make):
+    with pytest.raises(TypeError, match=r"takes an (NVFP4|MXFP8)Spec; got (MXFP8|NVFP4)Spec"):
+        make()
