@@ -101,12 +101,12 @@ def main():
 
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, conversion backend "
           f"{kernels.quant_backend('cuda').value}")
-    print(f"{'case':58s} {'ms':>9s} {'GB/s':>8s} {'ratio':>7s}")
+    print(f"{'case':76s} {'ms':>9s} {'GB/s':>8s} {'ratio':>7s}")
     print("ratio: conversions over copy bandwidth; training steps bf16 time over this time")
     for name, ms, bw, ratio in conversion_rows(args.n, args.k) + training_rows(
         args.n, args.k, args.tokens
     ):
-        print(f"{name:58s} {ms:9.3f} {bw:8.0f} {ratio:7.2f}")
+        print(f"{name:76s} {ms:9.3f} {bw:8.0f} {ratio:7.2f}")
 
 
 if __name__ == "__main__":
