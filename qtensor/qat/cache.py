@@ -25,11 +25,7 @@ import torch
 from qtensor.backends import GemmBackend
 from qtensor.qat import kernels
 from qtensor.qat.hosts import Host, Operand
-
-# Integer views of the operand dtypes, so the gate is a bitwise select (where() on float8 is
-# not implemented on every backend, and a NaN payload must survive the select bit for bit).
-_INT_VIEW = {torch.float8_e4m3fn: torch.uint8, torch.float8_e8m0fnu: torch.uint8,
-             torch.float32: torch.int32}
+from qtensor.training.weight_cache import copy_where_
 
 
 @dataclasses.dataclass
@@ -103,13 +99,11 @@ class WeightCache:
         return self.operands
 
     def _copy(self, new: WeightOperands, skip_update: torch.Tensor | None) -> None:
+        if skip_update is not None:
+            copy_where_(self.operands.tensors(), new.tensors(), skip_update)
+            return
         for buf, src in zip(self.operands.tensors(), new.tensors()):
-            if skip_update is None:
-                buf.copy_(src)
-                continue
-            view = _INT_VIEW[buf.dtype]
-            b, s = buf.view(view), src.view(view)
-            b.copy_(torch.where(skip_update, b, s))
+            buf.copy_(src)
 
 
 def _check_skip_update(skip_update, weight) -> None:

@@ -26,6 +26,8 @@ from qtensor.qat import hosts
 from qtensor.qat.cache import WeightCache, WeightOperands
 from qtensor.qat.hosts import Host
 from qtensor.tensors.base import QuantizedTensor
+from qtensor.training.linear import compute_dtype
+
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -155,9 +157,7 @@ class MXFP4QATLinear(nn.Linear):
                 f"MXFP4QATLinear quantizes its input itself; got a {type(x).__name__}. Pass "
                 "the high-precision activation."
             )
-        dtype = x.dtype
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
+        dtype = compute_dtype(x)
         if dtype not in _COMPUTE_DTYPES:
             raise TypeError(
                 f"MXFP4QATLinear computes in bf16 or fp32; got {dtype} "

@@ -42,6 +42,11 @@ class LinearState:
 
     specs: OperandSpecs
     seeds: SRSeeds
+    # Whether any slot rounds stochastically: fixed by the specs, so decided once, not per call.
+    stochastic: bool = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.stochastic = uses_stochastic_rounding(self.specs)
 
 
 @dataclasses.dataclass
@@ -151,7 +156,7 @@ def init_sr_state(module: nn.Module, seeds: SRSeeds, device) -> None:
 def take_sr_state(module: nn.Module, x: torch.Tensor, calls: int = 1) -> torch.Tensor | None:
     """This step's stochastic-rounding rows (None when no slot rounds stochastically); the
     module's buffer moves on in place, so a compiled step reads and advances it on the device."""
-    if not uses_stochastic_rounding(module.state.specs):
+    if not module.state.stochastic:
         return None
     if module.sr_state.device != x.device:
         raise ValueError(

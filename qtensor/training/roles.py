@@ -165,7 +165,11 @@ def nth_call(states: torch.Tensor | None, n: int) -> torch.Tensor | None:
     """The rows of call n of a step (seed + n), e.g. expert n of a grouped linear."""
     if states is None or n == 0:
         return states
-    return states + states.new_tensor([n, 0])
+    # Shift the seed column on the device: a new_tensor([n, 0]) would be a host-to-device copy
+    # per expert per step (and one a CUDA graph capture cannot take).
+    out = states.clone()
+    out[:, 0] += n
+    return out
 
 
 def sr_for_role(name: str, role: RoleSpec, states: torch.Tensor | None) -> tuple:

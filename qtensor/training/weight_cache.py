@@ -108,10 +108,18 @@ def gated_copy_(dst, src, skip: torch.Tensor) -> None:
     """dst's bytes <- src's where skip is False, kept where True; decided on the device."""
     if repr(dst) != repr(src):  # same class, shape and decode metadata, or the bytes mismatch
         raise ValueError(f"gated_copy_ needs matching operands; got {dst!r} and {src!r}.")
-    for d, s in zip(leaves(dst), leaves(src)):
-        d_bits, s_bits = _bits(d), _bits(s)  # torch.where has no float8 kernels: use bytes
+    copy_where_(leaves(dst), leaves(src), skip)
+
+
+# Integer views by element size, so the gate is a bitwise select: torch.where has no float8
+# kernels on every backend, and a NaN payload must survive the select bit for bit.
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copy_where_(dsts, srcs, skip: torch.Tensor) -> None:
+    """Each dst <- its src where skip is False, kept where True (plain tensors, pairwise);
+    the graph-safe gate of both weight caches (this one and qtensor/qat/cache.py)."""
+    for d, s in zip(dsts, srcs):
+        view = _INT_VIEW[d.element_size()]
+        d_bits, s_bits = d.view(view), s.view(view)
         d_bits.copy_(torch.where(skip, d_bits, s_bits))
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.element_size() == 1 else t
