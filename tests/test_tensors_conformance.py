@@ -141,6 +141,14 @@ def test_transpose_flips_axis_and_back(qt):
         assert_same(qt.t().t(), qt)
 
 
+def test_transpose_of_a_dim_with_itself_is_a_noop(qt):
+    # (-1, d-1) names one dim twice: a new tensor with the same bytes, not a flip.
+    d = qt.dim()
+    same = qt.transpose(-1, d - 1)
+    assert same is not qt and same.shape == qt.shape
+    assert_same(same, qt)
+
+
 def test_unknown_op_raises_naming_it(qt):
     with pytest.raises(NotImplementedError, match=r"aten\.add\.Tensor"):
         torch.add(qt, 1)

@@ -23,7 +23,6 @@ from typing import Literal, NamedTuple
 import torch
 
 from qtensor.formats import mxfp8
-from qtensor.formats.elements import e4m3, pow2_f32
 
 BLOCK = 128
 BlockShape = Literal["1x128", "128x128"]
@@ -75,13 +74,6 @@ def scale_codes(block_amax: torch.Tensor) -> torch.Tensor:
     return mxfp8.scale_codes(block_amax, "rceil")
 
 
-def _quantize_tiles(blocks: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """e4m3(x * 2**(127-code)) with codes broadcast over `blocks`; NaN codes poison."""
-    inv = pow2_f32((127 - codes).clamp(-127, 127))
-    inv = torch.where(codes == 255, torch.full_like(inv, float("nan")), inv)
-    return e4m3(blocks * inv)
-
-
 def quantize(x: torch.Tensor, spec: FP8BlockSpec) -> FP8BlockData:
     """Quantize x (any float dtype) to FP8 block-scaled bytes per the note above."""
     check_shape(x.shape, spec)
@@ -90,21 +82,20 @@ def quantize(x: torch.Tensor, spec: FP8BlockSpec) -> FP8BlockData:
         n, k = xf.shape
         tiles = xf.reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
         codes = scale_codes(tiles.abs().amax(dim=(1, 3)))  # [N/128, K/128]
-        data = _quantize_tiles(tiles, codes[:, None, :, None]).reshape(n, k)
+        data = mxfp8.encode_blocks(tiles, codes[:, None, :, None]).reshape(n, k)
         return FP8BlockData(data, code_values(codes))
     if spec.columnwise:
         data, scale = quantize(xf.t(), FP8BlockSpec("1x128"))
         return FP8BlockData(data.t().contiguous(), scale.t().contiguous())
     blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // BLOCK, BLOCK)
     codes = scale_codes(blocks.abs().amax(-1))
-    data = _quantize_tiles(blocks, codes[..., None]).reshape(xf.shape)
+    data = mxfp8.encode_blocks(blocks, codes[..., None]).reshape(xf.shape)
     return FP8BlockData(data, code_values(codes))
 
 
 def code_values(codes: torch.Tensor) -> torch.Tensor:
-    """fp32 2**(code-127); code 255 is NaN."""
-    val = pow2_f32((codes - 127).clamp(-127, 127))
-    return torch.where(codes == 255, torch.full_like(val, float("nan")), val)
+    """fp32 2**(code-127); code 255 is NaN (the MXFP8 code values, stored as fp32)."""
+    return mxfp8.scale_values_from_codes(codes)
 
 
 def expand_scale(scale: torch.Tensor, shape: torch.Size, spec: FP8BlockSpec) -> torch.Tensor:

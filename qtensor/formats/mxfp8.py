@@ -88,9 +88,15 @@ def _quantize_rows(xf: torch.Tensor, rule: ScaleRule) -> tuple[torch.Tensor, tor
     """(e4m3 data, int32 scale codes) of 1x32 blocks along the last dim."""
     blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // BLOCK, BLOCK)
     codes = scale_codes(blocks.abs().amax(-1), rule)
+    return encode_blocks(blocks, codes[..., None]).reshape(xf.shape), codes
+
+
+def encode_blocks(blocks: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """e4m3(x * 2**(127 - code)) with int32 codes broadcast over `blocks`; code 255 poisons
+    its block with NaN. Shared with FP8 block scaling (formats/fp8_block.py)."""
     inv = pow2_f32((127 - codes).clamp(-127, 127))
     inv = torch.where(codes == 255, torch.full_like(inv, float("nan")), inv)
-    return e4m3(blocks * inv[..., None]).reshape(xf.shape), codes
+    return e4m3(blocks * inv)
 
 
 def e8m0(codes: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ from qtensor.formats.elements import fdiv
 from qtensor.ops.scaled_mm import scaled_mm_args, scaled_mm_problem
 from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.common import COLUMNWISE, FLOAT_DTYPES, ROWWISE
-from qtensor.tensors.hybrid import HybridTensor
+from qtensor.tensors.hybrid import HybridTensor, quantize_spec
 from qtensor.tensors.mxfp8 import MXFP8Tensor
 from qtensor.tensors.nvfp4 import NVFP4Tensor
 
@@ -338,8 +338,6 @@ def linear(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
     """F.linear with a quantized weight: quantizes x first when the weight carries an act_spec."""
     spec = getattr(weight, "act_spec", None)
     if spec is not None and not isinstance(x, QuantizedTensor):
-        from qtensor.tensors.hybrid import quantize_spec
-
         # Activations are not checked for NaN/Inf: the check would cost a device sync per
         # layer; a non-finite activation poisons its amax and decodes to NaN instead.
         x = quantize_spec(x, spec, check_finite=False)

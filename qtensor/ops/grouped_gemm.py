@@ -14,9 +14,11 @@ import torch
 
 from qtensor.backends import GemmBackend
 from qtensor.ops.gemm import (
+    _kernel_operand,
     _units,
     apply_epilogue,
     epilogue_factors,
+    kernel_epilogue,
     operands,
     product_backend,
     triton_problem,
@@ -70,7 +72,6 @@ def _triton_grouped(a_op, b_op, offs, bias, out_dtype) -> torch.Tensor:
     """The operands are decoded to exact bf16 once (each weight is read by T / BM tiles), then
     the grouped bf16 kernel applies the per-expert epilogue."""
     from qtensor.kernels import grouped_qgemm, qgemm
-    from qtensor.ops.gemm import _kernel_operand, kernel_epilogue
 
     t, k, n = a_op.shape[0], a_op.shape[1], b_op.shape[2]
     a = qgemm.decode_bf16(_kernel_operand(a_op, "left", qgemm), t, k)

@@ -20,6 +20,7 @@ import torch
 
 from qtensor.backends import QuantBackend
 from qtensor.formats import scale_layout
+from qtensor.ops import quant
 from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.mxfp8 import MXFP8Tensor
 from qtensor.tensors.nvfp4 import NVFP4Tensor
@@ -54,8 +55,6 @@ def scaled_mm_problem(a_op, b_op, bias=None) -> str | None:
 def to_swizzled(scale: torch.Tensor) -> torch.Tensor:
     """Compact [rows, cols] scales -> the flat swizzled buffer torch._scaled_mm takes: the
     kernels' swizzle op where they are built for this device, else the reference."""
-    from qtensor.ops import quant
-
     if quant.quant_backend(scale.device) is QuantBackend.REFERENCE:
         return scale_layout.swizzle(scale).reshape(-1)
     return quant.swizzle_scale(scale).reshape(-1)

@@ -175,8 +175,6 @@ def _fmt(v):
             if getattr(v, f.name) != f.default
         )
         return f"{type(v).__name__}({inner})"
-    if isinstance(v, QuantizedTensor):
-        return repr(v)
     return repr(v)
 
 

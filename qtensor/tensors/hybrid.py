@@ -17,7 +17,7 @@ import torch
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.tensors.common import check_hp_input, normalize_dim
+from qtensor.tensors.common import check_hp_input, flips_last_two
 from qtensor.tensors.mxfp8 import MXFP8Tensor
 from qtensor.tensors.nvfp4 import NVFP4Tensor
 
@@ -113,9 +113,8 @@ class HybridTensor(QuantizedTensor):
 @HybridTensor.implements([aten.t.default, aten.transpose.int])
 def _transpose(func, args, kwargs):
     x = args[0]
-    dims = (0, 1) if func is aten.t.default else args[1:3]
-    if sorted(normalize_dim(d, x.dim()) for d in dims) == [0, 0] or dims[0] == dims[1]:
-        return x
+    if not flips_last_two(x, func, args):
+        return x.replace()  # a view op must return a new tensor, even for a no-op transpose
     # The rowwise side of the transpose is the transposed columnwise side, and vice versa.
     return x.replace(
         shape=(x.shape[1], x.shape[0]),

@@ -92,7 +92,7 @@ class MXFP8Tensor(QuantizedTensor):
 def _transpose(func, args, kwargs):
     x = args[0]
     if not flips_last_two(x, func, args):
-        return x
+        return x.replace()  # a view op must return a new tensor, even for a no-op transpose
     return x.replace(
         shape=(*x.shape[:-2], x.shape[-1], x.shape[-2]),
         qdata=x.qdata.transpose(-1, -2),

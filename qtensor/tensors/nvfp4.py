@@ -166,7 +166,7 @@ def _transposed(x: NVFP4Tensor) -> NVFP4Tensor:
 def _transpose(func, args, kwargs):
     x = args[0]
     if not flips_last_two(x, func, args):
-        return x
+        return x.replace()  # a view op must return a new tensor, even for a no-op transpose
     return _transposed(x)
 
 
