@@ -139,7 +139,6 @@ def test_weight_only_graph_never_dequantizes_the_weight():
 aten.__rshift__.Scalar
 aten._to_copy.default
 aten.bitwise_and.Scalar
-aten.div.Tensor
 aten.index.Tensor
 aten.lift_fresh_copy.default
 aten.mm.default
@@ -191,7 +190,6 @@ def test_dynamic_graph_calls_qtensor_ops_and_no_dequantize():
 aten.__rshift__.Scalar
 aten._to_copy.default
 aten.bitwise_and.Scalar
-aten.div.Tensor
 aten.index.Tensor
 aten.lift_fresh_copy.default
 aten.mm.default

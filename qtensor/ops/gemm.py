@@ -32,7 +32,6 @@ same numbers, never a different precision. `gemm_plan(a, b)` says which path a p
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -47,6 +46,17 @@ from qtensor.tensors.nvfp4 import NVFP4Tensor
 
 aten = torch.ops.aten
 _WANT = {"left": ROWWISE, "right": COLUMNWISE}
+
+
+# r(1 / denom) in fp32 for every epilogue denominator (36 B_a B_b, or 6 B with one NVFP4 operand,
+# B in {448, 256}), computed once at import as Python floats holding exact fp32 values: no
+# product builds a device tensor for them, and torch.compile sees constants. A fp32 tensor times
+# such a float rounds once, exactly as a tensor-tensor multiply does.
+_BOUNDS = (448, 256)
+_INV = {
+    d: fdiv(1.0, torch.tensor(d)).item()
+    for d in {6.0 * a * 6.0 * b for a in _BOUNDS for b in _BOUNDS} | {6.0 * b for b in _BOUNDS}
+}
 
 
 # ---- operands ---------------------------------------------------------------------------------
@@ -95,19 +105,27 @@ def _units(x) -> torch.Tensor:
 # ---- the epilogue, shared by every backend ---------------------------------------------------
 
 
+def _epilogue_terms(a, b):
+    """(A_a or None, inv or None, A_b or None): each NVFP4 operand's amax (shaped for the output)
+    and inv = r(1 / (36 B_a B_b)), or r(1 / (6 B)) with one NVFP4 operand; all None otherwise."""
+    nv_a, nv_b = isinstance(a, NVFP4Tensor), isinstance(b, NVFP4Tensor)
+    if not (nv_a or nv_b):
+        return None, None, None
+    denom = (6.0 * a.e4m3_bound if nv_a else 1.0) * (6.0 * b.e4m3_bound if nv_b else 1.0)
+    return (a.amax_for("left") if nv_a else None, _INV[denom],
+            b.amax_for("right") if nv_b else None)
+
+
 def epilogue_factors(a, b):
     """(left, right) fp32 multipliers of the epilogue: left = A_a * inv (or inv), right = A_b.
 
     None where a side has no factor (MXFP8 and high-precision operands). Every backend applies
-    exactly these tensors, so the factors are bit-identical across backends.
+    exactly these values, so the factors are bit-identical across backends.
     """
-    nv_a, nv_b = isinstance(a, NVFP4Tensor), isinstance(b, NVFP4Tensor)
-    if not (nv_a or nv_b):
+    amax_a, inv, amax_b = _epilogue_terms(a, b)
+    if inv is None:
         return None, None
-    denom = (6.0 * a.e4m3_bound if nv_a else 1.0) * (6.0 * b.e4m3_bound if nv_b else 1.0)
-    inv = fdiv(1.0, torch.tensor(denom, device=b.device))
-    left = a.amax_for("left") * inv if nv_a else inv
-    return left, (b.amax_for("right") if nv_b else None)
+    return (amax_a * inv if amax_a is not None else inv), amax_b
 
 
 def apply_epilogue(acc, left, right, bias, out_dtype) -> torch.Tensor:
@@ -165,25 +183,9 @@ def _kernel_operand(x, side: str, kernels):
     return kernels.Operand(kernels.FMT_MXFP8, batched(q), batched(s.view(torch.uint8)))
 
 
-@functools.lru_cache(maxsize=None)
-def _inv(denom: float) -> float:
-    # The same correctly rounded fp32 r(1 / denom) as epilogue_factors, computed once on the
-    # host: a device tensor would cost a host-to-device copy (and a sync) per product.
-    return fdiv(1.0, torch.tensor(denom)).item()
-
-
 def kernel_epilogue(a, b, bias, kernels):
     """epilogue_factors' terms for a kernel, which forms amax_a * inv itself (in fp32)."""
-    nv_a, nv_b = isinstance(a, NVFP4Tensor), isinstance(b, NVFP4Tensor)
-    if not (nv_a or nv_b):
-        return kernels.Epilogue(None, None, None, bias)
-    denom = (6.0 * a.e4m3_bound if nv_a else 1.0) * (6.0 * b.e4m3_bound if nv_b else 1.0)
-    return kernels.Epilogue(
-        a.amax_for("left") if nv_a else None,
-        _inv(denom),
-        b.amax_for("right") if nv_b else None,
-        bias,
-    )
+    return kernels.Epilogue(*_epilogue_terms(a, b), bias)
 
 
 def triton_mm(a_op, b_op, bias, out_dtype, config=None, predecode=None) -> torch.Tensor:

@@ -60,7 +60,7 @@ def grouped_mm_reference(a_op, b_op, offs, bias, out_dtype) -> torch.Tensor:
     for e, end in enumerate(ends):
         rows = slice(start, end)
         acc = ua[rows] @ ub[e]
-        l_e = left[rows] if left is not None and left.dim() else left
+        l_e = left[rows] if isinstance(left, torch.Tensor) and left.dim() else left
         r_e = right[e] if right is not None and right.dim() == 3 else right
         b_e = bias[e] if bias is not None else None
         out[rows] = apply_epilogue(acc, l_e, r_e, b_e, out_dtype)
