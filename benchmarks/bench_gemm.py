@@ -22,6 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from qtensor import MXFP8Tensor, NVFP4Tensor  # noqa: E402
+from qtensor.analyze import stored_bytes  # noqa: E402
 from qtensor.ops.gemm import emulated_mm, gemm_plan, operands, triton_mm  # noqa: E402
 
 L2_BYTES = 50 * 2**20
@@ -57,11 +58,6 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src))
     return 2 * src.numel() * 4 / ms / 1e9  # TB/s: bytes read + written
-
-
-def nbytes(t) -> int:
-    return sum(getattr(t, n).numel() * getattr(t, n).element_size()
-               for n in t.tensor_data_names if getattr(t, n) is not None)
 
 
 def rotating(make, size_bytes: int):
@@ -109,6 +105,7 @@ def dense_section(n: int, k: int, ms_list, with_torchao: bool) -> None:
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
     nv_w, nv_next = rotating(lambda i: NVFP4Tensor.from_hp(w.roll(i, 0)), n * k * 9 // 16)
     mx_w, mx_next = rotating(lambda i: MXFP8Tensor.from_hp(w.roll(i, 0)), n * k * 33 // 32)
+    nv_bytes, mx_bytes = stored_bytes(nv_w[0]), stored_bytes(mx_w[0])
     ao = torchao_weight_only(w) if with_torchao else None
     emit(f"\n### weight {n}x{k} (N x K)\n")
     emit("| M | path | eager us | eager vs bf16 | graph us | graph vs bf16 | weight GB/s (graph) |")
@@ -122,10 +119,10 @@ def dense_section(n: int, k: int, ms_list, with_torchao: bool) -> None:
         assert gemm_plan(x, nv_w[0].t()).value == "triton"
         paths = {
             "bf16 F.linear (cuBLAS)": (lambda: F.linear(x, w), n * k * 2),
-            "qtensor bf16 x NVFP4 (weight-only)": (lambda: F.linear(x, nv_next()), nbytes(nv_w[0])),
-            "qtensor bf16 x MXFP8 (weight-only)": (lambda: F.linear(x, mx_next()), nbytes(mx_w[0])),
-            "qtensor NVFP4 x NVFP4": (lambda: F.linear(nv_x, nv_next()), nbytes(nv_w[0])),
-            "qtensor MXFP8 x MXFP8": (lambda: F.linear(mx_x, mx_next()), nbytes(mx_w[0])),
+            "qtensor bf16 x NVFP4 (weight-only)": (lambda: F.linear(x, nv_next()), nv_bytes),
+            "qtensor bf16 x MXFP8 (weight-only)": (lambda: F.linear(x, mx_next()), mx_bytes),
+            "qtensor NVFP4 x NVFP4": (lambda: F.linear(nv_x, nv_next()), nv_bytes),
+            "qtensor MXFP8 x MXFP8": (lambda: F.linear(mx_x, mx_next()), mx_bytes),
         }
         if ao is not None:
             paths["torchao NVFP4 weight-only"] = (lambda: ao(x), n * k * 9 // 16)
@@ -182,11 +179,11 @@ def sweep(n=8192, k=8192) -> None:
         cfg = Config(16, bn, bk, split, warps, stages)
         ms = graph_ms(lambda: triton_mm(x16, nv_next().t(), None, torch.bfloat16, cfg))
         emit(f"- M=16 bf16 x NVFP4 {cfg}: {ms * 1e3:.1f} us, "
-             f"{nbytes(nv_w[0]) / ms / 1e6:.0f} GB/s")
+             f"{stored_bytes(nv_w[0]) / ms / 1e6:.0f} GB/s")
     b = qgemm.Operand(qgemm.FMT_NVFP4, nv_w[0].qdata[None], nv_w[0].scale[None])
     ms = median_ms(lambda: qgemm.decode_bf16(b, n, k))
     emit(f"- decode_bf16 of the NVFP4 weight: {ms * 1e3:.1f} us, "
-         f"{(nbytes(nv_w[0]) + 2 * n * k) / ms / 1e6:.0f} GB/s moved")
+         f"{(stored_bytes(nv_w[0]) + 2 * n * k) / ms / 1e6:.0f} GB/s moved")
     x = NVFP4Tensor.from_hp(torch.randn(4096, k, device="cuda"))
     for bm, bn, bk, warps, stages in [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4),
                                       (256, 128, 64, 8, 3), (128, 256, 64, 8, 4)]:

@@ -14,24 +14,10 @@ Prints, measured side by side in one run (CUDA events, median of 20):
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from _common import cuda_time_ms
 from torch import nn
-
-
-def cuda_time_ms(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def conversion_rows(n: int, k: int):
@@ -56,7 +42,7 @@ def conversion_rows(n: int, k: int):
             bw = (2 * nk + written) / ms / 1e6
             rows.append((label, ms, bw, bw / copy_bw))
             if ref is not None:
-                rms = cuda_time_ms(lambda: ref(direct), reps=3)
+                rms = cuda_time_ms(lambda: ref(direct), iters=3)
                 rbw = (2 * nk + written) / rms / 1e6
                 rows.append((label + " (torch reference)", rms, rbw, rbw / copy_bw))
     return rows

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from _common import RL_FORWARD as RL
+from _common import cuda_time_ms, mxfp8_backward_specs
 
-from qtensor.formats.mxfp8 import MXFP8Spec
-from qtensor.training import NVFP4TrainingRecipe, OperandSpecs, RoleSpec, TrainingLinear
+from qtensor.training import NVFP4TrainingRecipe, TrainingLinear
 from qtensor.training.roles import dgrad, quantize_role, wgrad
 
 SHAPES = {  # name: (tokens, in_features, out_features)
@@ -35,34 +35,10 @@ SHAPES = {  # name: (tokens, in_features, out_features)
     "qwen3-30b-a3b expert fc1": (8192, 2048, 1536),
     "qwen3-30b-a3b expert fc2": (8192, 768, 2048),
 }
-RL = dict(rht=False, stochastic_rounding=False, weight_2d=False, row_scaled_activation=True)
-
-
-def time_ms(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def mxfp8_specs(recipe: NVFP4TrainingRecipe) -> OperandSpecs:
-    s = recipe.operand_specs()
-    return OperandSpecs(
-        input=RoleSpec(s.input.rowwise, MXFP8Spec(columnwise=True)),
-        weight=RoleSpec(s.weight.rowwise, MXFP8Spec(columnwise=True)),
-        grad_output=RoleSpec(MXFP8Spec(), MXFP8Spec(columnwise=True)),
-    )
 
 
 SPECS = {
-    "mxfp8": mxfp8_specs(NVFP4TrainingRecipe(**RL)),
+    "mxfp8": mxfp8_backward_specs(NVFP4TrainingRecipe(**RL)),
     "nvfp4": NVFP4TrainingRecipe(**RL).operand_specs(),
     "dgrad_mxfp8": NVFP4TrainingRecipe(dgrad_mxfp8=True, **RL).operand_specs(),
 }
@@ -70,18 +46,19 @@ SPECS = {
 
 def backward_times(x, w, dy, warmup, iters) -> dict:
     bf = torch.bfloat16
-    res = {"bf16": {"dgrad_ms": time_ms(lambda: dy @ w, warmup, iters),
-                    "wgrad_ms": time_ms(lambda: dy.t() @ x, warmup, iters)}}
+    res = {"bf16": {"dgrad_ms": cuda_time_ms(lambda: dy @ w, warmup, iters),
+                    "wgrad_ms": cuda_time_ms(lambda: dy.t() @ x, warmup, iters)}}
     for name, specs in SPECS.items():
         x_op = quantize_role(x, specs.input, "input")
         w_op = quantize_role(w, specs.weight, "weight")
         dy_op = quantize_role(dy, specs.grad_output, "grad_output")
         res[name] = {
-            "quant_dy_ms": time_ms(lambda: quantize_role(dy, specs.grad_output, "grad_output"),
-                                   warmup, iters),
-            "quant_w_ms": time_ms(lambda: quantize_role(w, specs.weight, "weight"), warmup, iters),
-            "dgrad_ms": time_ms(lambda: dgrad(dy_op, w_op, bf), warmup, iters),
-            "wgrad_ms": time_ms(lambda: wgrad(dy_op, x_op, bf), warmup, iters),
+            "quant_dy_ms": cuda_time_ms(
+                lambda: quantize_role(dy, specs.grad_output, "grad_output"), warmup, iters),
+            "quant_w_ms": cuda_time_ms(lambda: quantize_role(w, specs.weight, "weight"),
+                                       warmup, iters),
+            "dgrad_ms": cuda_time_ms(lambda: dgrad(dy_op, w_op, bf), warmup, iters),
+            "wgrad_ms": cuda_time_ms(lambda: wgrad(dy_op, x_op, bf), warmup, iters),
             "backend": getattr(getattr(w_op, "rowwise", w_op), "gemm_backend", "?"),
         }
     for r in res.values():
@@ -98,7 +75,7 @@ def linear_times(t, k, n, warmup, iters) -> dict:
         mods[name] = TrainingLinear(k, n, bias=False, recipe=NVFP4TrainingRecipe(**RL, **kw),
                                     device="cuda", dtype=torch.bfloat16)
     for name, mod in mods.items():
-        out[name] = time_ms(lambda: mod(x).backward(dy), warmup, iters)
+        out[name] = cuda_time_ms(lambda: mod(x).backward(dy), warmup, iters)
     return out
 
 

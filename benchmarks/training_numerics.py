@@ -25,14 +25,14 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _common import RL_FORWARD as RL_FWD
+from _common import mxfp8_backward_specs
 from torch import nn
 
-from qtensor.formats.mxfp8 import MXFP8Spec
-from qtensor.training import NVFP4TrainingRecipe, OperandSpecs, RoleSpec, TrainingLinear
+from qtensor.training import NVFP4TrainingRecipe, TrainingLinear
 from qtensor.training.linear import LinearState
 
 VOCAB, D, HEADS, LAYERS, SEQ = 128, 128, 4, 2, 32
-RL_FWD = dict(rht=False, stochastic_rounding=False, weight_2d=False, row_scaled_activation=True)
 
 
 class Block(nn.Module):
@@ -106,16 +106,6 @@ def rl_loss(model, batch):
     seq, picks, adv = batch
     logp = model(seq[:, :-1])[:, -16:].log_softmax(-1).gather(-1, picks[..., None])[..., 0]
     return -(adv[:, None] * logp).sum(1).mean()
-
-
-def mxfp8_backward_specs(recipe: NVFP4TrainingRecipe) -> OperandSpecs:
-    """The zoo's NVFP4 row-scaled forward + MXFP8 dgrad and wgrad, composed from the pieces."""
-    s = recipe.operand_specs()
-    return OperandSpecs(
-        input=RoleSpec(s.input.rowwise, MXFP8Spec(columnwise=True)),
-        weight=RoleSpec(s.weight.rowwise, MXFP8Spec(columnwise=True)),
-        grad_output=RoleSpec(MXFP8Spec(), MXFP8Spec(columnwise=True)),
-    )
 
 
 CONFIGS = {

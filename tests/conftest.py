@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
 
 from qtensor.formats.mxfp8 import MXFP8Spec  # noqa: E402
 from qtensor.formats.nvfp4 import NVFP4Spec  # noqa: E402
+from qtensor.tensors import QuantizedTensor  # noqa: E402
 
 GOLDEN_PATH = ROOT / "tests" / "data" / "golden_formats_v1.pt"
 
@@ -59,6 +60,21 @@ MXFP8_GOLDEN_SPECS = {
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
+def kernel_devices() -> list:
+    """Devices of the compiled-kernel tests (csrc/): cpu, and cuda marked `cuda` and skipped
+    unless the extension holds CUDA kernels. A function, so that collecting other test files
+    does not load the extension."""
+    from qtensor.ops import quant as Q
+
+    has_cuda_kernels = (
+        Q.EXTENSION_ERROR is None
+        and torch.cuda.is_available()
+        and torch._C._dispatch_has_kernel_for_dispatch_key("qtensor::nvfp4_quantize", "CUDA")
+    )
+    skip = pytest.mark.skipif(not has_cuda_kernels, reason="no CUDA kernels")
+    return ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, skip])]
+
+
 @pytest.fixture(scope="session")
 def golden() -> dict[str, torch.Tensor]:
     return torch.load(GOLDEN_PATH, weights_only=True)
@@ -95,6 +111,15 @@ def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -
             f"{what}: {bad.shape[0]} of {a.numel()} values differ; first at {list(i)}: "
             f"{actual[i].item()!r} != {expected[i].item()!r}"
         )
+
+
+def leaves(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors behind t: the inner tensors of a (nested) quantized tensor, in
+    declaration order and without the absent (None) ones; a plain tensor is its own leaf."""
+    if not isinstance(t, QuantizedTensor):
+        return [t]
+    return [leaf for n in t.tensor_data_names if (inner := getattr(t, n)) is not None
+            for leaf in leaves(inner)]
 
 
 def all_bf16_patterns() -> torch.Tensor:

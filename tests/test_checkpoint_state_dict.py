@@ -6,12 +6,13 @@ import os
 
 import pytest
 import torch
+from conftest import leaves
 from torch import nn
 
 import qtensor
 from qtensor.checkpoint import CheckpointError, check_state_dict, load, load_state_dict
 from qtensor.formats import MXFP8Spec, NVFP4Spec
-from qtensor.tensors import HybridTensor, QuantizedTensor
+from qtensor.tensors import HybridTensor
 
 # Every tensor class and option a checkpoint must carry. in=64, hidden=64, out=32 keep every
 # block rule (16, 32, 16x16) satisfied.
@@ -50,17 +51,8 @@ def inputs():
 
 def weight_bytes(model):
     sd = model.state_dict()
-    return {k: torch.cat([x.reshape(-1).view(torch.uint8) for x in _inner(v)])
+    return {k: torch.cat([x.detach().reshape(-1).view(torch.uint8) for x in leaves(v)])
             for k, v in sd.items()}
-
-
-def _inner(t):
-    if not isinstance(t, QuantizedTensor):
-        return [t.detach()]
-    out = []
-    for n in t.tensor_data_names:
-        out += _inner(getattr(t, n))
-    return out
 
 
 def saved(model) -> io.BytesIO:

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from conftest import kernel_devices
 
 from qtensor.backends import QuantBackend
 from qtensor.formats.mxfp8 import MXFP8Spec
@@ -17,15 +18,7 @@ from qtensor.ops import quant as Q
 from qtensor.tensors import MXFP8Tensor, NVFP4Tensor
 
 built = pytest.mark.skipif(Q.EXTENSION_ERROR is not None, reason="qtensor._C is not built")
-_HAS_CUDA_KERNELS = (
-    Q.EXTENSION_ERROR is None
-    and torch.cuda.is_available()
-    and torch._C._dispatch_has_kernel_for_dispatch_key("qtensor::nvfp4_quantize", "CUDA")
-)
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not _HAS_CUDA_KERNELS, reason="no CUDA kernels")]),
-]
+DEVICES = kernel_devices()
 
 
 def _op_samples(device):

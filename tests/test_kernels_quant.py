@@ -17,6 +17,7 @@ from conftest import (
     all_bf16_patterns,
     assert_bits_equal,
     assert_bytes_equal,
+    kernel_devices,
 )
 
 from qtensor.formats import mxfp4, mxfp8, nvfp4, scale_layout
@@ -25,15 +26,7 @@ from qtensor.formats.nvfp4 import NVFP4Spec, SRSeed
 from qtensor.ops import quant as Q
 
 pytestmark = pytest.mark.skipif(Q.EXTENSION_ERROR is not None, reason="qtensor._C is not built")
-_HAS_CUDA_KERNELS = (
-    Q.EXTENSION_ERROR is None
-    and torch.cuda.is_available()
-    and torch._C._dispatch_has_kernel_for_dispatch_key("qtensor::nvfp4_quantize", "CUDA")
-)
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not _HAS_CUDA_KERNELS, reason="no CUDA kernels")]),
-]
+DEVICES = kernel_devices()
 
 
 def _valid_specs():

@@ -9,6 +9,7 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import leaves
 
 from qtensor import HybridTensor, MXFP8Spec, MXFP8Tensor, NVFP4Spec, NVFP4Tensor, QuantizedTensor
 
@@ -39,18 +40,6 @@ CASES = {
 @pytest.fixture(params=sorted(CASES))
 def qt(request) -> QuantizedTensor:
     return CASES[request.param]()
-
-
-def leaves(t) -> list[torch.Tensor]:
-    """The plain inner tensors of a (possibly nested) quantized tensor."""
-    out = []
-    for name in t.tensor_data_names:
-        inner = getattr(t, name)
-        if isinstance(inner, QuantizedTensor):
-            out += leaves(inner)
-        elif inner is not None:
-            out.append(inner)
-    return out
 
 
 def attrs(t) -> tuple:

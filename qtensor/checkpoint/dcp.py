@@ -243,7 +243,7 @@ def load(state_dict: dict, path: str | os.PathLike, *, process_group=None) -> No
     path = os.fspath(path)
     entries, md = read_entries(path, process_group)
     flat, targets = split(state_dict)
-    for key, target_entry in targets.items():
+    for key in targets:
         if key not in entries:
             raise CheckpointError(f"{key!r}: the target is quantized but the checkpoint holds "
                                   "no quantized tensor under this key.")

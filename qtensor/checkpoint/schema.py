@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from qtensor.backends import GemmBackend, QuantBackend
+from qtensor.formats import mxfp8, nvfp4
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.tensors import HybridTensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
@@ -235,7 +236,7 @@ def expected_layout(key: str, cls, shape: torch.Size, attrs: dict) -> dict:
         if len(shape) != 2:
             _fail(key, "shape", f"of a HybridTensor must have 2 dims; got {list(shape)}.")
         return {"rowwise": "rowwise", "columnwise": "columnwise"}
-    block = 16 if cls is NVFP4Tensor else 32
+    block = nvfp4.BLOCK if cls is NVFP4Tensor else mxfp8.BLOCK
     col = attrs["axis"] == "columnwise"
     lead, r, c = shape[:-2], (shape[-2] if len(shape) > 1 else None), shape[-1] if shape else 0
     bdim = r if col else c
