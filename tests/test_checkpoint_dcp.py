@@ -5,18 +5,16 @@ Adam state); an interrupted save."""
 
 import datetime
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map
 
 from qtensor.checkpoint import CheckpointError
 from qtensor.checkpoint import dcp as qdcp
+from qtensor.distributed.launch import run_local
 from qtensor.tensors import QuantizedTensor
 
 NAMES = ["nvfp4_4o6_b256", "nvfp4_dyn_rowscaled", "nvfp4_2d", "mxfp8", "hybrid"]
@@ -102,17 +100,10 @@ def _full(model, opt):
 # ---- workers --------------------------------------------------------------------------------
 
 
-def _worker(rank, world, port, tmp, task):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world,
-                            timeout=datetime.timedelta(seconds=4 if task is _interrupted else 60))
+def _worker(rank, world, tmp, task):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world,))
-    try:
-        task(rank, world, mesh, tmp)
-    finally:
-        dist.destroy_process_group()
+    task(rank, world, init_device_mesh("cpu", (world,)), tmp)
 
 
 def _save(rank, world, mesh, tmp):
@@ -173,11 +164,8 @@ def _interrupted(rank, world, mesh, tmp):
 
 
 def _run(world, tmp, task):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world, port, str(tmp), task), nprocs=world,
-                       start_method="spawn")
+    timeout = datetime.timedelta(seconds=4 if task is _interrupted else 60)
+    run_local(_worker, world, str(tmp), task, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
