@@ -42,7 +42,7 @@ from torch import nn
 from torchao.quantization import quantize_
 
 from qtensor.distributed import fully_shard, precompute_amaxes, quantize_on_gather
-from qtensor.distributed.launch import free_port
+from qtensor.distributed.launch import drain, free_port
 from qtensor.models import DemoConfig, build_demo_model
 from qtensor.training import NVFP4TrainingRecipe, TrainingConfig
 
@@ -160,6 +160,7 @@ def worker(rank: int, world: int, args) -> None:
                             rank=rank, world_size=world)
     try:
         ok = train(rank, world, args)
+        drain()  # free every finished all-gather before the interpreter exits
     finally:
         dist.destroy_process_group()
     if not ok:

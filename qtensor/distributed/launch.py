@@ -6,6 +6,9 @@ process group over 127.0.0.1 (gloo on the CPU, NCCL with one GPU per rank), call
 `fn` must be importable by name (a module-level function), as spawned processes unpickle it.
 A rank that raises makes `run_local` raise with that rank's traceback.
 
+`drain()` ends a rank's work cleanly (see there); scripts that spawn their own ranks call it
+before `destroy_process_group`.
+
 The rendezvous (the TCP store and gloo's full-mesh connect) is torch's, and on a loaded 2-core
 machine it has been seen to abort a rank now and then (`terminate called without an active
 exception`). A failure before any rank has joined the group is retried on a fresh port, up to
@@ -48,8 +51,25 @@ def _worker(rank, world_size, backend, port, out_dir, fn, args, timeout):
         open(os.path.join(out_dir, READY.format(rank)), "w").close()
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+        drain()
     finally:
         dist.destroy_process_group()
+
+
+def drain() -> None:
+    """Let every collective of this rank finish and be freed before the process exits.
+
+    A finished gloo work item (FSDP2's all-gathers) is freed on gloo's worker thread and holds
+    tensors with Python objects; freeing one while the interpreter finalizes aborts the process
+    (`terminate called without an active exception`). Collecting fn's garbage frees the work
+    handles now, and the barrier queues behind every earlier collective, so destroying the group
+    afterwards joins idle worker threads."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
 
 
 def run_local(fn: Callable, world_size: int = 2, *args, backend: str = "gloo",
