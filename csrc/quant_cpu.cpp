@@ -15,6 +15,18 @@
 #include "quant_rows_math.h"
 
 namespace qtensor {
+
+// bf16 -> fp32 is the 16 bits shifted up (c10 does the same, one element per call); fp32 and
+// fp16 use the ordinary conversion. Forced inline so each row-function clone inlines it.
+template <typename T>
+QT_LANES float to_f32(T v) {
+  return static_cast<float>(v);
+}
+template <>
+QT_LANES float to_f32(at::BFloat16 v) {
+  return u2f(static_cast<uint32_t>(v.x) << 16);
+}
+
 namespace {
 
 template <typename F>

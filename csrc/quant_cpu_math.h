@@ -1,14 +1,13 @@
 // CPU-only forms of the element math, written for SIMD lanes (quant_cpu.cpp includes this; the
 // CUDA kernels never see it). Each lane function equals its quant_math.h counterpart bit for bit
 // on every one of the 2**32 fp32 inputs, scalar and in 4 and 8 lanes, at SSE2 and AVX2 codegen
-// (checked exhaustively by a host program against e4m3_bits / e2m1_encode; e4m3_value_lanes on
-// all 256 bytes). They differ only in form: no branches, and every compare is a signed int32
+// (csrc/tools/check_lanes.cpp against e4m3_bits / e2m1_encode, e4m3_value_lanes on all 256
+// bytes; tests/test_cpu_lanes.py runs its boundary sample in CI). They differ only in form: no branches, and every compare is a signed int32
 // compare of a sign-cleared pattern (0 .. 0x7FFFFFFF orders the same signed and unsigned), as
 // SSE2/AVX2 have signed 32-bit compares but no unsigned ones. The block helpers reuse the block
 // logic of quant_rows_math.h (the CUDA rowwise kernels) and fall back to it outside its fast path.
+// The header needs no torch (csrc/tools/check_lanes.cpp compiles it alone).
 #pragma once
-
-#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <cstring>
@@ -33,17 +32,6 @@
 #define QT_LANES inline __attribute__((always_inline))
 
 namespace qtensor {
-
-// bf16 -> fp32 is the 16 bits shifted up (c10 does the same, one element per call); fp32 and
-// fp16 use the ordinary conversion.
-template <typename T>
-QT_LANES float to_f32(T v) {
-  return static_cast<float>(v);
-}
-template <>
-QT_LANES float to_f32(at::BFloat16 v) {
-  return u2f(static_cast<uint32_t>(v.x) << 16);
-}
 
 // Lanes as GCC/Clang vector extensions: the element functions below are written once for a
 // scalar (int32_t, float) and for 4 or 8 lanes, so the kernels run them 8 elements at a time

@@ -1,0 +1,142 @@
+// Checks the SIMD-lane forms of csrc/quant_cpu_math.h against the scalar functions of
+// csrc/quant_math.h (the math the CUDA kernels run), bit for bit:
+//   e4m3_lanes (with and without its NaN select) == e4m3_bits,
+//   e2m1_lanes == e2m1_encode, each as a scalar, in 4 lanes and in 8 lanes;
+//   e4m3_value_lanes == e4m3_value on all 256 bytes.
+//
+//   check_lanes full     every one of the 2**32 fp32 patterns (a minute or two on one core)
+//   check_lanes sample   bits 12..31 in full with bits 0..11 in {0, 1, 0x800, 0xFFF}: every
+//                        rounding boundary of both formats (their half-way points are bits 19
+//                        and 21/22) with each sticky state below them; what the tests run
+//
+// Prints one line per function and exits 0 when every pattern agrees, 1 at the first
+// disagreement (printed), 2 on bad arguments, 77 when this build's target (AVX2) is not
+// available on the CPU. Built by tests/test_cpu_lanes.py with the extension's flags, once for
+// baseline x86-64 (SSE2) and once with -mavx2: the two codegens of quant_cpu.cpp's clones.
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+
+#include "../quant_cpu_math.h"
+
+using namespace qtensor;
+
+namespace {
+
+constexpr uint32_t kLows[] = {0x000, 0x001, 0x800, 0xFFF};
+
+template <typename Check>
+bool sweep(bool full, Check&& check) {  // check(first pattern, consecutive?) -> ok
+  if (full) {
+    for (uint64_t u = 0; u < (uint64_t{1} << 32); u += 8)
+      if (!check(static_cast<uint32_t>(u), true)) return false;
+    return true;
+  }
+  for (uint64_t hi = 0; hi < (uint64_t{1} << 20); ++hi)
+    if (!check(static_cast<uint32_t>(hi << 12), false)) return false;
+  return true;
+}
+
+// The 8 patterns of one check: consecutive from u (full), or u's high bits with each low value
+// twice (sample), so the lanes see every low value in both halves.
+void patterns(uint32_t u, bool consecutive, uint32_t* p) {
+  for (uint32_t i = 0; i < 8; ++i) p[i] = consecutive ? u + i : u | kLows[i & 3];
+}
+
+template <typename Ref, typename Lane>
+bool agree(const char* name, const uint32_t* p, Ref ref, Lane lane, bool skip_nan) {
+  float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = u2f(p[i]);
+  vf8 v8;
+  vf4 v4;
+  std::memcpy(&v8, f, sizeof v8);
+  const vi8 r8 = lane(v8);
+  for (int h = 0; h < 2; ++h) {
+    std::memcpy(&v4, f + 4 * h, sizeof v4);
+    const vi4 r4 = lane(v4);
+    for (int i = 0; i < 4; ++i) {
+      const int k = 4 * h + i;
+      if (skip_nan && f[k] != f[k]) continue;
+      const uint32_t want = ref(f[k]);
+      const uint32_t s = static_cast<uint32_t>(lane(f[k]));
+      if (s != want || static_cast<uint32_t>(r4[i]) != want || static_cast<uint32_t>(r8[k]) != want) {
+        std::printf("%s: pattern 0x%08" PRIx32 ": reference 0x%02" PRIx32
+                    ", scalar 0x%02" PRIx32 ", 4 lanes 0x%02" PRIx32 ", 8 lanes 0x%02" PRIx32 "\n",
+                    name, p[k], want, s, static_cast<uint32_t>(r4[i]),
+                    static_cast<uint32_t>(r8[k]));
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+struct E4M3 {
+  template <typename F>
+  auto operator()(F v) const { return e4m3_lanes<decltype(as_i(v)), F>(v); }
+};
+struct E4M3NoNaN {
+  template <typename F>
+  auto operator()(F v) const { return e4m3_lanes<decltype(as_i(v)), F, false>(v); }
+};
+struct E2M1 {
+  template <typename F>
+  auto operator()(F v) const { return e2m1_lanes<decltype(as_i(v)), F>(v); }
+};
+
+bool check_values() {
+  for (uint32_t b = 0; b < 256; b += 4) {
+    const vi4 bytes = {static_cast<int32_t>(b), static_cast<int32_t>(b + 1),
+                       static_cast<int32_t>(b + 2), static_cast<int32_t>(b + 3)};
+    const vi4 got = as_i(e4m3_value_lanes(bytes));
+    for (uint32_t i = 0; i < 4; ++i) {
+      const float want = e4m3_value(static_cast<uint8_t>(b + i));
+      const bool both_nan = want != want && u2f(static_cast<uint32_t>(got[i])) != u2f(static_cast<uint32_t>(got[i]));
+      if (!both_nan && static_cast<uint32_t>(got[i]) != f2u(want)) {
+        std::printf("e4m3_value_lanes: byte 0x%02" PRIx32 ": reference 0x%08" PRIx32
+                    ", lanes 0x%08" PRIx32 "\n", b + i, f2u(want), static_cast<uint32_t>(got[i]));
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+template <typename Lane>
+bool run(const char* name, bool full, uint32_t (*ref)(float), Lane lane, bool skip_nan) {
+  const bool ok = sweep(full, [&](uint32_t u, bool consecutive) {
+    uint32_t p[8];
+    patterns(u, consecutive, p);
+    return agree(name, p, ref, lane, skip_nan);
+  });
+  std::printf("%-24s %s\n", name, ok ? "equal" : "DIFFERENT");
+  return ok;
+}
+
+uint32_t e4m3_ref(float v) { return e4m3_bits(v); }
+uint32_t e2m1_ref(float v) { return e2m1_encode(v); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2 || (std::strcmp(argv[1], "full") != 0 && std::strcmp(argv[1], "sample") != 0)) {
+    std::fprintf(stderr, "usage: %s full|sample\n", argv[0]);
+    return 2;
+  }
+#if defined(__AVX2__)
+  if (!__builtin_cpu_supports("avx2")) {
+    std::printf("this build targets AVX2, which this CPU lacks\n");
+    return 77;
+  }
+  std::printf("codegen: AVX2\n");
+#else
+  std::printf("codegen: baseline\n");
+#endif
+  const bool full = std::strcmp(argv[1], "full") == 0;
+  bool ok = run("e4m3_lanes", full, e4m3_ref, E4M3{}, false);
+  ok = run("e4m3_lanes (no NaN)", full, e4m3_ref, E4M3NoNaN{}, true) && ok;
+  ok = run("e2m1_lanes", full, e2m1_ref, E2M1{}, false) && ok;
+  const bool values = check_values();
+  std::printf("%-24s %s\n", "e4m3_value_lanes", values ? "equal" : "DIFFERENT");
+  return ok && values ? 0 : 1;
+}
