@@ -32,6 +32,7 @@ from qtensor.backends import GemmBackend
 from qtensor.formats import fp8_block, mxfp8
 from qtensor.formats.fp8_block import FP8BlockSpec
 from qtensor.formats.mxfp8 import MXFP8Spec
+from qtensor.ops import quant
 
 
 class Host(str, enum.Enum):
@@ -65,9 +66,11 @@ class Operand:
 
 
 def quantize(x: torch.Tensor, host: Host, columnwise: bool) -> Operand:
-    """An activation or gradient operand: rowwise (blocks along the last dim) or columnwise."""
+    """An activation or gradient operand: rowwise (blocks along the last dim) or columnwise.
+    MXFP8 goes through the quantization dispatch point (the C++ / CUDA kernels, bytes equal to
+    the reference); FP8 128x128 blocks have only the reference."""
     if host is Host.MXFP8:
-        q, s = mxfp8.quantize(x, MXFP8Spec(columnwise=columnwise))
+        (q, s), _ = quant.quantize_mxfp8(x, MXFP8Spec(columnwise=columnwise))
         return Operand(q, s, "mx_col" if columnwise else "mx_row")
     layout = "fb_col" if columnwise else "fb_row"
     q, s = fp8_block.quantize(x, _FB_SPECS[layout])
