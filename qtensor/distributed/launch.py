@@ -51,7 +51,10 @@ def _worker(rank, world_size, backend, port, out_dir, fn, args, timeout):
         open(os.path.join(out_dir, READY.format(rank)), "w").close()
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
-        drain()
+        try:
+            drain()
+        except RuntimeError:  # a peer failed and left the group: report its error, not ours
+            pass
     finally:
         dist.destroy_process_group()
 
