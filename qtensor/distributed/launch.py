@@ -8,11 +8,6 @@ A rank that raises makes `run_local` raise with that rank's traceback.
 
 `drain()` ends a rank's work cleanly (see there); scripts that spawn their own ranks call it
 before `destroy_process_group`.
-
-The rendezvous (the TCP store and gloo's full-mesh connect) is torch's, and on a loaded 2-core
-machine it has been seen to abort a rank now and then (`terminate called without an active
-exception`). A failure before any rank has joined the group is retried on a fresh port, up to
-`RENDEZVOUS_ATTEMPTS` times, with a warning; a failure after that, in `fn`, is never retried.
 """
 
 from __future__ import annotations
@@ -21,13 +16,9 @@ import datetime
 import os
 import socket
 import tempfile
-import warnings
 from typing import Any, Callable
 
 import torch
-
-RENDEZVOUS_ATTEMPTS = 3
-READY = "joined.{}"
 
 
 def free_port() -> int:
@@ -47,8 +38,6 @@ def _worker(rank, world_size, backend, port, out_dir, fn, args, timeout):
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timeout)
     try:
-        dist.barrier()
-        open(os.path.join(out_dir, READY.format(rank)), "w").close()
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
         try:
@@ -86,25 +75,10 @@ def run_local(fn: Callable, world_size: int = 2, *args, backend: str = "gloo",
             f"NCCL with {world_size} ranks needs {world_size} GPUs; this machine has "
             f"{torch.cuda.device_count()}."
         )
-    for attempt in range(1, RENDEZVOUS_ATTEMPTS):
-        with tempfile.TemporaryDirectory() as out_dir:
-            try:
-                return _spawn(fn, world_size, args, backend, timeout, out_dir)
-            except Exception as e:
-                if any(os.path.exists(os.path.join(out_dir, READY.format(r)))
-                       for r in range(world_size)):
-                    raise  # the group formed: the failure is fn's
-                warnings.warn(f"{world_size} local ranks failed to join a process group "
-                              f"(attempt {attempt} of {RENDEZVOUS_ATTEMPTS}): {e}; retrying "
-                              "on a fresh port", RuntimeWarning, stacklevel=2)
-    with tempfile.TemporaryDirectory() as out_dir:
-        return _spawn(fn, world_size, args, backend, timeout, out_dir)
-
-
-def _spawn(fn, world_size, args, backend, timeout, out_dir) -> list[Any]:
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(world_size, backend, free_port(), out_dir, fn, args, timeout),
-             nprocs=world_size, join=True)
-    return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False)
-            for r in range(world_size)]
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(world_size, backend, free_port(), out_dir, fn, args, timeout),
+                 nprocs=world_size, join=True)
+        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False)
+                for r in range(world_size)]
