@@ -130,31 +130,18 @@ def depends_on(gm: torch.fx.GraphModule, source: torch.fx.Node) -> list[torch.fx
 
 
 def test_weight_only_graph_never_dequantizes_the_weight():
-    """The weight enters the GEMM as exact unit values; its amax only scales the [M, N] output."""
+    """The graph is one opaque qtensor GEMM op fed the weight's bytes as they are stored: no op
+    touches the weight's codes, scales or amax before the GEMM."""
     torch.manual_seed(0)
     model = quantized(nn.Sequential(nn.Linear(64, 32, bias=False)).to(torch.bfloat16),
                       "nvfp4_weight_only")
     gm = forward_graph(model, torch.randn(8, 64, dtype=torch.bfloat16))
-    assert_expected_inline(op_names(gm), """\
-aten.__rshift__.Scalar
-aten._to_copy.default
-aten.bitwise_and.Scalar
-aten.index.Tensor
-aten.lift_fresh_copy.default
-aten.mm.default
-aten.mul.Tensor
-aten.stack.default
-aten.transpose.int
-aten.unsqueeze.default
-aten.view.default""")
+    assert_expected_inline(op_names(gm), """qtensor.nvfp4_mm.default""")
+    (mm,) = [n for n in gm.graph.nodes if n.op == "call_function"]
     placeholders = {tuple(n.meta["val"].shape): n for n in gm.graph.nodes if n.op == "placeholder"}
-    amax = placeholders[()]  # the weight's fp32 scalar amax
-    (mm,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
-    downstream = depends_on(gm, amax)
-    assert mm not in downstream, "the weight's amax reached the GEMM operand (a dequantize)"
-    for n in (n for n in downstream if n.op == "call_function"):
-        shape = tuple(n.meta["val"].shape)
-        assert shape in ((), (8, 32)), f"{n.target} applies the amax to a tensor of shape {shape}"
+    # a, a_scale, a_amax, then the weight's codes [32, 32], scales [32, 4] and scalar amax.
+    assert mm.args[3:6] == (placeholders[(32, 32)], placeholders[(32, 4)], placeholders[()])
+    assert mm.args[0] is placeholders[(8, 64)] and mm.args[1:3] == (None, None)
 
 
 def test_unsupported_op_names_itself_under_compile():
@@ -175,7 +162,7 @@ def test_unsupported_op_names_itself_under_compile():
 
 def test_dynamic_graph_calls_qtensor_ops_and_no_dequantize():
     """The activation is quantized by the opaque qtensor ops (traced through their fake
-    implementations); neither operand is dequantized: both enter the GEMM as unit values."""
+    implementations) and both operands' bytes enter the opaque GEMM op: nothing dequantizes."""
     from qtensor.backends import QuantBackend
     from qtensor.ops.quant import extension_status, quant_backend
 
@@ -187,16 +174,14 @@ def test_dynamic_graph_calls_qtensor_ops_and_no_dequantize():
     gm = forward_graph(model, torch.randn(8, 64, dtype=torch.bfloat16))
     assert_expected_inline(op_names(gm), """\
 <built-in function getitem>
-aten.__rshift__.Scalar
-aten._to_copy.default
-aten.bitwise_and.Scalar
-aten.index.Tensor
-aten.lift_fresh_copy.default
-aten.mm.default
-aten.mul.Tensor
-aten.stack.default
-aten.transpose.int
-aten.unsqueeze.default
 aten.view.default
 qtensor.amax.default
+qtensor.nvfp4_mm.default
 qtensor.nvfp4_quantize.default""")
+    mxfp8 = quantized(nn.Sequential(nn.Linear(64, 32, bias=False)).to(torch.bfloat16),
+                      "mxfp8_dynamic")
+    gm = forward_graph(mxfp8, torch.randn(8, 64, dtype=torch.bfloat16))
+    assert_expected_inline(op_names(gm), """\
+<built-in function getitem>
+qtensor.mxfp8_mm.default
+qtensor.mxfp8_quantize.default""")

@@ -321,8 +321,9 @@ def dequantize(
 
 
 def unit_values(qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """value(q) * s_b as fp32 [R, C]: exact (at most 5 significant bits), what a GEMM multiplies."""
+    """value(q) * s_b as fp32 [..., R, C] from storage [..., R, C/2] and scales [..., R, C/16]:
+    exact (at most 5 significant bits), what a GEMM multiplies."""
     values = e2m1_decode(unpack_fp4(qdata))
-    rows, cols = values.shape
-    out = values.reshape(rows, cols // BLOCK, BLOCK) * scale.float()[..., None]
-    return out.reshape(rows, cols)
+    lead, cols = values.shape[:-1], values.shape[-1]
+    out = values.reshape(*lead, cols // BLOCK, BLOCK) * scale.float()[..., None]
+    return out.reshape(*lead, cols)

@@ -14,32 +14,31 @@ import triton
 import triton.language as tl
 
 from qtensor.kernels import tiles
-from qtensor.kernels.qgemm import Epilogue, Operand, _vector
+from qtensor.kernels.launch import Launcher
+from qtensor.kernels.qgemm import Epilogue, Operand
 
 CONFIG = (128, 256, 64, 8, 3)  # BM, BN, BK, warps, stages: bf16 operands (decoded first)
 
 
 def grouped_qgemm(a: Operand, b: Operand, offs, ep: Epilogue, *, out_dtype, t: int, n: int,
                   k: int, config=CONFIG) -> torch.Tensor:
-    """[T, N]; a is [1, T, K*], b is [E, N, K*] rows along K; amax_a [T, 1], amax_b [E, 1, N]."""
+    """[T, N]; a is [T, K*] (or [1, T, K*]), b is [E, N, K*] rows along K; amax_a 0-d or [T],
+    amax_b 0-d or [E, N]."""
     bm, bn, bk, warps, stages = config
     experts = b.data.shape[0]
     out = torch.empty((t, n), dtype=out_dtype, device=b.data.device)
     (_, a_r, a_k), (_, as_r, as_k) = a.strides()
     (b_e, b_r, b_k), (bs_e, bs_r, bs_k) = b.strides()
-    lf, _, l_r = _vector(ep.amax_a, (1, t, 1))
-    rf, r_e, r_c = _vector(ep.amax_b, (experts, 1, n))
     dummy = b.data
+    lf, _, l_r, inv, rf, r_e, r_c, bias = ep.terms(dummy)
     grid = (triton.cdiv(t, bm) + experts + 1, triton.cdiv(n, bn))
-    _grouped_kernel[grid](
+    _GROUPED(
+        grid,
         a.data, a.scale if a.scale is not None else dummy, a_r, a_k, as_r, as_k,
         b.data, b.scale if b.scale is not None else dummy, b_e, b_r, b_k, bs_e, bs_r, bs_k,
-        offs, lf if lf is not None else dummy, l_r, ep.inv or 1.0,
-        rf if rf is not None else dummy, r_e, r_c,
-        ep.bias if ep.bias is not None else dummy,
+        offs, lf, l_r, inv, rf, r_e, r_c, bias,
         ep.bias.stride(0) if ep.bias is not None else 0, out, experts, t, n, k,
-        FMT_A=a.fmt, FMT_B=b.fmt, LEFT=ep.left_mode(), HAS_RIGHT=rf is not None,
-        HAS_BIAS=ep.bias is not None, BM=bm, BN=bn, BK=bk, num_warps=warps,
+        FMT_A=a.fmt, FMT_B=b.fmt, **ep.flags(), BM=bm, BN=bn, BK=bk, num_warps=warps,
         num_stages=stages, enable_fp_fusion=False,
     )
     return out
@@ -92,3 +91,6 @@ def _grouped_kernel(
         zero = tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], zero,
                  mask=rmask[:, None] & cmask[None, :])
+
+
+_GROUPED = Launcher(_grouped_kernel)

@@ -14,36 +14,43 @@ splits in a fixed order and applies the epilogue (deterministic; no atomics, no 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from qtensor.kernels import tiles
+from qtensor.kernels.launch import Launcher
 
 FMT_HP, FMT_NVFP4, FMT_MXFP8 = 0, 1, 2
 
 
-@dataclasses.dataclass(frozen=True)
-class Operand:
-    """One GEMM operand as rows along K, with a leading batch dim (size 1 broadcasts)."""
+def batch_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, row, k) strides of a 2-D or 3-D tensor; batch stride 0 when it broadcasts."""
+    if t.dim() == 2:
+        return 0, t.stride(0), t.stride(1)
+    return (t.stride(0) if t.shape[0] > 1 else 0), t.stride(1), t.stride(2)
+
+
+class Operand(NamedTuple):
+    """One GEMM operand as rows along K: 2-D [R, K*], or 3-D [B, R, K*] (B = 1 broadcasts)."""
 
     fmt: int  # FMT_HP, FMT_NVFP4 or FMT_MXFP8
-    data: torch.Tensor  # [B, R, K] bf16 | [B, R, K/2] uint8 | [B, R, K] float8_e4m3fn
-    scale: torch.Tensor | None  # [B, R, K/16] float8_e4m3fn | [B, R, K/32] uint8 | None
+    data: torch.Tensor  # [.., R, K] bf16 | [.., R, K/2] uint8 | [.., R, K] float8_e4m3fn
+    scale: torch.Tensor | None  # [.., R, K/16] float8_e4m3fn | [.., R, K/32] uint8 | None
+
+    def batch(self) -> int:
+        return self.data.shape[0] if self.data.dim() == 3 else 1
 
     def strides(self):
         """(batch, row, k) strides of data and of scale; batch stride 0 when broadcast."""
-        d, s = self.data, self.scale if self.scale is not None else self.data
-        bd = d.stride(0) if d.shape[0] > 1 else 0
-        bs = s.stride(0) if s.shape[0] > 1 else 0
-        return (bd, d.stride(1), d.stride(2)), (bs, s.stride(1), s.stride(2))
+        return batch_strides(self.data), batch_strides(
+            self.scale if self.scale is not None else self.data)
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
+class Config(NamedTuple):
     bm: int
     bn: int
     bk: int  # elements of K per step (NVFP4 loads bk/2 bytes)
@@ -63,6 +70,7 @@ def _sm_count(index: int) -> int:
 DECODE_FIRST_M = 64
 
 
+@functools.lru_cache(maxsize=4096)
 def pick_config(m: int, n: int, k: int, batch: int, sms: int) -> Config:
     """Decode shapes (m <= 64) split K to fill the SMs; larger m uses 128x256 tiles."""
     if m <= DECODE_FIRST_M:
@@ -75,61 +83,71 @@ def pick_config(m: int, n: int, k: int, batch: int, sms: int) -> Config:
     return Config(128, 256, 64, 1, warps=8, stages=4)  # 858 us vs 882 with 3 (sweep, H200)
 
 
-def _vector(t: torch.Tensor | None, shape) -> tuple[torch.Tensor | None, int, int]:
-    """An amax, scalar or [.., M, 1] / [.., 1, N], expanded to `shape` (no copy): (t, sb, s)."""
-    if t is None:
-        return None, 0, 0
-    e = t.expand(shape)
-    return e, e.stride(0), e.stride(1) if shape[1] > 1 else e.stride(2)
+def vector_strides(t: torch.Tensor | None) -> tuple[int, int]:
+    """(batch, element) strides of an amax: 0-d, one value per row [R], or [B, R]."""
+    if t is None or t.dim() == 0:
+        return 0, 0
+    if t.dim() == 1:
+        return 0, t.stride(0)
+    return (t.stride(0) if t.shape[0] > 1 else 0), t.stride(1)
 
 
-@dataclasses.dataclass(frozen=True)
-class Epilogue:
+class Epilogue(NamedTuple):
     """The epilogue's terms: acc * (amax_a * inv) (or * inv), then * amax_b, then + bias."""
 
-    amax_a: torch.Tensor | None  # fp32 scalar or [.., M, 1]; None unless A is NVFP4
+    amax_a: torch.Tensor | None  # fp32 0-d or one per row of A ([M] / [B, M]); NVFP4 A only
     inv: float | None  # fp32 r(1 / (36 B_a B_b)) or r(1 / (6 B)); None without NVFP4
-    amax_b: torch.Tensor | None  # fp32 scalar or [.., 1, N]; None unless B is NVFP4
+    amax_b: torch.Tensor | None  # fp32 0-d or one per row of B ([N] / [B, N]); NVFP4 B only
     bias: torch.Tensor | None  # [N] (or [E, N] grouped), any float dtype
 
     def left_mode(self) -> int:
         return 0 if self.inv is None else (2 if self.amax_a is not None else 1)
 
+    def terms(self, dummy: torch.Tensor) -> tuple:
+        """The kernels' epilogue arguments: left ptr and strides, inv, right ptr and strides,
+        bias (absent pointers replaced by `dummy`, never read)."""
+        l_b, l_r = vector_strides(self.amax_a)
+        r_b, r_c = vector_strides(self.amax_b)
+        return (self.amax_a if self.amax_a is not None else dummy, l_b, l_r, self.inv or 1.0,
+                self.amax_b if self.amax_b is not None else dummy, r_b, r_c,
+                self.bias if self.bias is not None else dummy)
+
+    def flags(self) -> dict:
+        return dict(LEFT=self.left_mode(), HAS_RIGHT=self.amax_b is not None,
+                    HAS_BIAS=self.bias is not None)
+
 
 def qgemm(a: Operand, b: Operand, ep: Epilogue, *, out_dtype, m: int, n: int, k: int,
           config: Config | None = None) -> torch.Tensor:
     """[B, M, N] = epilogue(A @ B^T) for operands given as rows along K."""
-    batch = max(a.data.shape[0], b.data.shape[0])
+    batch = max(a.batch(), b.batch())
     dev = b.data.device
     cfg = config or pick_config(m, n, k, batch, _sm_count(dev.index or 0))
     out = torch.empty((batch, m, n), dtype=out_dtype, device=dev)
     (a_b, a_r, a_k), (as_b, as_r, as_k) = a.strides()
     (b_b, b_r, b_k), (bs_b, bs_r, bs_k) = b.strides()
-    lf, l_b, l_r = _vector(ep.amax_a, (batch, m, 1))
-    rf, r_b, r_c = _vector(ep.amax_b, (batch, 1, n))
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split), cfg.bk) * cfg.bk
     split = triton.cdiv(k, k_per_split)
     ws = out if split == 1 else torch.empty((split, batch, m, n), dtype=torch.float32, device=dev)
     dummy = b.data
-    flags = dict(LEFT=ep.left_mode(), HAS_RIGHT=rf is not None, HAS_BIAS=ep.bias is not None)
-    terms = (lf if lf is not None else dummy, l_b, l_r, ep.inv or 1.0,
-             rf if rf is not None else dummy, r_b, r_c,
-             ep.bias if ep.bias is not None else dummy)
+    flags = ep.flags()
+    terms = ep.terms(dummy)
     grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), split, batch)
-    _qgemm_kernel[grid](
+    _QGEMM(
+        grid,
         a.data, a.scale if a.scale is not None else dummy, a_b, a_r, a_k, as_b, as_r, as_k,
         b.data, b.scale if b.scale is not None else dummy, b_b, b_r, b_k, bs_b, bs_r, bs_k,
         *terms, out, ws, batch, m, n, k, k_per_split,
-        FMT_A=a.fmt, FMT_B=b.fmt, FUSED=split == 1, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
+        FMT_A=a.fmt, FMT_B=b.fmt, **flags, FUSED=split == 1, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
         GROUP_M=cfg.group_m, num_warps=cfg.warps, num_stages=cfg.stages,
-        enable_fp_fusion=False, **flags,
+        enable_fp_fusion=False,
     )
     if split > 1:
         eb_m, eb_n = 32, 128
         grid = (triton.cdiv(m, eb_m) * triton.cdiv(n, eb_n), batch)
-        _splitk_epilogue_kernel[grid](
-            ws, out, *terms, batch, m, n, split, BM=eb_m, BN=eb_n, num_warps=4,
-            enable_fp_fusion=False, **flags,
+        _SPLITK_EPILOGUE(
+            grid, ws, out, *terms, batch, m, n, split, **flags, BM=eb_m, BN=eb_n, num_warps=4,
+            enable_fp_fusion=False,
         )
     return out
 
@@ -142,13 +160,13 @@ def decode_bf16(x: Operand, rows: int, k: int) -> Operand:
     """
     if x.fmt == FMT_HP:
         return x
-    batch = x.data.shape[0]
+    batch = x.batch()
     out = torch.empty((batch, rows, k), dtype=torch.bfloat16, device=x.data.device)
     (d_b, d_r, d_k), (s_b, s_r, s_k) = x.strides()
     br, bk = 32, 256
     grid = (triton.cdiv(rows, br), triton.cdiv(k, bk), batch)
-    _decode_kernel[grid](x.data, x.scale, d_b, d_r, d_k, s_b, s_r, s_k, out, rows, k,
-                         FMT=x.fmt, BR=br, BK=bk, num_warps=4)
+    _DECODE(grid, x.data, x.scale, d_b, d_r, d_k, s_b, s_r, s_k, out, rows, k,
+            FMT=x.fmt, BR=br, BK=bk, num_warps=4)
     return Operand(FMT_HP, out, None)
 
 
@@ -233,3 +251,8 @@ def _splitk_epilogue_kernel(
         r_c, bias_ptr, LEFT, HAS_RIGHT, HAS_BIAS,
     )
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_QGEMM = Launcher(_qgemm_kernel)
+_SPLITK_EPILOGUE = Launcher(_splitk_epilogue_kernel)
+_DECODE = Launcher(_decode_kernel)

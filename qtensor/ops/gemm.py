@@ -32,31 +32,23 @@ same numbers, never a different precision. `gemm_plan(a, b)` says which path a p
 """
 from __future__ import annotations
 
+import math
 
 import torch
 
 from qtensor.backends import GemmBackend, gemm_backend_problem
-from qtensor.formats.elements import fdiv
+from qtensor.ops import gemm_ops
+from qtensor.ops.gemm_ops import MXFP8, NVFP4, Side
 from qtensor.ops.scaled_mm import scaled_mm_args, scaled_mm_problem
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.tensors.common import COLUMNWISE, FLOAT_DTYPES, ROWWISE
+from qtensor.tensors.common import COLUMNWISE, ROWWISE
 from qtensor.tensors.hybrid import HybridTensor, quantize_spec
 from qtensor.tensors.mxfp8 import MXFP8Tensor
 from qtensor.tensors.nvfp4 import NVFP4Tensor
 
 aten = torch.ops.aten
 _WANT = {"left": ROWWISE, "right": COLUMNWISE}
-
-
-# r(1 / denom) in fp32 for every epilogue denominator (36 B_a B_b, or 6 B with one NVFP4 operand,
-# B in {448, 256}), computed once at import as Python floats holding exact fp32 values: no
-# product builds a device tensor for them, and torch.compile sees constants. A fp32 tensor times
-# such a float rounds once, exactly as a tensor-tensor multiply does.
-_BOUNDS = (448, 256)
-_INV = {
-    d: fdiv(1.0, torch.tensor(d)).item()
-    for d in {6.0 * a * 6.0 * b for a in _BOUNDS for b in _BOUNDS} | {6.0 * b for b in _BOUNDS}
-}
+apply_epilogue = gemm_ops.apply_epilogue
 
 
 # ---- operands ---------------------------------------------------------------------------------
@@ -98,22 +90,48 @@ def operands(a, b):
     return a_op, b_op
 
 
-def _units(x) -> torch.Tensor:
-    return x.unit_values() if isinstance(x, QuantizedTensor) else x.float()
+def _format(a_op, b_op) -> str:
+    return NVFP4 if isinstance(a_op, NVFP4Tensor) or isinstance(b_op, NVFP4Tensor) else MXFP8
 
 
-# ---- the epilogue, shared by every backend ---------------------------------------------------
+def _rows_side(x, rows_are_logical_rows: bool) -> Side:
+    """x as the ops' rows along K: a left operand's rows are its logical rows (rowwise storage),
+    a right operand's rows are its logical columns (columnwise storage, or a high-precision
+    tensor's transpose view)."""
+    if isinstance(x, NVFP4Tensor):  # rowwise [.., M, K/2], or columnwise storage [.., N, K/2]
+        return Side(x.qdata, x.scale, x.amax, x.e4m3_bound)
+    if isinstance(x, MXFP8Tensor):  # columnwise data keeps [.., K, N]: its transpose view
+        if rows_are_logical_rows:
+            return Side(x.qdata, x.scale)
+        return Side(x.qdata.transpose(-1, -2), x.scale.transpose(-1, -2))
+    return Side(x if rows_are_logical_rows else x.transpose(-1, -2))
 
 
-def _epilogue_terms(a, b):
-    """(A_a or None, inv or None, A_b or None): each NVFP4 operand's amax (shaped for the output)
-    and inv = r(1 / (36 B_a B_b)), or r(1 / (6 B)) with one NVFP4 operand; all None otherwise."""
-    nv_a, nv_b = isinstance(a, NVFP4Tensor), isinstance(b, NVFP4Tensor)
-    if not (nv_a or nv_b):
-        return None, None, None
-    denom = (6.0 * a.e4m3_bound if nv_a else 1.0) * (6.0 * b.e4m3_bound if nv_b else 1.0)
-    return (a.amax_for("left") if nv_a else None, _INV[denom],
-            b.amax_for("right") if nv_b else None)
+def _flatten_batch(s: Side, lead) -> Side:
+    """Fold several leading dims into one (2-D stays 2-D)."""
+    if len(lead) <= 1:
+        return s
+
+    def fold(t):
+        return t if t is None or t.dim() == 0 else t.reshape(-1, *t.shape[len(lead):])
+
+    return Side(fold(s.data), fold(s.scale), fold(s.amax), s.bound)
+
+
+def dense_sides(a_op, b_op) -> tuple[str, Side, Side, tuple]:
+    """(format, a, b, leading dims of the output) of a_op [.., M, K] @ b_op [.., K, N] as the
+    ops take them: rows along K, at most one batch dim."""
+    lead_a, lead_b = tuple(a_op.shape[:-2]), tuple(b_op.shape[:-2])
+    if lead_a and lead_b and lead_a != lead_b:
+        raise ValueError(
+            f"A quantized GEMM needs equal batch dims (a quantized operand is never broadcast); "
+            f"got {tuple(a_op.shape)} x {tuple(b_op.shape)}. Expand the high-precision operand "
+            "first."
+        )
+    lead = lead_a or lead_b
+    a = _flatten_batch(_rows_side(a_op, True), lead_a)
+    b = _flatten_batch(_rows_side(b_op, False), lead_b)
+    return _format(a_op, b_op), a, b, lead
 
 
 def epilogue_factors(a, b):
@@ -122,117 +140,41 @@ def epilogue_factors(a, b):
     None where a side has no factor (MXFP8 and high-precision operands). Every backend applies
     exactly these values, so the factors are bit-identical across backends.
     """
-    amax_a, inv, amax_b = _epilogue_terms(a, b)
-    if inv is None:
-        return None, None
-    return (amax_a * inv if amax_a is not None else inv), amax_b
-
-
-def apply_epilogue(acc, left, right, bias, out_dtype) -> torch.Tensor:
-    """acc * left, then * right, then + bias, then the cast: [Note: emulated GEMM]'s order."""
-    if left is not None:
-        acc = acc * left
-    if right is not None:
-        acc = acc * right
-    if bias is not None:
-        acc = acc + bias.float()
-    return acc.to(out_dtype)
+    fmt, sa, sb, _ = dense_sides(a, b)
+    return gemm_ops.epilogue_factors(fmt, sa, sb)
 
 
 # ---- backends ---------------------------------------------------------------------------------
 
 
+def _run_dense(fmt, a: Side, b: Side, bias, out_dtype, lead, backend: GemmBackend):
+    """The product on `backend`: the qtensor op on the CPU and for the triton backend (its CUDA
+    kernel runs Triton), the reference itself for the emulated backend on other devices."""
+    args = gemm_ops.dense_args(fmt, a, b, bias, out_dtype)
+    if backend is GemmBackend.TRITON or a.data.device.type in ("cpu", "meta"):
+        out = gemm_ops.call(f"{fmt}_mm", *args)
+    else:
+        out = gemm_ops.reference_mm(fmt, a, b, bias, out_dtype)
+    if len(lead) > 1:
+        out = out.reshape(*lead, *out.shape[-2:])
+    return out
+
+
 def emulated_mm(a_op, b_op, bias, out_dtype) -> torch.Tensor:
-    """The reference: exact fp32 unit values, torch.matmul, the epilogue."""
-    acc = torch.matmul(_units(a_op), _units(b_op))
-    return apply_epilogue(acc, *epilogue_factors(a_op, b_op), bias, out_dtype)
-
-
-def triton_problem(a_op, b_op, bias, out_dtype) -> str | None:
-    """Why the Triton kernels cannot run this product, or None."""
-    if not isinstance(b_op, (NVFP4Tensor, MXFP8Tensor)):
-        return "the right operand is not NVFP4 or MXFP8"
-    if not isinstance(a_op, QuantizedTensor) and a_op.dtype != torch.bfloat16:
-        return f"a high-precision left operand must be bfloat16 to be exact; got {a_op.dtype}"
-    if a_op.device.type != "cuda" or b_op.device.type != "cuda":
-        return "an operand is not on a CUDA device"
-    if a_op.dim() not in (2, 3) or b_op.dim() not in (2, 3):
-        return f"the kernels take 2-D or 3-D operands; got {a_op.dim()}-D x {b_op.dim()}-D"
-    if a_op.dim() == b_op.dim() == 3 and 1 < a_op.shape[0] != b_op.shape[0] > 1:
-        return "batch sizes differ"
-    if out_dtype not in FLOAT_DTYPES or (bias is not None and bias.dim() != 1):
-        return "the output dtype or the bias shape is not one the kernels write"
-    if a_op.numel() == 0 or b_op.numel() == 0:
-        return "an operand is empty"
-    return None
-
-
-def _kernel_operand(x, side: str, kernels):
-    """A kernel Operand: the operand's bytes as rows along K, with a leading batch dim."""
-
-    def batched(t):
-        return t if t.dim() == 3 else t.unsqueeze(0)
-
-    if not isinstance(x, QuantizedTensor):
-        return kernels.Operand(kernels.FMT_HP, batched(x), None)
-    if isinstance(x, NVFP4Tensor):  # rowwise storage, or columnwise storage [.., N, K/2]
-        return kernels.Operand(kernels.FMT_NVFP4, batched(x.qdata), batched(x.scale))
-    q, s = x.qdata, x.scale
-    if side == "right":  # MXFP8 columnwise data is [.., K, N]: its transpose view is rows along K
-        q, s = q.transpose(-1, -2), s.transpose(-1, -2)
-    return kernels.Operand(kernels.FMT_MXFP8, batched(q), batched(s.view(torch.uint8)))
-
-
-def kernel_epilogue(a, b, bias, kernels):
-    """epilogue_factors' terms for a kernel, which forms amax_a * inv itself (in fp32)."""
-    return kernels.Epilogue(*_epilogue_terms(a, b), bias)
+    """The reference: exact fp32 unit values, torch.matmul, the epilogue (any device)."""
+    fmt, a, b, lead = dense_sides(a_op, b_op)
+    out = gemm_ops.reference_mm(fmt, a, b, bias, out_dtype)
+    return out.reshape(*lead, *out.shape[-2:]) if len(lead) > 1 else out
 
 
 def triton_mm(a_op, b_op, bias, out_dtype, config=None, predecode=None) -> torch.Tensor:
-    """The triton backend. Above qgemm.DECODE_FIRST_M rows (or with predecode=True) each
-    quantized operand is decoded to exact bf16 once, then multiplied by the bf16 kernel."""
-    from qtensor.kernels import qgemm
-
-    # The right operand as rows along K: for a transposed rowwise weight, its own bytes.
-    b = _kernel_operand(b_op, "right", qgemm)
-    out = _run_qgemm(a_op, b_op, b, b_op.shape[-1], bias, out_dtype, config, predecode)
-    return out[0] if a_op.dim() == 2 and b_op.dim() == 2 else out
-
-
-def _run_qgemm(a_op, b_amax_op, b, n, bias, out_dtype, config=None, predecode=None):
-    from qtensor.kernels import qgemm
-
-    m, k = a_op.shape[-2], a_op.shape[-1]
-    a = _kernel_operand(a_op, "left", qgemm)
-    if predecode if predecode is not None else m > qgemm.DECODE_FIRST_M:
-        a, b = qgemm.decode_bf16(a, m, k), qgemm.decode_bf16(b, n, k)
-    elif predecode is None:
-        # Small M: the weight streams and is decoded in registers; the few activation rows are
-        # decoded once up front rather than once per N tile (8192 / 64 = 128 times).
-        a = qgemm.decode_bf16(a, m, k)
-    ep = kernel_epilogue(a_op, b_amax_op, bias, qgemm)
-    return qgemm.qgemm(a, b, ep, out_dtype=out_dtype, m=m, n=n, k=k, config=config)
-
-
-def _triton_linear(x2, weight, bias, out_dtype) -> torch.Tensor | None:
-    """F.linear's fast path: a rowwise 2-D weight is already rows along K, so the kernel reads
-    it without building the transposed tensor (which costs a subclass dispatch per call).
-    None when the product is not one for the triton backend."""
-    if (
-        type(weight) not in (NVFP4Tensor, MXFP8Tensor)
-        or weight.gemm_backend != GemmBackend.TRITON.value
-        or weight.axis != ROWWISE
-        or weight.dim() != 2
-        or triton_problem(x2, weight, bias, out_dtype) is not None
-    ):
-        return None
-    _check_pair(_side(x2, "left"), weight)
-    from qtensor.kernels import qgemm
-
-    # amax_for("right") of a rowwise weight is its per-row amax as [1, N]: what the
-    # transposed (columnwise) view would give.
-    b = _kernel_operand(weight, "left", qgemm)
-    return _run_qgemm(x2, weight, b, weight.shape[0], bias, out_dtype)[0]
+    """The Triton kernels on these operands, with an optional tile config and decode choice
+    (benchmarks and tests; products reach them through the ops)."""
+    fmt, a, b, lead = dense_sides(a_op, b_op)
+    problem = gemm_ops.triton_problem(a, b, bias, out_dtype)
+    if problem:
+        raise ValueError(f"The Triton GEMM cannot run this product: {problem}.")
+    return gemm_ops.triton_mm(fmt, a, b, bias, out_dtype, config, predecode)
 
 
 def native_scaled_mm(a_op, b_op, bias, out_dtype) -> torch.Tensor:
@@ -251,6 +193,10 @@ def product_backend(a_op, b_op) -> GemmBackend:
     return GemmBackend(getattr(owner, "gemm_backend", GemmBackend.EMULATED.value))
 
 
+def _triton_runs(fmt, a: Side, b: Side, bias, out_dtype) -> bool:
+    return gemm_ops.triton_problem(a, b, bias, out_dtype) is None
+
+
 def plan(a_op, b_op, bias, out_dtype) -> GemmBackend:
     """The backend that runs this product: the requested one if it has a kernel for it, else the
     next one down (scaled_mm -> triton -> emulated)."""
@@ -261,16 +207,11 @@ def plan(a_op, b_op, bias, out_dtype) -> GemmBackend:
         if gemm_backend_problem(GemmBackend.TRITON, b_op.device) is not None:
             return GemmBackend.EMULATED
         backend = GemmBackend.TRITON
-    if backend is GemmBackend.TRITON and triton_problem(a_op, b_op, bias, out_dtype) is None:
-        return backend
+    if backend is GemmBackend.TRITON:
+        fmt, a, b, _ = dense_sides(a_op, b_op)
+        if out_dtype in gemm_ops.FLOAT_DTYPES and _triton_runs(fmt, a, b, bias, out_dtype):
+            return backend
     return GemmBackend.EMULATED
-
-
-_RUN = {
-    GemmBackend.EMULATED: emulated_mm,
-    GemmBackend.TRITON: triton_mm,
-    GemmBackend.SCALED_MM: native_scaled_mm,
-}
 
 
 def gemm_plan(a, b, bias=None, out_dtype=None) -> GemmBackend:
@@ -283,7 +224,11 @@ def quantized_mm(a, b, bias=None, out_dtype=None) -> torch.Tensor:
     """a [.., M, K] @ b [.., K, N] (+ bias [N]) where either operand may be quantized."""
     a_op, b_op = operands(a, b)
     out_dtype = out_dtype or a.dtype
-    return _RUN[plan(a_op, b_op, bias, out_dtype)](a_op, b_op, bias, out_dtype)
+    backend = plan(a_op, b_op, bias, out_dtype)
+    if backend is GemmBackend.SCALED_MM:
+        return native_scaled_mm(a_op, b_op, bias, out_dtype)
+    fmt, sa, sb, lead = dense_sides(a_op, b_op)
+    return _run_dense(fmt, sa, sb, bias, out_dtype, lead, backend)
 
 
 def with_gemm_backend(x: QuantizedTensor, backend: GemmBackend | str) -> QuantizedTensor:
@@ -344,11 +289,33 @@ def linear(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
         # layer; a non-finite activation poisons its amax and decodes to NaN instead.
         x = quantize_spec(x, spec, check_finite=False)
     lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    out = _triton_linear(x2, weight, bias, x.dtype)
+    x2 = x.reshape(math.prod(lead), k) if x.dim() != 2 else x
+    out = _linear_2d(x2, weight, bias, x.dtype)
     if out is None:
         out = quantized_mm(x2, weight.t(), bias, out_dtype=x.dtype)
-    return out.reshape(*lead, out.shape[-1])
+    return out.reshape(*lead, out.shape[-1]) if x.dim() != 2 else out
+
+
+def _linear_2d(x2, weight, bias, out_dtype) -> torch.Tensor | None:
+    """F.linear's direct path: a rowwise 2-D weight [N, K] already is the right operand as rows
+    along K, so the op takes its bytes without building the transposed tensor (a subclass
+    dispatch per call). None for other weights (hybrids, columnwise, scaled_mm)."""
+    cls = type(weight)
+    if cls is not NVFP4Tensor and cls is not MXFP8Tensor:
+        return None
+    if weight.axis != ROWWISE or weight.dim() != 2:
+        return None
+    backend = weight.gemm_backend
+    if backend == "scaled_mm":
+        return None
+    a_op = _side(x2, "left")
+    _check_pair(a_op, weight)
+    fmt = NVFP4 if cls is NVFP4Tensor else MXFP8
+    a = _rows_side(a_op, True)
+    b = _rows_side(weight, True)  # the weight's rows are N: rows along K as it is stored
+    if backend == "triton" and not _triton_runs(fmt, a, b, bias, out_dtype):
+        backend = "emulated"
+    return _run_dense(fmt, a, b, bias, out_dtype, (), GemmBackend(backend))
 
 
 QuantizedTensor._function_table[torch.nn.functional.linear] = linear

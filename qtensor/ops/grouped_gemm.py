@@ -13,16 +13,8 @@ from __future__ import annotations
 import torch
 
 from qtensor.backends import GemmBackend
-from qtensor.ops.gemm import (
-    _kernel_operand,
-    _units,
-    apply_epilogue,
-    epilogue_factors,
-    kernel_epilogue,
-    operands,
-    product_backend,
-    triton_problem,
-)
+from qtensor.ops import gemm_ops
+from qtensor.ops.gemm import dense_sides, operands, product_backend
 from qtensor.tensors.base import QuantizedTensor
 
 aten = torch.ops.aten
@@ -48,56 +40,46 @@ def _check(a_op, b_op, offs, bias) -> None:
         )
 
 
+def _grouped_sides(a_op, b_op):
+    """(format, a [T, K*], b [E, N, K*]) as the grouped ops take them (rows along K)."""
+    fmt, a, b, _ = dense_sides(a_op, b_op)
+    return fmt, a, b
+
+
 def grouped_mm_reference(a_op, b_op, offs, bias, out_dtype) -> torch.Tensor:
     """Per expert: exact fp32 units, matmul, the dense epilogue on that expert's rows."""
-    ends = offs.tolist()
-    if any(e1 < e0 for e0, e1 in zip([0] + ends, ends)) or (ends and ends[-1] > a_op.shape[0]):
-        raise ValueError(f"offs must be non-decreasing and at most T={a_op.shape[0]}; got {ends}.")
-    ua, ub = _units(a_op), _units(b_op)
-    left, right = epilogue_factors(a_op, b_op)
-    out = torch.zeros(a_op.shape[0], b_op.shape[2], dtype=out_dtype, device=ub.device)
-    start = 0
-    for e, end in enumerate(ends):
-        rows = slice(start, end)
-        acc = ua[rows] @ ub[e]
-        l_e = left[rows] if isinstance(left, torch.Tensor) and left.dim() else left
-        r_e = right[e] if right is not None and right.dim() == 3 else right
-        b_e = bias[e] if bias is not None else None
-        out[rows] = apply_epilogue(acc, l_e, r_e, b_e, out_dtype)
-        start = end
-    return out
-
-
-def _triton_grouped(a_op, b_op, offs, bias, out_dtype) -> torch.Tensor:
-    """The operands are decoded to exact bf16 once (each weight is read by T / BM tiles), then
-    the grouped bf16 kernel applies the per-expert epilogue."""
-    from qtensor.kernels import grouped_qgemm, qgemm
-
-    t, k, n = a_op.shape[0], a_op.shape[1], b_op.shape[2]
-    a = qgemm.decode_bf16(_kernel_operand(a_op, "left", qgemm), t, k)
-    b = qgemm.decode_bf16(_kernel_operand(b_op, "right", qgemm), n, k)
-    return grouped_qgemm.grouped_qgemm(
-        a, b, offs, kernel_epilogue(a_op, b_op, bias, qgemm), out_dtype=out_dtype, t=t, n=n, k=k
-    )
+    fmt, a, b = _grouped_sides(a_op, b_op)
+    return gemm_ops.reference_grouped_mm(fmt, a, b, offs, bias, out_dtype)
 
 
 def grouped_plan(a_op, b_op, bias, out_dtype) -> GemmBackend:
     """Triton when the operands ask for triton or scaled_mm (no native grouped call is wired)
     and the kernel takes them; the reference otherwise."""
-    wants = product_backend(a_op, b_op)
-    if wants is not GemmBackend.EMULATED and triton_problem(a_op, b_op, None, out_dtype) is None:
+    if product_backend(a_op, b_op) is GemmBackend.EMULATED:
+        return GemmBackend.EMULATED
+    fmt, a, b = _grouped_sides(a_op, b_op)
+    if gemm_ops.triton_problem(a, b, None, out_dtype, grouped=True) is None:
         return GemmBackend.TRITON
     return GemmBackend.EMULATED
 
 
 def grouped_mm(a, b, offs, bias=None, out_dtype=None) -> torch.Tensor:
-    """torch._grouped_mm(a [T, K], b [E, K, N], offs) with quantized operands."""
+    """torch._grouped_mm(a [T, K], b [E, K, N], offs) with quantized operands: the qtensor
+    grouped op of the operands' format ([Note: GEMM ops])."""
     a_op, b_op = operands(a, b)
     _check(a_op, b_op, offs, bias)
     out_dtype = out_dtype or a.dtype
-    if grouped_plan(a_op, b_op, bias, out_dtype) is GemmBackend.TRITON:
-        return _triton_grouped(a_op, b_op, offs, bias, out_dtype)
-    return grouped_mm_reference(a_op, b_op, offs, bias, out_dtype)
+    fmt, sa, sb = _grouped_sides(a_op, b_op)
+    if not sb.quantized:
+        raise TypeError(
+            "Quantized grouped GEMM needs quantized expert weights (the right operand); got a "
+            f"{type(b_op).__name__}."
+        )
+    args = gemm_ops.grouped_args(fmt, sa, sb, offs, bias, out_dtype)
+    backend = grouped_plan(a_op, b_op, bias, out_dtype)
+    if backend is GemmBackend.TRITON or sa.data.device.type in ("cpu", "meta"):
+        return gemm_ops.call(f"{fmt}_grouped_mm", *args)
+    return gemm_ops.reference_grouped_mm(fmt, sa, sb, offs, bias, out_dtype)
 
 
 @QuantizedTensor.implements(aten._grouped_mm.default)
@@ -107,3 +89,9 @@ def _grouped_mm(func, args, kwargs):
     bias = args[3] if len(args) > 3 else kwargs.get("bias")
     out_dtype = args[4] if len(args) > 4 else kwargs.get("out_dtype")
     return grouped_mm(a, b, offs, bias, out_dtype)
+
+
+# Handled at the torch level too (before autograd), as F.linear is: the grouped op's own
+# autograd then gives a high-precision activation its gradient. Below autograd, aten's formula
+# would multiply the gradient by the rowwise expert weights, which the op cannot take.
+QuantizedTensor._function_table[torch._grouped_mm] = grouped_mm

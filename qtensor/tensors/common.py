@@ -14,7 +14,7 @@ COLUMNWISE = "columnwise"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_hp_input(x: torch.Tensor, fmt: str, check_finite: bool) -> None:
+def check_hp_input(x: torch.Tensor, fmt: str) -> None:
     """Validate a high-precision tensor before quantization, naming the rule broken."""
     if isinstance(x, QuantizedTensor):
         raise TypeError(f"{fmt} quantizes a high-precision tensor; got {type(x).__name__}.")
@@ -25,14 +25,27 @@ def check_hp_input(x: torch.Tensor, fmt: str, check_finite: bool) -> None:
         )
     if x.numel() == 0:
         raise ValueError(f"{fmt} needs a non-empty tensor; got shape {tuple(x.shape)}.")
-    if check_finite and not torch.compiler.is_compiling() and not _is_fake(x):
-        bad = int((~torch.isfinite(x)).sum())
-        if bad:
-            raise ValueError(
-                f"{fmt} input has {bad} non-finite value(s) (NaN or Inf) in a tensor of shape "
-                f"{tuple(x.shape)}. Fix the producer of this tensor, or pass "
-                "check_finite=False to get the documented hardware rule (docs/formats.md)."
-            )
+
+
+def require_finite(x: torch.Tensor, fmt: str, suspect: torch.Tensor) -> None:
+    """Raise the documented error if x holds a NaN or an Inf.
+
+    `suspect` is a bool tensor taken from what the quantization computed anyway, True whenever
+    x is not finite: a NaN/Inf amax (NVFP4; the amax is torch.amax, so any NaN or Inf input
+    reaches it) or a 0xFF block scale (MXFP8: non-finite block amaxes get code 255). Reading it
+    is the one device sync; x is read again, to count, only when it is True (an RHT can also
+    overflow a finite input to Inf: then the count is 0 and nothing is raised). Compiled and
+    fake tensors are not checked (a check would be a graph break).
+    """
+    if torch.compiler.is_compiling() or _is_fake(x) or not bool(suspect):
+        return
+    bad = int((~torch.isfinite(x)).sum())
+    if bad:
+        raise ValueError(
+            f"{fmt} input has {bad} non-finite value(s) (NaN or Inf) in a tensor of shape "
+            f"{tuple(x.shape)}. Fix the producer of this tensor, or pass "
+            "check_finite=False to get the documented hardware rule (docs/formats.md)."
+        )
 
 
 def _is_fake(x: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ import torch
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.tensors.common import check_hp_input, flips_last_two
+from qtensor.tensors.common import check_hp_input, flips_last_two, require_finite
 from qtensor.tensors.mxfp8 import MXFP8Tensor
 from qtensor.tensors.nvfp4 import NVFP4Tensor
 
@@ -84,7 +84,7 @@ class HybridTensor(QuantizedTensor):
             raise ValueError(
                 f"columnwise_source must be one of {SOURCES}; got {columnwise_source!r}."
             )
-        check_hp_input(x, "HybridTensor", check_finite)
+        check_hp_input(x, "HybridTensor")
         if x.dim() != 2:
             raise ValueError(f"HybridTensor takes a 2-D tensor; got shape {tuple(x.shape)}.")
         row_spec = dataclasses.replace(rowwise, columnwise=False)
@@ -95,6 +95,8 @@ class HybridTensor(QuantizedTensor):
             row = quantize_spec(x, row_spec, generator=generator, check_finite=False)
             src = row.dequantize(x.dtype) if columnwise_source == "rowwise_dequantized" else x
             col = quantize_spec(src, col_spec, generator=generator, check_finite=False)
+        if check_finite:  # the rowwise side is always quantized from x itself
+            require_finite(x, "HybridTensor", row.nonfinite_suspect())
         return cls(x.shape, x.dtype, x.device, rowwise=row, columnwise=col,
                    columnwise_source=columnwise_source)
 

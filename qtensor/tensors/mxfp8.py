@@ -21,6 +21,7 @@ from qtensor.tensors.common import (
     flips_last_two,
     infer_shape,
     normalize_dim,
+    require_finite,
     slice_bounds,
 )
 
@@ -53,9 +54,17 @@ class MXFP8Tensor(QuantizedTensor):
 
     @classmethod
     def from_spec(cls, x, spec: MXFP8Spec, *, generator=None, check_finite=True) -> "MXFP8Tensor":
-        check_hp_input(x, "MXFP8", check_finite)
+        check_hp_input(x, "MXFP8")
         data, backend = quant.quantize_mxfp8(x, spec)
-        return cls.wrap(x, spec, data, backend)
+        out = cls.wrap(x, spec, data, backend)
+        if check_finite:
+            require_finite(x, "MXFP8", out.nonfinite_suspect())
+        return out
+
+    def nonfinite_suspect(self) -> torch.Tensor:
+        """True (a bool tensor) when the quantized input held a NaN or an Inf: a block with one
+        has the NaN scale code 0xFF, and no finite block does."""
+        return (self.scale.view(torch.uint8) == 255).any()
 
     @classmethod
     def wrap(cls, x, spec: MXFP8Spec, data, backend) -> "MXFP8Tensor":

@@ -23,6 +23,7 @@ from qtensor.tensors.common import (
     flips_last_two,
     infer_shape,
     normalize_dim,
+    require_finite,
     slice_bounds,
 )
 
@@ -76,14 +77,23 @@ class NVFP4Tensor(QuantizedTensor):
     def from_spec(cls, x, spec: NVFP4Spec, *, generator=None, check_finite=True,
                   global_amax=None) -> "NVFP4Tensor":
         """`global_amax` (fp32) replaces x's own amax: a shard quantized as part of its whole."""
-        check_hp_input(x, "NVFP4", check_finite)
+        check_hp_input(x, "NVFP4")
         if spec.columnwise and x.dim() != 2:
             raise ValueError(
                 f"NVFP4 columnwise quantization takes a 2-D tensor; got shape {tuple(x.shape)}. "
                 "Flatten the leading dims first (x.reshape(-1, x.shape[-1]))."
             )
         data, backend = quant.quantize_nvfp4(x, spec, generator, global_amax)
+        if check_finite:
+            # The amax is x's own torch.amax (of its RHT when rht): NaN/Inf exactly when x
+            # holds one. A given global amax says nothing about x: x is checked itself.
+            own = data.amax if global_amax is None else x.abs().amax()
+            require_finite(x, "NVFP4", ~torch.isfinite(own).all())
         return cls.wrap(x, spec, data, backend)
+
+    def nonfinite_suspect(self) -> torch.Tensor:
+        """True (a bool tensor) when the quantized input may have held a NaN or an Inf."""
+        return ~torch.isfinite(self.amax).all()
 
     @classmethod
     def wrap(cls, x, spec: NVFP4Spec, data, backend) -> "NVFP4Tensor":

@@ -1,0 +1,561 @@
+"""The GEMM operators: one torch.library op per product family, over the operands' bytes.
+
+[Note: GEMM ops]
+    qtensor::nvfp4_mm(Tensor a, Tensor? a_scale, Tensor? a_amax, Tensor b, Tensor? b_scale,
+                      Tensor? b_amax, int a_bound, int b_bound, Tensor? bias,
+                      ScalarType out_dtype) -> Tensor
+    qtensor::mxfp8_mm(Tensor a, Tensor? a_scale, Tensor b, Tensor? b_scale, Tensor? bias,
+                      ScalarType out_dtype) -> Tensor
+    qtensor::nvfp4_grouped_mm(Tensor a, Tensor? a_scale, Tensor? a_amax, Tensor b,
+                              Tensor b_scale, Tensor b_amax, Tensor offs, int a_bound,
+                              int b_bound, Tensor? bias, ScalarType out_dtype) -> Tensor
+    qtensor::mxfp8_grouped_mm(Tensor a, Tensor? a_scale, Tensor b, Tensor b_scale, Tensor offs,
+                              Tensor? bias, ScalarType out_dtype) -> Tensor
+
+Both operands come as "rows along K": a is [.., M, K*], b is [.., N, K*], and the dense ops
+compute out[.., m, n] = epilogue(sum_k A[.., m, k] * B[.., n, k]) ([Note: emulated GEMM] in
+qtensor/ops/gemm.py has the epilogue and its order). A side is quantized exactly when its scale
+is given:
+- NVFP4: packed E2M1 codes uint8 [.., R, K/2], E4M3 block scales [.., R, K/16], an fp32 amax
+  (0-d, or [.., R] when row-scaled) and its E4M3 bound (448 or 256);
+- MXFP8: E4M3 data [.., R, K], UE8M0 scales float8_e8m0fnu [.., R, K/32];
+- otherwise a high-precision float tensor [.., R, K] (its bound argument is ignored).
+At least one side of a dense op is quantized; a grouped op's right operand always is. Dense
+operands are 2-D or 3-D (a batch of 1 broadcasts) and the output is 2-D when both are. A
+grouped op multiplies tokens a [T, K*] by experts b [E, N, K*], expert e owning rows
+[offs[e-1], offs[e]) (offs int32 [E], cumulative); bias is [E, N] and rows past offs[-1] are 0.
+
+Implementations:
+- CPU: the exact reference (`reference_mm`, `reference_grouped_mm`): fp32 unit values,
+  torch.matmul, the epilogue.
+- CUDA: the Triton kernels of qtensor/kernels for what they take (a quantized right operand, a
+  bf16 or same-format left one, sm_80+); anything else runs the same reference on the GPU.
+- Meta: the output's shape and dtype (torch.compile traces through it).
+- Autograd: the gradient of a high-precision operand and of the bias (the derivative of the
+  fp32 epilogue: dY * left * right, times the other operand's exact unit values); quantized
+  bytes and amaxes have none.
+A compiled graph therefore holds one opaque qtensor op per product on every device. Eager calls
+from the GEMM layer that need no autograd, under no mode and outside compilation, call the
+device's registered kernel directly (`run_dense`, `run_grouped`): the same function, without
+the dispatcher's Python round trips.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+from qtensor.backends import GemmBackend, gemm_backend_problem
+from qtensor.formats import mxfp8 as mxfp8_ref
+from qtensor.formats import nvfp4 as nvfp4_ref
+from qtensor.formats.elements import fdiv
+
+NVFP4, MXFP8 = "nvfp4", "mxfp8"
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# r(1 / denom) in fp32 for every epilogue denominator (36 B_a B_b, or 6 B with one NVFP4
+# operand, B in {448, 256}), computed once at import as Python floats holding exact fp32
+# values: no product builds a device tensor for them, and torch.compile sees constants. A fp32
+# tensor times such a float rounds once, exactly as a tensor-tensor multiply does.
+BOUNDS = (448, 256)
+INV = {
+    d: fdiv(1.0, torch.tensor(d)).item()
+    for d in {6.0 * a * 6.0 * b for a in BOUNDS for b in BOUNDS} | {6.0 * b for b in BOUNDS}
+}
+
+SCHEMAS = {
+    "nvfp4_mm": "(Tensor a, Tensor? a_scale, Tensor? a_amax, Tensor b, Tensor? b_scale, "
+                "Tensor? b_amax, int a_bound, int b_bound, Tensor? bias, ScalarType out_dtype) "
+                "-> Tensor",
+    "mxfp8_mm": "(Tensor a, Tensor? a_scale, Tensor b, Tensor? b_scale, Tensor? bias, "
+                "ScalarType out_dtype) -> Tensor",
+    "nvfp4_grouped_mm": "(Tensor a, Tensor? a_scale, Tensor? a_amax, Tensor b, Tensor b_scale, "
+                        "Tensor b_amax, Tensor offs, int a_bound, int b_bound, Tensor? bias, "
+                        "ScalarType out_dtype) -> Tensor",
+    "mxfp8_grouped_mm": "(Tensor a, Tensor? a_scale, Tensor b, Tensor b_scale, Tensor offs, "
+                        "Tensor? bias, ScalarType out_dtype) -> Tensor",
+}
+
+
+# ---- operands and the epilogue ----------------------------------------------------------------
+
+
+class Side:
+    """One operand as the ops take it: data, scale (None: high precision), amax (NVFP4)."""
+
+    __slots__ = ("data", "scale", "amax", "bound")
+
+    def __init__(self, data, scale=None, amax=None, bound=448):
+        self.data, self.scale, self.amax, self.bound = data, scale, amax, bound
+
+    @property
+    def quantized(self) -> bool:
+        return self.scale is not None
+
+
+def _sides(fmt: str, args) -> tuple[Side, Side]:
+    """The (a, b) sides of a dense op's arguments (without bias and out_dtype)."""
+    if fmt == NVFP4:
+        a, a_scale, a_amax, b, b_scale, b_amax, a_bound, b_bound = args
+        return Side(a, a_scale, a_amax, a_bound), Side(b, b_scale, b_amax, b_bound)
+    a, a_scale, b, b_scale = args
+    return Side(a, a_scale), Side(b, b_scale)
+
+
+def _k(fmt: str, side: Side) -> int:
+    """The reduction length K an operand stands for."""
+    k = side.data.shape[-1]
+    return 2 * k if fmt == NVFP4 and side.quantized else k
+
+
+def units(fmt: str, side: Side) -> torch.Tensor:
+    """The exact fp32 values [.., R, K] a GEMM multiplies: NVFP4 value(q) * s_b, MXFP8
+    e4m3 * 2**(code - 127), a high-precision operand as itself."""
+    if not side.quantized:
+        return side.data.float()
+    if fmt == NVFP4:
+        return nvfp4_ref.unit_values(side.data, side.scale)
+    return mxfp8_ref.dequantize(side.data, side.scale, columnwise=False)
+
+
+def epilogue_terms(fmt: str, a: Side, b: Side):
+    """(amax_a or None, inv or None, amax_b or None): each NVFP4 operand's amax and
+    inv = r(1 / (36 B_a B_b)), or r(1 / (6 B)) with one NVFP4 operand; all None for MXFP8."""
+    if fmt != NVFP4:
+        return None, None, None
+    denom = (6.0 * a.bound if a.quantized else 1.0) * (6.0 * b.bound if b.quantized else 1.0)
+    return (a.amax if a.quantized else None), INV[denom], (b.amax if b.quantized else None)
+
+
+def epilogue_factors(fmt: str, a: Side, b: Side):
+    """(left, right) fp32 multipliers shaped for the output: left = A_a * inv (or inv) as a
+    scalar or [.., M, 1], right = A_b as a scalar or [.., 1, N]; None for MXFP8."""
+    amax_a, inv, amax_b = epilogue_terms(fmt, a, b)
+    if inv is None:
+        return None, None
+    left = inv if amax_a is None else (amax_a if amax_a.dim() == 0 else amax_a[..., None]) * inv
+    right = None if amax_b is None else (amax_b if amax_b.dim() == 0 else amax_b[..., None, :])
+    return left, right
+
+
+def apply_epilogue(acc, left, right, bias, out_dtype) -> torch.Tensor:
+    """acc * left, then * right, then + bias, then the cast: [Note: emulated GEMM]'s order."""
+    if left is not None:
+        acc = acc * left
+    if right is not None:
+        acc = acc * right
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(out_dtype)
+
+
+# ---- argument checks (shared by every implementation, the fake one included) -----------------
+
+
+def _fail(op: str, what: str) -> None:
+    raise ValueError(f"qtensor::{op}: {what}")
+
+
+def _check_side(op: str, fmt: str, name: str, s: Side) -> None:
+    d = s.data
+    if d.dim() not in (2, 3):
+        _fail(op, f"operand {name} must be 2-D or 3-D rows along K; got shape {tuple(d.shape)}.")
+    if not s.quantized:
+        if d.dtype not in FLOAT_DTYPES:
+            _fail(op, f"a high-precision operand {name} must be float32, bfloat16 or float16; "
+                      f"got {d.dtype}.")
+        return
+    want = (torch.uint8, torch.float8_e4m3fn) if fmt == NVFP4 else (
+        torch.float8_e4m3fn, torch.float8_e8m0fnu)
+    block = 8 if fmt == NVFP4 else 32  # scale columns per data column
+    if d.dtype != want[0] or s.scale.dtype != want[1]:
+        _fail(op, f"{fmt} operand {name} needs {want[0]} data and {want[1]} scales; got "
+                  f"{d.dtype} and {s.scale.dtype}.")
+    if tuple(s.scale.shape[:-1]) != tuple(d.shape[:-1]) or s.scale.shape[-1] * block != d.shape[-1]:
+        _fail(op, f"{name}_scale must be {(*d.shape[:-1], d.shape[-1] // block)} for data "
+                  f"{tuple(d.shape)}; got {tuple(s.scale.shape)}.")
+    if fmt == NVFP4:
+        amax = s.amax
+        if amax is None or amax.dtype != torch.float32:
+            _fail(op, f"an NVFP4 operand {name} needs an fp32 {name}_amax; got "
+                      f"{None if amax is None else amax.dtype}.")
+        if amax.dim() and tuple(amax.shape) != tuple(d.shape[:-1]):
+            _fail(op, f"{name}_amax must be 0-d or one value per row {tuple(d.shape[:-1])}; "
+                      f"got {tuple(amax.shape)}.")
+        if s.bound not in BOUNDS:
+            _fail(op, f"{name}_bound must be 448 or 256; got {s.bound}.")
+
+
+def _check_dense(op: str, fmt: str, a: Side, b: Side, bias, out_dtype) -> None:
+    if not (a.quantized or b.quantized):
+        _fail(op, "at least one operand must be quantized (a_scale or b_scale given).")
+    _check_side(op, fmt, "a", a)
+    _check_side(op, fmt, "b", b)
+    if _k(fmt, a) != _k(fmt, b):
+        _fail(op, f"K differs: a {tuple(a.data.shape)} x b {tuple(b.data.shape)} (rows along K).")
+    if a.data.dim() == b.data.dim() == 3 and 1 != a.data.shape[0] != b.data.shape[0] != 1:
+        _fail(op, f"batch sizes differ: {a.data.shape[0]} x {b.data.shape[0]}.")
+    if out_dtype not in FLOAT_DTYPES:
+        _fail(op, f"out_dtype must be float32, bfloat16 or float16; got {out_dtype}.")
+    if a.data.device != b.data.device:
+        _fail(op, f"operands on different devices: {a.data.device} and {b.data.device}.")
+
+
+def _check_grouped(op: str, fmt: str, a: Side, b: Side, offs, bias, out_dtype) -> None:
+    _check_side(op, fmt, "a", a)
+    _check_side(op, fmt, "b", b)
+    if a.data.dim() != 2 or b.data.dim() != 3:
+        _fail(op, f"takes tokens a [T, K*] x experts b [E, N, K*]; got {tuple(a.data.shape)} x "
+                  f"{tuple(b.data.shape)}.")
+    if _k(fmt, a) != _k(fmt, b):
+        _fail(op, f"K differs: a {tuple(a.data.shape)} x b {tuple(b.data.shape)} (rows along K).")
+    experts = b.data.shape[0]
+    if offs.dim() != 1 or offs.dtype != torch.int32 or offs.shape[0] != experts:
+        _fail(op, f"offs must be int32 [E] with E = {experts} cumulative row ends; got "
+                  f"{offs.dtype} {tuple(offs.shape)}.")
+    if bias is not None and tuple(bias.shape) != (experts, b.data.shape[1]):
+        _fail(op, f"bias must be [E, N] = {(experts, b.data.shape[1])}; got {tuple(bias.shape)}.")
+    if out_dtype not in FLOAT_DTYPES:
+        _fail(op, f"out_dtype must be float32, bfloat16 or float16; got {out_dtype}.")
+
+
+def _dense_shape(a: Side, b: Side) -> tuple[int, ...]:
+    m, n = a.data.shape[-2], b.data.shape[-2]
+    if a.data.dim() == b.data.dim() == 2:
+        return (m, n)
+    batch = max(a.data.shape[0] if a.data.dim() == 3 else 1,
+                b.data.shape[0] if b.data.dim() == 3 else 1)
+    return (batch, m, n)
+
+
+# ---- the reference (CPU kernel; also the fallback of the CUDA kernel) --------------------------
+
+
+def reference_mm(fmt: str, a: Side, b: Side, bias, out_dtype) -> torch.Tensor:
+    """The exact emulated product: fp32 unit values, torch.matmul, the epilogue."""
+    acc = torch.matmul(units(fmt, a), units(fmt, b).transpose(-1, -2))
+    return apply_epilogue(acc, *epilogue_factors(fmt, a, b), bias, out_dtype)
+
+
+def reference_grouped_mm(fmt: str, a: Side, b: Side, offs, bias, out_dtype) -> torch.Tensor:
+    """Per expert: exact fp32 units, matmul, the dense epilogue on that expert's rows."""
+    ends = offs.tolist()
+    if any(e1 < e0 for e0, e1 in zip([0] + ends, ends)) or (ends and ends[-1] > a.data.shape[0]):
+        raise ValueError(
+            f"offs must be non-decreasing and at most T={a.data.shape[0]}; got {ends}.")
+    ua, ub = units(fmt, a), units(fmt, b)
+    left, right = epilogue_factors(fmt, a, b)
+    out = torch.zeros(a.data.shape[0], b.data.shape[1], dtype=out_dtype, device=ub.device)
+    start = 0
+    for e, end in enumerate(ends):
+        rows = slice(start, end)
+        l_e = left[rows] if isinstance(left, torch.Tensor) and left.dim() else left
+        r_e = right[e] if isinstance(right, torch.Tensor) and right.dim() else right
+        out[rows] = apply_epilogue(ua[rows] @ ub[e].t(), l_e, r_e,
+                                   bias[e] if bias is not None else None, out_dtype)
+        start = end
+    return out
+
+
+# ---- the CUDA kernel: Triton where it applies --------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_device_problem(index: int) -> str | None:
+    return gemm_backend_problem(GemmBackend.TRITON, f"cuda:{index}")
+
+
+def _device_ok(a: Side) -> bool:
+    """Whether Triton runs on this GPU (chosen once per device; the tensors' triton backend was
+    resolved against the same check when they were made)."""
+    return _triton_device_problem(a.data.device.index or 0) is None
+
+
+def triton_problem(a: Side, b: Side, bias, out_dtype, grouped=False) -> str | None:
+    """Why the Triton kernels cannot run this product (then the reference does), or None."""
+    if not b.quantized:
+        return "the right operand is high precision"
+    if not a.quantized and a.data.dtype != torch.bfloat16:
+        return f"a high-precision left operand must be bfloat16 to be exact; got {a.data.dtype}"
+    if a.data.device.type != "cuda":
+        return "the operands are not on a CUDA device"
+    if not grouped and bias is not None and (bias.dim() != 1 or bias.shape[0] != b.data.shape[-2]):
+        return "the bias is not a vector [N]"
+    if a.data.numel() == 0 or b.data.numel() == 0:
+        return "an operand is empty"
+    return None
+
+
+def _kernel_operand(fmt: str, s: Side, kernels):
+    if not s.quantized:
+        return kernels.Operand(kernels.FMT_HP, s.data, None)
+    if fmt == NVFP4:
+        return kernels.Operand(kernels.FMT_NVFP4, s.data, s.scale)
+    return kernels.Operand(kernels.FMT_MXFP8, s.data, s.scale.view(torch.uint8))
+
+
+def triton_mm(fmt: str, a: Side, b: Side, bias, out_dtype, config=None, predecode=None):
+    """The Triton product. Above qgemm.DECODE_FIRST_M rows (or with predecode=True) each
+    quantized operand is decoded to exact bf16 once, then multiplied by the bf16 kernel; up to
+    it the weight streams and is decoded in registers, and a quantized left operand's few rows
+    are decoded once up front rather than once per N tile."""
+    from qtensor.kernels import qgemm
+
+    m, n, k = a.data.shape[-2], b.data.shape[-2], _k(fmt, b)
+    ka, kb = _kernel_operand(fmt, a, qgemm), _kernel_operand(fmt, b, qgemm)
+    if predecode if predecode is not None else m > qgemm.DECODE_FIRST_M:
+        ka, kb = qgemm.decode_bf16(ka, m, k), qgemm.decode_bf16(kb, n, k)
+    elif predecode is None:
+        ka = qgemm.decode_bf16(ka, m, k)
+    ep = qgemm.Epilogue(*epilogue_terms(fmt, a, b), bias)
+    out = qgemm.qgemm(ka, kb, ep, out_dtype=out_dtype, m=m, n=n, k=k, config=config)
+    return out[0] if a.data.dim() == b.data.dim() == 2 else out
+
+
+def triton_grouped_mm(fmt: str, a: Side, b: Side, offs, bias, out_dtype):
+    """The operands are decoded to exact bf16 once (each weight is read by T / BM tiles), then
+    the grouped bf16 kernel applies the per-expert epilogue."""
+    from qtensor.kernels import grouped_qgemm, qgemm
+
+    t, n, k = a.data.shape[0], b.data.shape[1], _k(fmt, b)
+    ka = qgemm.decode_bf16(_kernel_operand(fmt, a, qgemm), t, k)
+    kb = qgemm.decode_bf16(_kernel_operand(fmt, b, qgemm), n, k)
+    ep = qgemm.Epilogue(*epilogue_terms(fmt, a, b), bias)
+    return grouped_qgemm.grouped_qgemm(ka, kb, offs, ep, out_dtype=out_dtype, t=t, n=n, k=k)
+
+
+# ---- the kernels each op registers, per format --------------------------------------------------
+
+
+def _dense_kernels(fmt: str):
+    op = f"{fmt}_mm"
+
+    def split(args):
+        *operands, bias, out_dtype = args
+        a, b = _sides(fmt, operands)
+        return a, b, bias, out_dtype
+
+    def cpu(*args):
+        a, b, bias, out_dtype = split(args)
+        _check_dense(op, fmt, a, b, bias, out_dtype)
+        return reference_mm(fmt, a, b, bias, out_dtype)
+
+    def cuda(*args):
+        a, b, bias, out_dtype = split(args)
+        _check_dense(op, fmt, a, b, bias, out_dtype)
+        if triton_problem(a, b, bias, out_dtype) is None and _device_ok(a):
+            return triton_mm(fmt, a, b, bias, out_dtype)
+        return reference_mm(fmt, a, b, bias, out_dtype)
+
+    def fake(*args):
+        a, b, bias, out_dtype = split(args)
+        _check_dense(op, fmt, a, b, bias, out_dtype)
+        return a.data.new_empty(_dense_shape(a, b), dtype=out_dtype)
+
+    return cpu, cuda, fake
+
+
+def _grouped_kernels(fmt: str):
+    op = f"{fmt}_grouped_mm"
+
+    def split(args):
+        if fmt == NVFP4:
+            a, a_scale, a_amax, b, b_scale, b_amax, offs, a_bound, b_bound, bias, out_dtype = args
+            return Side(a, a_scale, a_amax, a_bound), Side(b, b_scale, b_amax, b_bound), offs, \
+                bias, out_dtype
+        a, a_scale, b, b_scale, offs, bias, out_dtype = args
+        return Side(a, a_scale), Side(b, b_scale), offs, bias, out_dtype
+
+    def cpu(*args):
+        a, b, offs, bias, out_dtype = split(args)
+        _check_grouped(op, fmt, a, b, offs, bias, out_dtype)
+        return reference_grouped_mm(fmt, a, b, offs, bias, out_dtype)
+
+    def cuda(*args):
+        a, b, offs, bias, out_dtype = split(args)
+        _check_grouped(op, fmt, a, b, offs, bias, out_dtype)
+        if triton_problem(a, b, None, out_dtype, grouped=True) is None and _device_ok(a):
+            return triton_grouped_mm(fmt, a, b, offs, bias, out_dtype)
+        return reference_grouped_mm(fmt, a, b, offs, bias, out_dtype)
+
+    def fake(*args):
+        a, b, offs, bias, out_dtype = split(args)
+        _check_grouped(op, fmt, a, b, offs, bias, out_dtype)
+        return a.data.new_empty((a.data.shape[0], b.data.shape[1]), dtype=out_dtype)
+
+    return cpu, cuda, fake, split
+
+
+# ---- autograd: the high-precision operand and the bias ------------------------------------------
+
+
+def _setup_context(ctx, inputs, output):
+    """Save the tensor inputs for the backward and keep the others (bounds, dtype) on ctx."""
+    ctx.save_for_backward(*[t if isinstance(t, torch.Tensor) else None for t in inputs])
+    ctx.plain_inputs = [None if isinstance(t, torch.Tensor) else t for t in inputs]
+
+
+def _saved_inputs(ctx) -> list:
+    return [t if t is not None else p for t, p in zip(ctx.saved_tensors, ctx.plain_inputs)]
+
+
+def _reduce_to(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Sum a broadcast batch dim back to `like`'s shape, in like's dtype."""
+    if grad.dim() > like.dim():
+        grad = grad.sum(0)
+    elif grad.shape[0] != like.shape[0]:
+        grad = grad.sum(0, keepdim=True)
+    return grad.to(like.dtype)
+
+
+def _dense_backward(fmt: str, positions: dict):
+    """The autograd formula of a dense op: d acc = dY * left * right (fp32), then
+    dA = d acc @ units(B) and dB = d acc^T @ units(A) for a high-precision side, d bias = sum."""
+
+    setup_context = _setup_context
+
+    def backward(ctx, grad):
+        inputs = _saved_inputs(ctx)
+        *operands, bias, _ = inputs
+        a, b = _sides(fmt, operands)
+        left, right = epilogue_factors(fmt, a, b)
+        d = apply_epilogue(grad.float(), left, right, None, torch.float32)
+        grads = [None] * len(inputs)
+        if ctx.needs_input_grad[positions["a"]]:
+            grads[positions["a"]] = _reduce_to(d @ units(fmt, b), a.data)
+        if ctx.needs_input_grad[positions["b"]]:
+            grads[positions["b"]] = _reduce_to(d.transpose(-1, -2) @ units(fmt, a), b.data)
+        if bias is not None and ctx.needs_input_grad[positions["bias"]]:
+            grads[positions["bias"]] = _sum_to(grad.float(), bias)
+        return tuple(grads)
+
+    return setup_context, backward
+
+
+def _sum_to(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The gradient of a broadcast add: sum grad down to like's shape."""
+    while grad.dim() > like.dim():
+        grad = grad.sum(0)
+    for i, n in enumerate(like.shape):
+        if n == 1 and grad.shape[i] != 1:
+            grad = grad.sum(i, keepdim=True)
+    return grad.to(like.dtype)
+
+
+def _grouped_backward(fmt: str, split, positions: dict):
+    """dA rows of expert e = (dY * left * right_e) @ units(B[e]); d bias[e] = sum of its rows.
+    Expert e's rows are selected by a mask built from offs on the device (no host sync, so the
+    backward traces under torch.compile)."""
+
+    def backward(ctx, grad):
+        inputs = _saved_inputs(ctx)
+        a, b, offs, bias, _ = split(inputs)
+        left, right = epilogue_factors(fmt, a, b)
+        ub = units(fmt, b)
+        g = grad.float()
+        rows = torch.arange(g.shape[0], device=g.device)
+        starts = torch.cat([offs.new_zeros(1), offs[:-1]])
+        da = torch.zeros(a.data.shape, dtype=torch.float32, device=g.device)
+        db = []
+        for e in range(ub.shape[0]):
+            mine = ((rows >= starts[e]) & (rows < offs[e]))[:, None]
+            r_e = right[e] if isinstance(right, torch.Tensor) and right.dim() else right
+            d = torch.where(mine, apply_epilogue(g, left, r_e, None, torch.float32), 0.0)
+            da = da + d @ ub[e]
+            db.append(torch.where(mine, g, 0.0).sum(0))
+        grads = [None] * len(inputs)
+        if ctx.needs_input_grad[positions["a"]]:
+            grads[positions["a"]] = da.to(a.data.dtype)
+        if bias is not None and ctx.needs_input_grad[positions["bias"]]:
+            grads[positions["bias"]] = torch.stack(db).to(bias.dtype)
+        return tuple(grads)
+
+    return _setup_context, backward
+
+
+# ---- registration ------------------------------------------------------------------------------
+
+_POSITIONS = {
+    "nvfp4_mm": {"a": 0, "b": 3, "bias": 8},
+    "mxfp8_mm": {"a": 0, "b": 2, "bias": 4},
+    "nvfp4_grouped_mm": {"a": 0, "b": 3, "bias": 9},
+    "mxfp8_grouped_mm": {"a": 0, "b": 2, "bias": 5},
+}
+_LIB = torch.library.Library("qtensor", "FRAGMENT")
+# Per op: {"cpu": fn, "cuda": fn}, the kernels the dispatcher calls (and the GEMM layer's eager
+# direct calls).
+KERNELS: dict[str, dict[str, object]] = {}
+
+
+def _register() -> None:
+    for fmt in (NVFP4, MXFP8):
+        cpu, cuda, fake = _dense_kernels(fmt)
+        name = f"{fmt}_mm"
+        _define(name, cpu, cuda, fake, *_dense_backward(fmt, _POSITIONS[name]))
+        cpu, cuda, fake, split = _grouped_kernels(fmt)
+        name = f"{fmt}_grouped_mm"
+        _define(name, cpu, cuda, fake, *_grouped_backward(fmt, split, _POSITIONS[name]))
+
+
+def _define(name, cpu, cuda, fake, setup_context, backward) -> None:
+    _LIB.define(name + SCHEMAS[name])
+    _LIB.impl(name, cpu, "CPU")
+    _LIB.impl(name, cuda, "CUDA")
+    torch.library.register_fake(f"qtensor::{name}", fake, lib=_LIB)
+    torch.library.register_autograd(f"qtensor::{name}", backward, setup_context=setup_context,
+                                    lib=_LIB)
+    KERNELS[name] = {"cpu": cpu, "cuda": cuda}
+
+
+_register()
+
+
+def op(name: str):
+    return getattr(torch.ops.qtensor, name).default
+
+
+# ---- calling the ops ---------------------------------------------------------------------------
+
+
+def _direct_ok(tensors) -> bool:
+    """Whether an eager call may skip the dispatcher: not compiling, no dispatch mode or
+    functorch transform active, and no autograd to record."""
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad)):
+            return False
+    return True
+
+
+def call(name: str, *args) -> torch.Tensor:
+    """torch.ops.qtensor.<name>(*args); in plain eager, its device kernel called directly."""
+    device = args[0].device.type
+    kernels = KERNELS[name]
+    if device in kernels and _direct_ok(a for a in args if isinstance(a, torch.Tensor)):
+        return kernels[device](*args)
+    return op(name)(*args)
+
+
+def nvfp4_args(a: Side, b: Side, bias, out_dtype) -> tuple:
+    return (a.data, a.scale, a.amax, b.data, b.scale, b.amax, a.bound, b.bound, bias, out_dtype)
+
+
+def mxfp8_args(a: Side, b: Side, bias, out_dtype) -> tuple:
+    return (a.data, a.scale, b.data, b.scale, bias, out_dtype)
+
+
+def dense_args(fmt: str, a: Side, b: Side, bias, out_dtype) -> tuple:
+    return (nvfp4_args if fmt == NVFP4 else mxfp8_args)(a, b, bias, out_dtype)
+
+
+def grouped_args(fmt: str, a: Side, b: Side, offs, bias, out_dtype) -> tuple:
+    if fmt == NVFP4:
+        return (a.data, a.scale, a.amax, b.data, b.scale, b.amax, offs, a.bound, b.bound, bias,
+                out_dtype)
+    return (a.data, a.scale, b.data, b.scale, offs, bias, out_dtype)
