@@ -168,3 +168,41 @@ def test_import_does_not_load_triton():
            "print('triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.cuda
+@cuda
+def test_direct_launch_equals_tritons_own_launch():
+    """[Note: direct launch]: the cached compiled kernels launched directly give the bytes
+    Triton's own launch gives, for split-K decode shapes, large M, grouped, and an operand
+    whose pointer is not 16-byte aligned (a key of its own); no launch fell back."""
+    from qtensor.kernels import grouped_qgemm, qgemm
+
+    launchers = [qgemm._QGEMM, qgemm._SPLITK_EPILOGUE, qgemm._DECODE, grouped_qgemm._GROUPED]
+    g = torch.Generator("cuda").manual_seed(9)
+    w = torch.randn(208, 2080, device="cuda", generator=g)
+    wide = torch.randn(300, 2081, device="cuda", generator=g).bfloat16()
+    cases = {
+        "split-K bf16 x NVFP4": lambda: torch.nn.functional.linear(
+            wide[:1, :2080], NVFP4Tensor.from_hp(w)),
+        "misaligned bf16 x MXFP8": lambda: torch.nn.functional.linear(
+            wide[:5, 1:], MXFP8Tensor.from_hp(w)),
+        "M=300 NVFP4 x NVFP4": lambda: quantized_mm(
+            NVFP4Tensor.from_hp(wide[:, :2080].float()), NVFP4Tensor.from_hp(w).t()),
+        "grouped": lambda: torch._grouped_mm(
+            wide[:40, :2080], NVFP4Tensor.from_hp(w.reshape(2, 104, 2080)).transpose(-1, -2),
+            torch.tensor([17, 40], dtype=torch.int32, device="cuda")),
+    }
+    for name, fn in cases.items():
+        fn()  # first launch of each key: Triton's path, which fills the cache
+        direct = fn()
+        assert all(lnc.direct for lnc in launchers), f"{name}: a direct launch fell back"
+        for lnc in launchers:
+            lnc.direct = False
+        try:
+            own = fn()
+        finally:
+            for lnc in launchers:
+                lnc.direct = True
+        assert torch.equal(direct, own), name
+    assert all(len(lnc.cache) for lnc in launchers)

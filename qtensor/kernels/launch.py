@@ -56,13 +56,9 @@ class Launcher:
         self.direct = True
 
     def __call__(self, grid, *args, **kwargs):
-        import triton
-
         if len(args) != self.n_runtime:
             raise TypeError(f"{self.fn}: {self.n_runtime} runtime arguments, got {len(args)}.")
-        hooks = triton.knobs.runtime
-        if not self.direct or hooks.launch_enter_hook is not None or (
-                hooks.launch_exit_hook is not None):
+        if not self.direct or _hooks_installed():
             return self.fn[grid](*args, **kwargs)
         device = torch.cuda.current_device()
         key = (device, tuple(map(_arg_key, args)), tuple(sorted(kwargs.items())))
@@ -77,6 +73,23 @@ class Launcher:
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         stream = torch._C._cuda_getCurrentRawStream(device)
-        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None,
-                   None, *args, *constexprs)
+        try:
+            kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None,
+                       None, None, *args, *constexprs)
+        except (TypeError, SystemError):  # a launcher of another signature: Triton's path
+            self.direct = False
+            return self.fn[grid](*args, **kwargs)
         return kernel
+
+
+def _hooks_installed() -> bool:
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:  # Tritons before knobs keep the hooks on CompiledKernel
+        from triton.compiler import CompiledKernel
+
+        return (getattr(CompiledKernel, "launch_enter_hook", None) is not None
+                or getattr(CompiledKernel, "launch_exit_hook", None) is not None)
+    hooks = knobs.runtime
+    return hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None

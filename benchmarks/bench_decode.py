@@ -1,0 +1,182 @@
+"""End-to-end decode: a transformers Llama (hidden 4096, 8 layers, bf16 lm_head) built from a
+config, greedy decoding with a static KV cache, bf16 against each qtensor config.
+
+Run on one GPU (benchmarks/gpu_check.sh calls it):
+    python benchmarks/bench_decode.py [--out LOGDIR/bench_decode.md] [--compiled CONFIGS]
+For each config and batch size (1 and 8): decode tokens/s eager and compiled, the prefill time
+of 2048 tokens, and the peak GPU memory. How it is measured:
+- generate() with cache_implementation="static" and do_sample=False. transformers compiles the
+  forward by itself when the cache is static; "eager" passes disable_compile=True so that eager
+  means eager, "compiled" passes CompileConfig(fullgraph=True, mode="reduce-overhead") (CUDA
+  graphs). The compiled rows report the graphs compiled and graph breaks seen.
+- Decode time per token is the difference of two generate() calls (16 and 16 + N new tokens)
+  over N, which cancels the prefill and the setup; tokens/s = batch / time per token. Each
+  measurement follows a warm-up call (compilation, CUDA graph capture).
+- bf16 is measured twice and the second is the baseline: the first pays the process warm-up.
+- The prefill is one forward of [1, 2048] tokens without cache (eager, median of 3).
+- Every quantized config's first greedy tokens are compared with eager's own: compiled and
+  eager run the same kernels, so they must agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import qtensor  # noqa: E402
+
+ROWS: list[str] = []
+CONFIGS = {
+    "nvfp4_weight_only": lambda: qtensor.NVFP4WeightOnlyConfig(),
+    "mxfp8_weight_only": lambda: qtensor.MXFP8WeightOnlyConfig(),
+    "nvfp4_dynamic": lambda: qtensor.NVFP4DynamicActivationNVFP4WeightConfig(),
+    "mxfp8_dynamic": lambda: qtensor.MXFP8DynamicActivationMXFP8WeightConfig(),
+}
+
+
+def emit(line: str) -> None:
+    print(line, flush=True)
+    ROWS.append(line)
+
+
+def build_model(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                      max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    return model
+
+
+def quantize(model, name: str):
+    if name.startswith("bf16"):
+        return model
+    return qtensor.quantize_(model, CONFIGS[name](),
+                             filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and
+                             n != "lm_head")
+
+
+def generate(model, ids, new_tokens: int, compiled: bool):
+    from transformers.generation import CompileConfig
+
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+              cache_implementation="static", pad_token_id=0)
+    if compiled:
+        kw["compile_config"] = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    else:
+        kw["disable_compile"] = True
+    with torch.no_grad():
+        return model.generate(ids, **kw)
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def decode_ms_per_token(model, ids, compiled: bool, steps: int) -> tuple[float, torch.Tensor]:
+    short, long_ = 16, 16 + steps
+    out = generate(model, ids, long_, compiled)  # warm-up: compile and capture both lengths
+    generate(model, ids, short, compiled)
+    t_long = statistics.median(timed(lambda: generate(model, ids, long_, compiled))
+                               for _ in range(2))
+    t_short = statistics.median(timed(lambda: generate(model, ids, short, compiled))
+                                for _ in range(2))
+    return (t_long - t_short) / steps * 1e3, out
+
+
+def prefill_ms(model, tokens: int = 2048) -> float:
+    ids = torch.randint(0, 32000, (1, tokens), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(1))
+    with torch.no_grad():
+        model(ids, use_cache=False)
+        return statistics.median(timed(lambda: model(ids, use_cache=False)) for _ in range(3)) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="markdown file for the table")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--steps", type=int, default=48, help="decode steps timed per measurement")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="quantized configs to run")
+    p.add_argument("--compiled", default=",".join(["bf16"] + list(CONFIGS)),
+                   help="configs also measured compiled (each compile takes a minute)")
+    args = p.parse_args()
+    import transformers
+    from torch._dynamo.utils import counters
+
+    date = datetime.date.today().isoformat()
+    emit(f"## Decode, {date}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+         f"transformers {transformers.__version__}")
+    emit(f"Llama hidden 4096, intermediate 14336, {args.layers} layers, 32/8 heads, vocab "
+         f"32000, bf16 lm_head; prompt 32 tokens; {args.steps} timed decode steps\n")
+    emit("| config | batch | eager tok/s | vs bf16 | compiled tok/s | vs bf16 | graphs, breaks "
+         "| prefill 2048 ms | peak GiB | tokens agree |")
+    emit("|---|---|---|---|---|---|---|---|---|---|")
+    compiled_set = set(args.compiled.split(",")) if args.compiled else set()
+    names = ["bf16_first", "bf16"] + [c for c in args.configs.split(",") if c]
+    base: dict[tuple[int, str], float] = {}
+    for name in names:
+        torch._dynamo.reset()
+        model = quantize(build_model(args.layers), name)
+        torch.cuda.reset_peak_memory_stats()
+        pre = prefill_ms(model)
+        for batch in (1, 8):
+            ids = torch.randint(0, 32000, (batch, 32), device="cuda",
+                                generator=torch.Generator("cuda").manual_seed(2))
+            row = {}
+            try:
+                ms, eager_out = decode_ms_per_token(model, ids, False, args.steps)
+                row["eager"] = batch / ms * 1e3
+            except Exception as e:  # reported in the table, the sweep goes on
+                row["eager_err"] = f"{type(e).__name__}: {str(e)[:60]}"
+                eager_out = None
+            if ("bf16" if name.startswith("bf16") else name) in compiled_set:
+                counters.clear()
+                try:
+                    ms, comp_out = decode_ms_per_token(model, ids, True, args.steps)
+                    row["compiled"] = batch / ms * 1e3
+                    row["graphs"] = (f"{counters['stats']['unique_graphs']}, "
+                                     f"{sum(counters['graph_break'].values())}")
+                    if eager_out is not None:
+                        row["agree"] = bool(torch.equal(comp_out[:, :48], eager_out[:, :48]))
+                except Exception as e:
+                    row["compiled_err"] = f"{type(e).__name__}: {str(e)[:60]}"
+            for mode in ("eager", "compiled"):
+                if name == "bf16" and mode in row:
+                    base[(batch, mode)] = row[mode]
+
+            def cell(mode):
+                if mode in row:
+                    ratio = row[mode] / base[(batch, mode)] if (batch, mode) in base else None
+                    return f"{row[mode]:.0f}", (f"{ratio:.2f}x" if ratio else "")
+                return row.get(mode + "_err", "-"), ""
+
+            e, er = cell("eager")
+            c, cr = cell("compiled")
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            emit(f"| {name} | {batch} | {e} | {er} | {c} | {cr} | {row.get('graphs', '')} | "
+                 f"{pre:.1f} | {peak:.1f} | {row.get('agree', '')} |")
+        del model
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(ROWS) + "\n")
+
+
+if __name__ == "__main__":
+    main()

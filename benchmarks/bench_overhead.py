@@ -1,0 +1,194 @@
+"""Host time of one quantized linear call, and the cost of `from_hp`'s finiteness check.
+
+Run on one GPU (benchmarks/gpu_check.sh calls it):
+    python benchmarks/bench_overhead.py [--out LOGDIR/bench_overhead.md]
+For F.linear on an 8192x8192 weight at M=1 (bf16, and each weight-only and dynamic config):
+- host us: CPU time per call, from a loop of 40 calls issued back to back after a sync (short
+  enough that the launch queue never fills, so the loop's time is the host's);
+- wall us: a synchronized loop's time per call (max of host and GPU time), the eager speed;
+- graph us: the same call replayed from a CUDA graph (GPU time only);
+- and the ratio of bf16's wall time to the path's (>= 1 means as fast as bf16).
+The qtensor rows are also timed with the direct Triton launch off and through the dispatcher,
+to show what each saves. Then `from_hp` on 16384x8192 bf16 (GPU) and 4096x4096 (CPU): the
+default (check_finite=True) against check_finite=False.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from qtensor import MXFP8Spec, MXFP8Tensor, NVFP4Spec, NVFP4Tensor  # noqa: E402
+from qtensor.ops import gemm_ops  # noqa: E402
+
+ROWS: list[str] = []
+
+
+def emit(line: str) -> None:
+    print(line, flush=True)
+    ROWS.append(line)
+
+
+def host_us(fn, calls: int = 40, reps: int = 15) -> float:
+    """Median CPU time per call of `calls` back-to-back calls (synchronized before each loop)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def wall_us(fn, calls: int = 200, reps: int = 7) -> float:
+    """Median wall time per call of a synchronized loop."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) / calls * 1e6)
+    return statistics.median(times)
+
+
+def graph_us(fn, calls: int = 20) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return wall_us(g.replay, calls=10) / calls
+
+
+@contextlib.contextmanager
+def no_direct_launch():
+    from qtensor.kernels import grouped_qgemm, qgemm
+
+    launchers = [qgemm._QGEMM, qgemm._SPLITK_EPILOGUE, qgemm._DECODE, grouped_qgemm._GROUPED]
+    saved = [lnc.direct for lnc in launchers]
+    for lnc in launchers:
+        lnc.direct = False
+    try:
+        yield
+    finally:
+        for lnc, d in zip(launchers, saved):
+            lnc.direct = d
+
+
+@contextlib.contextmanager
+def through_dispatcher():
+    saved = gemm_ops._direct_ok
+    gemm_ops._direct_ok = lambda tensors: False
+    try:
+        yield
+    finally:
+        gemm_ops._direct_ok = saved
+
+
+def linear_section(n: int, k: int, m: int) -> None:
+    g = torch.Generator("cuda").manual_seed(0)
+    w = torch.randn(n, k, device="cuda", generator=g).bfloat16() * 0.02
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    weights = {
+        "bf16 F.linear": w,
+        "NVFP4 weight-only": NVFP4Tensor.from_hp(w),
+        "MXFP8 weight-only": MXFP8Tensor.from_hp(w),
+        "NVFP4 dynamic": NVFP4Tensor.from_hp(w).replace(act_spec=NVFP4Spec()),
+        "MXFP8 dynamic": MXFP8Tensor.from_hp(w).replace(act_spec=MXFP8Spec()),
+    }
+    emit(f"\n### F.linear, {n}x{k} weight, M={m}\n")
+    emit("| path | host us | wall us | graph us | bf16 wall / wall | host, no direct launch "
+         "| host, via dispatcher |")
+    emit("|---|---|---|---|---|---|---|")
+    base = None
+    with torch.no_grad():
+        for name, wt in weights.items():
+            def fn(wt=wt):
+                return F.linear(x, wt)
+
+            h, wl, gr = host_us(fn), wall_us(fn), graph_us(fn)
+            base = base or wl
+            extra = ["", ""]
+            if name != "bf16 F.linear":
+                with no_direct_launch():
+                    extra[0] = f"{host_us(fn):.1f}"
+                with through_dispatcher():
+                    extra[1] = f"{host_us(fn):.1f}"
+            emit(f"| {name} | {h:.1f} | {wl:.1f} | {gr:.1f} | {base / wl:.2f}x | {extra[0]} | "
+                 f"{extra[1]} |")
+
+
+def cuda_ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
+
+
+def cpu_ms(fn, reps: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def from_hp_section(device: str) -> None:
+    shape = (16384, 8192) if device == "cuda" else (4096, 4096)
+    x = torch.randn(shape, device=device).bfloat16()
+    timer = cuda_ms if device == "cuda" else cpu_ms
+    emit(f"\n### from_hp on {device}, {shape[0]}x{shape[1]} bf16\n")
+    emit("| format | default ms | check_finite=False ms | ratio |")
+    emit("|---|---|---|---|")
+    for name, make in (("NVFP4", NVFP4Tensor.from_hp), ("MXFP8", MXFP8Tensor.from_hp),
+                       ("NVFP4 columnwise RHT", lambda x, **kw: NVFP4Tensor.from_hp(
+                           x, columnwise=True, rht=True, **kw))):
+        on = timer(lambda: make(x))
+        off = timer(lambda: make(x, check_finite=False))
+        emit(f"| {name} | {on:.3f} | {off:.3f} | {on / off:.2f}x |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="markdown file for the tables")
+    p.add_argument("--cpu-only", action="store_true", help="only the CPU from_hp section")
+    args = p.parse_args()
+    date = datetime.date.today().isoformat()
+    if not args.cpu_only:
+        emit(f"## Host overhead, {date}, {torch.cuda.get_device_name()}, torch "
+             f"{torch.__version__}")
+        for m in (1, 16):
+            linear_section(8192, 8192, m)
+        from_hp_section("cuda")
+    else:
+        emit(f"## from_hp check cost, {date}, CPU ({os.cpu_count()} cores), torch "
+             f"{torch.__version__}")
+    from_hp_section("cpu")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(ROWS) + "\n")
+
+
+if __name__ == "__main__":
+    main()
