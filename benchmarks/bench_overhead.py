@@ -144,7 +144,7 @@ def cuda_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
 
 
-def cpu_ms(fn, reps: int = 5) -> float:
+def cpu_ms(fn, reps: int = 11) -> float:
     fn()
     times = []
     for _ in range(reps):
@@ -152,6 +152,24 @@ def cpu_ms(fn, reps: int = 5) -> float:
         fn()
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
+
+
+def profile(fn, calls: int = 300, top: int = 30) -> None:
+    """cProfile of `calls` calls: where the host time goes, by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    print(buf.getvalue())
 
 
 def from_hp_section(device: str) -> None:
@@ -173,7 +191,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="markdown file for the tables")
     p.add_argument("--cpu-only", action="store_true", help="only the CPU from_hp section")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile the NVFP4 weight-only call and from_hp (printed)")
     args = p.parse_args()
+    if args.profile:
+        w = NVFP4Tensor.from_hp(torch.randn(8192, 8192, device="cuda").bfloat16())
+        x = torch.randn(1, 8192, device="cuda").bfloat16()
+        with torch.no_grad():
+            profile(lambda: F.linear(x, w))
+        big = torch.randn(16384, 8192, device="cuda").bfloat16()
+        profile(lambda: NVFP4Tensor.from_hp(big), calls=50)
     date = datetime.date.today().isoformat()
     if not args.cpu_only:
         emit(f"## Host overhead, {date}, {torch.cuda.get_device_name()}, torch "

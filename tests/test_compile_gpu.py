@@ -70,18 +70,31 @@ def test_inference_configs_compile_on_cuda(name, mode):
     assert_one_graph()
 
 
+def relative_error(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
 @pytest.mark.parametrize("name", BASE_CONFIGS)
 def test_demo_transformer_inductor_cuda(name):
+    """The demo transformer compiles in one frame for two shapes. Its attention, norms and
+    rotary embedding are bf16 code that Inductor fuses and rounds differently from eager
+    (the unquantized model differs too, by about as much): the logits agree closely, not
+    bitwise; the bitwise claim for the quantized layers is the MLP test's."""
     model = quantized(build_demo_model(CFG, device="cuda"), name)
+    plain = build_demo_model(CFG, device="cuda")
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
+    compiled_plain = torch.compile(plain, backend="inductor", fullgraph=True)
     with inductor_config.patch(emulate_precision_casts=True), torch.no_grad():
         for b, t in ((2, 64), (4, 96)):
             tokens = demo_tokens(CFG, b, t, device="cuda")
             torch._dynamo.mark_dynamic(tokens, 0)
             torch._dynamo.mark_dynamic(tokens, 1)
-            assert_same(compiled(tokens), model(tokens), f"{name} {b}x{t}")
+            err = relative_error(compiled(tokens), model(tokens))
+            plain_err = relative_error(compiled_plain(tokens), plain(tokens))
+            assert err < max(8 * plain_err, 4e-3), (
+                f"{name} {b}x{t}: {err:.2e} (bf16 model: {plain_err:.2e})")
     assert counter.frame_count == 1
 
 

@@ -4,14 +4,13 @@
 `kernel[grid](*args)` (JITFunction.run) binds every argument, formats its specialization as a
 string key and looks the compiled kernel up on every call: with the ~40 arguments of a GEMM
 kernel that is tens of microseconds of Python per launch, as long as the decode GEMM itself.
-`Launcher` keeps the same cache semantics with a cheaper key. The key is what Triton
-specializes on, computed directly from the arguments:
-- a tensor: its dtype and whether its data pointer is 16-byte aligned;
-- an int: whether it is 1, whether it is divisible by 16, and whether it fits in int32;
-- a float or a bool: its type; a constexpr: its value; the launch options.
-The first launch of a key goes through `kernel[grid]`, which compiles (or finds) the kernel
-Triton would pick for these arguments and returns it; later launches with the same key call
-that compiled kernel's launcher directly. Whenever a launch hook is installed (profilers use
+`Launcher` keeps a cache of its own with a cheaper key, stricter than what Triton
+specializes on: a tensor's dtype and the low 4 bits of its data pointer (Triton specializes on
+16-byte alignment), every other argument by value (Triton specializes ints on being 1, on
+divisibility by 16 and on their range), the constexprs and the launch options. Two calls with
+one key therefore always get the kernel Triton would pick. The first launch of a key goes
+through `kernel[grid]`, which compiles (or finds) that kernel and returns it; later launches
+with the same key call the compiled kernel's launcher directly. Whenever a launch hook is installed (profilers use
 them) every launch takes Triton's own path, and a Triton whose compiled kernels lack the
 launcher attributes used here falls back to it for good.
 """
@@ -19,20 +18,6 @@ launcher attributes used here falls back to it for good.
 from __future__ import annotations
 
 import torch
-
-_INT32 = 2**31
-
-
-def _arg_key(a):
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    if isinstance(a, bool) or a is None:
-        return a
-    if isinstance(a, int):
-        return (a == 1, a % 16 == 0, -_INT32 <= a < _INT32)
-    if isinstance(a, float):
-        return float
-    return a  # constexpr-like values (ints passed as constexpr are handled by the caller)
 
 
 class Launcher:
@@ -61,7 +46,10 @@ class Launcher:
         if not self.direct or _hooks_installed():
             return self.fn[grid](*args, **kwargs)
         device = torch.cuda.current_device()
-        key = (device, tuple(map(_arg_key, args)), tuple(sorted(kwargs.items())))
+        # Stricter than Triton's specialization (ints and floats by value), so a key never
+        # maps to a kernel Triton would not pick, and cheap to build: one pass, no calls.
+        key = (device, tuple([(a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else a
+                              for a in args]), tuple(kwargs.items()))
         kernel = self.cache.get(key)
         if kernel is None:
             kernel = self.fn[grid](*args, **kwargs)
@@ -83,13 +71,16 @@ class Launcher:
 
 
 def _hooks_installed() -> bool:
+    """Whether a launch hook is set: Tritons with `knobs` keep chains of hooks there (empty when
+    none is installed), older ones a hook or None on CompiledKernel."""
     import triton
 
     knobs = getattr(triton, "knobs", None)
-    if knobs is None:  # Tritons before knobs keep the hooks on CompiledKernel
+    if knobs is None:
         from triton.compiler import CompiledKernel
 
-        return (getattr(CompiledKernel, "launch_enter_hook", None) is not None
-                or getattr(CompiledKernel, "launch_exit_hook", None) is not None)
-    hooks = knobs.runtime
-    return hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None
+        hooks = (getattr(CompiledKernel, "launch_enter_hook", None),
+                 getattr(CompiledKernel, "launch_exit_hook", None))
+    else:
+        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(h is not None and bool(getattr(h, "calls", True)) for h in hooks)

@@ -27,17 +27,18 @@ def check_hp_input(x: torch.Tensor, fmt: str) -> None:
         raise ValueError(f"{fmt} needs a non-empty tensor; got shape {tuple(x.shape)}.")
 
 
-def require_finite(x: torch.Tensor, fmt: str, suspect: torch.Tensor) -> None:
+def require_finite(x: torch.Tensor, fmt: str, quantized) -> None:
     """Raise the documented error if x holds a NaN or an Inf.
 
-    `suspect` is a bool tensor taken from what the quantization computed anyway, True whenever
-    x is not finite: a NaN/Inf amax (NVFP4; the amax is torch.amax, so any NaN or Inf input
-    reaches it) or a 0xFF block scale (MXFP8: non-finite block amaxes get code 255). Reading it
-    is the one device sync; x is read again, to count, only when it is True (an RHT can also
-    overflow a finite input to Inf: then the count is 0 and nothing is raised). Compiled and
-    fake tensors are not checked (a check would be a graph break).
+    The evidence is what the quantization computed anyway (`quantized.input_was_finite()`): an
+    amax that is not finite (NVFP4: the amax is torch.amax, so any NaN or Inf input reaches
+    it) or a 0xFF block scale (MXFP8: non-finite blocks get code 255). Reading it is the one
+    device sync, done after everything else was issued; x is read again, to count, only when
+    it says no (an RHT can also overflow a finite input to Inf: then the count is 0 and
+    nothing is raised). Compiled and fake tensors are not checked: a check would be a graph
+    break.
     """
-    if torch.compiler.is_compiling() or _is_fake(x) or not bool(suspect):
+    if torch.compiler.is_compiling() or _is_fake(x) or quantized.input_was_finite():
         return
     bad = int((~torch.isfinite(x)).sum())
     if bad:

@@ -96,7 +96,7 @@ class HybridTensor(QuantizedTensor):
             src = row.dequantize(x.dtype) if columnwise_source == "rowwise_dequantized" else x
             col = quantize_spec(src, col_spec, generator=generator, check_finite=False)
         if check_finite:  # the rowwise side is always quantized from x itself
-            require_finite(x, "HybridTensor", row.nonfinite_suspect())
+            require_finite(x, "HybridTensor", row)
         return cls(x.shape, x.dtype, x.device, rowwise=row, columnwise=col,
                    columnwise_source=columnwise_source)
 

@@ -84,16 +84,18 @@ class NVFP4Tensor(QuantizedTensor):
                 "Flatten the leading dims first (x.reshape(-1, x.shape[-1]))."
             )
         data, backend = quant.quantize_nvfp4(x, spec, generator, global_amax)
+        out = cls.wrap(x, spec, data, backend)
         if check_finite:
-            # The amax is x's own torch.amax (of its RHT when rht): NaN/Inf exactly when x
-            # holds one. A given global amax says nothing about x: x is checked itself.
-            own = data.amax if global_amax is None else x.abs().amax()
-            require_finite(x, "NVFP4", ~torch.isfinite(own).all())
-        return cls.wrap(x, spec, data, backend)
+            # A given global amax says nothing about x: then x's own amax is the evidence.
+            evidence = out if global_amax is None else out.replace(amax=x.abs().amax().float())
+            require_finite(x, "NVFP4", evidence)
+        return out
 
-    def nonfinite_suspect(self) -> torch.Tensor:
-        """True (a bool tensor) when the quantized input may have held a NaN or an Inf."""
-        return ~torch.isfinite(self.amax).all()
+    def input_was_finite(self) -> bool:
+        """Whether the input held no NaN and no Inf, as its amax (x's torch.amax, of its RHT
+        when rht) tells: True is certain; False may be an RHT overflow (one device sync)."""
+        finite = torch.isfinite(self.amax)
+        return bool(finite if finite.dim() == 0 else finite.all())
 
     @classmethod
     def wrap(cls, x, spec: NVFP4Spec, data, backend) -> "NVFP4Tensor":
