@@ -34,6 +34,8 @@ step bench_quantize python3 benchmarks/bench_quantize.py --out "$LOG/bench_quant
 step bench_gemm python3 benchmarks/bench_gemm.py --out "$LOG/bench_gemm.md"
 step bench_training python3 benchmarks/bench_training.py --out "$LOG/bench_training.json"
 step bench_qat python3 benchmarks/bench_qat.py
+step bench_overhead python3 benchmarks/bench_overhead.py --out "$LOG/bench_overhead.md"
+step bench_decode python3 benchmarks/bench_decode.py --out "$LOG/bench_decode.md"
 
 echo "== gpu_check: logs in $LOG"
 printf '%s\n' "${SUMMARY[@]}"

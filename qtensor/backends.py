@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 import functools
 
+import torch
+
 
 class QuantBackend(str, enum.Enum):
     REFERENCE = "reference"  # pure torch, qtensor/formats: the spec in code
@@ -99,13 +101,16 @@ def resolve_gemm_backend(device, override: GemmBackend | str | None = None) -> G
         return backend
     if device.type != "cuda":
         return GemmBackend.EMULATED
-    return _fastest_cuda_backend(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return GemmBackend(_fastest_cuda_backend(index))
 
 
+# Cached per device: activations are quantized (and their backend resolved) every forward.
+# torch.compile calls it at trace time and keeps the result, a str, as a constant.
+@torch.compiler.assume_constant_result
 @functools.lru_cache(maxsize=None)
-def _fastest_cuda_backend(index: int) -> GemmBackend:
-    # Cached per device: activations are quantized (and their backend resolved) every forward.
+def _fastest_cuda_backend(index: int) -> str:
     for backend in (GemmBackend.SCALED_MM, GemmBackend.TRITON):
         if gemm_backend_problem(backend, f"cuda:{index}") is None:
-            return backend
-    return GemmBackend.EMULATED
+            return backend.value
+    return GemmBackend.EMULATED.value

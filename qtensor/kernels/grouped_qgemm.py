@@ -15,7 +15,7 @@ import triton.language as tl
 
 from qtensor.kernels import tiles
 from qtensor.kernels.launch import Launcher
-from qtensor.kernels.qgemm import Epilogue, Operand
+from qtensor.kernels.qgemm import Epilogue, Operand, cdiv
 
 CONFIG = (128, 256, 64, 8, 3)  # BM, BN, BK, warps, stages: bf16 operands (decoded first)
 
@@ -31,7 +31,7 @@ def grouped_qgemm(a: Operand, b: Operand, offs, ep: Epilogue, *, out_dtype, t: i
     (b_e, b_r, b_k), (bs_e, bs_r, bs_k) = b.strides()
     dummy = b.data
     lf, _, l_r, inv, rf, r_e, r_c, bias = ep.terms(dummy)
-    grid = (triton.cdiv(t, bm) + experts + 1, triton.cdiv(n, bn))
+    grid = (cdiv(t, bm) + experts + 1, cdiv(n, bn))
     _GROUPED(
         grid,
         a.data, a.scale if a.scale is not None else dummy, a_r, a_k, as_r, as_k,

@@ -27,6 +27,16 @@ from qtensor.kernels.launch import Launcher
 FMT_HP, FMT_NVFP4, FMT_MXFP8 = 0, 1, 2
 
 
+def cdiv(a: int, b: int) -> int:
+    # Plain integer arithmetic: triton.cdiv is a constexpr function whose argument unwrapping
+    # costs microseconds per call on the host.
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def batch_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """(batch, row, k) strides of a 2-D or 3-D tensor; batch stride 0 when it broadcasts."""
     if t.dim() == 2:
@@ -74,11 +84,11 @@ DECODE_FIRST_M = 64
 def pick_config(m: int, n: int, k: int, batch: int, sms: int) -> Config:
     """Decode shapes (m <= 64) split K to fill the SMs; larger m uses 128x256 tiles."""
     if m <= DECODE_FIRST_M:
-        bm = max(16, triton.next_power_of_2(m))
+        bm = max(16, next_pow2(m))
         bn, bk = 64, 256
-        tiles_mn = triton.cdiv(n, bn) * batch
-        steps = triton.cdiv(k, bk)
-        split = max(1, min(steps // 4, triton.cdiv(4 * sms, tiles_mn)))
+        tiles_mn = cdiv(n, bn) * batch
+        steps = cdiv(k, bk)
+        split = max(1, min(steps // 4, cdiv(4 * sms, tiles_mn)))
         return Config(bm, bn, bk, split, warps=4, stages=4)
     return Config(128, 256, 64, 1, warps=8, stages=4)  # 858 us vs 882 with 3 (sweep, H200)
 
@@ -126,13 +136,13 @@ def qgemm(a: Operand, b: Operand, ep: Epilogue, *, out_dtype, m: int, n: int, k:
     out = torch.empty((batch, m, n), dtype=out_dtype, device=dev)
     (a_b, a_r, a_k), (as_b, as_r, as_k) = a.strides()
     (b_b, b_r, b_k), (bs_b, bs_r, bs_k) = b.strides()
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split), cfg.bk) * cfg.bk
-    split = triton.cdiv(k, k_per_split)
+    k_per_split = cdiv(cdiv(k, cfg.split), cfg.bk) * cfg.bk
+    split = cdiv(k, k_per_split)
     ws = out if split == 1 else torch.empty((split, batch, m, n), dtype=torch.float32, device=dev)
     dummy = b.data
     flags = ep.flags()
     terms = ep.terms(dummy)
-    grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), split, batch)
+    grid = (cdiv(m, cfg.bm) * cdiv(n, cfg.bn), split, batch)
     _QGEMM(
         grid,
         a.data, a.scale if a.scale is not None else dummy, a_b, a_r, a_k, as_b, as_r, as_k,
@@ -144,7 +154,7 @@ def qgemm(a: Operand, b: Operand, ep: Epilogue, *, out_dtype, m: int, n: int, k:
     )
     if split > 1:
         eb_m, eb_n = 32, 128
-        grid = (triton.cdiv(m, eb_m) * triton.cdiv(n, eb_n), batch)
+        grid = (cdiv(m, eb_m) * cdiv(n, eb_n), batch)
         _SPLITK_EPILOGUE(
             grid, ws, out, *terms, batch, m, n, split, **flags, BM=eb_m, BN=eb_n, num_warps=4,
             enable_fp_fusion=False,
@@ -164,7 +174,7 @@ def decode_bf16(x: Operand, rows: int, k: int) -> Operand:
     out = torch.empty((batch, rows, k), dtype=torch.bfloat16, device=x.data.device)
     (d_b, d_r, d_k), (s_b, s_r, s_k) = x.strides()
     br, bk = 32, 256
-    grid = (triton.cdiv(rows, br), triton.cdiv(k, bk), batch)
+    grid = (cdiv(rows, br), cdiv(k, bk), batch)
     _DECODE(grid, x.data, x.scale, d_b, d_r, d_k, s_b, s_r, s_k, out, rows, k,
             FMT=x.fmt, BR=br, BK=bk, num_warps=4)
     return Operand(FMT_HP, out, None)

@@ -93,7 +93,14 @@ def _backend_for(device_type: str, force_reference: bool) -> QuantBackend:
 
 def quant_backend(device: torch.device | str) -> QuantBackend:
     """The backend that quantizes tensors on `device` (chosen once per device type)."""
-    return _backend_for(torch.device(device).type, QuantPolicy.current().force_reference)
+    return QuantBackend(_backend_name(torch.device(device).type))
+
+
+# Chosen once: torch.compile calls it at trace time and keeps the result as a constant (a str:
+# an Enum returned from here would become an opaque object in the graph).
+@torch.compiler.assume_constant_result
+def _backend_name(device_type: str) -> str:
+    return _backend_for(device_type, QuantPolicy.current().force_reference).value
 
 
 def extension_status() -> str:
