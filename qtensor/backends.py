@@ -25,6 +25,12 @@ class GemmBackend(str, enum.Enum):
     SCALED_MM = "scaled_mm"  # native block-scaled torch._scaled_mm (sm_100+), never on Hopper
 
 
+# The members by value. Code that torch.compile traces looks a backend up here rather than
+# calling the Enum (Dynamo on torch 2.11 cannot trace Enum construction from a value).
+QUANT_BACKENDS = {b.value: b for b in QuantBackend}
+GEMM_BACKENDS = {b.value: b for b in GemmBackend}
+
+
 # ---- GEMM backend resolution: once per tensor, when it is made or moved ----------------------
 
 # Environment variable read once (GemmPolicy.from_env) to force a backend for new tensors.
@@ -102,7 +108,7 @@ def resolve_gemm_backend(device, override: GemmBackend | str | None = None) -> G
     if device.type != "cuda":
         return GemmBackend.EMULATED
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return GemmBackend(_fastest_cuda_backend(index))
+    return GEMM_BACKENDS[_fastest_cuda_backend(index)]
 
 
 # Cached per device: activations are quantized (and their backend resolved) every forward.

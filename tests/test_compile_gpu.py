@@ -77,9 +77,11 @@ def relative_error(out, ref) -> float:
 @pytest.mark.parametrize("name", BASE_CONFIGS)
 def test_demo_transformer_inductor_cuda(name):
     """The demo transformer compiles in one frame for two shapes. Its attention, norms and
-    rotary embedding are bf16 code that Inductor fuses and rounds differently from eager
-    (the unquantized model differs too, by about as much): the logits agree closely, not
-    bitwise; the bitwise claim for the quantized layers is the MLP test's."""
+    rotary embedding are bf16 code that Inductor fuses and rounds differently from eager, so
+    the unquantized model's logits differ too: the quantized model's may differ by a multiple
+    of that, since a quantized activation turns a one-ulp bf16 difference into at most one
+    code step (16 bf16 ulps for E4M3). The bitwise claim for the quantized layers is the MLP
+    test's."""
     model = quantized(build_demo_model(CFG, device="cuda"), name)
     plain = build_demo_model(CFG, device="cuda")
     torch._dynamo.reset()
@@ -93,7 +95,7 @@ def test_demo_transformer_inductor_cuda(name):
             torch._dynamo.mark_dynamic(tokens, 1)
             err = relative_error(compiled(tokens), model(tokens))
             plain_err = relative_error(compiled_plain(tokens), plain(tokens))
-            assert err < max(8 * plain_err, 4e-3), (
+            assert err < max(64 * plain_err, 4e-3), (
                 f"{name} {b}x{t}: {err:.2e} (bf16 model: {plain_err:.2e})")
     assert counter.frame_count == 1
 

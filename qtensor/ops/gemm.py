@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from qtensor.backends import GemmBackend, gemm_backend_problem
+from qtensor.backends import GEMM_BACKENDS, GemmBackend, gemm_backend_problem
 from qtensor.ops import gemm_ops
 from qtensor.ops.gemm_ops import MXFP8, NVFP4, Side
 from qtensor.ops.scaled_mm import scaled_mm_args, scaled_mm_problem
@@ -190,7 +190,7 @@ def product_backend(a_op, b_op) -> GemmBackend:
     """The backend the tensors ask for: the right operand's, or the left's if b is high
     precision."""
     owner = b_op if isinstance(b_op, QuantizedTensor) else a_op
-    return GemmBackend(getattr(owner, "gemm_backend", GemmBackend.EMULATED.value))
+    return GEMM_BACKENDS[getattr(owner, "gemm_backend", GemmBackend.EMULATED.value)]
 
 
 def _triton_runs(fmt, a: Side, b: Side, bias, out_dtype) -> bool:
@@ -315,7 +315,7 @@ def _linear_2d(x2, weight, bias, out_dtype) -> torch.Tensor | None:
     b = _rows_side(weight, True)  # the weight's rows are N: rows along K as it is stored
     if backend == "triton" and not _triton_runs(fmt, a, b, bias, out_dtype):
         backend = "emulated"
-    return _run_dense(fmt, a, b, bias, out_dtype, (), GemmBackend(backend))
+    return _run_dense(fmt, a, b, bias, out_dtype, (), GEMM_BACKENDS[backend])
 
 
 QuantizedTensor._function_table[torch.nn.functional.linear] = linear

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from qtensor.backends import QuantBackend
+from qtensor.backends import QUANT_BACKENDS, QuantBackend
 from qtensor.formats import mxfp4, mxfp8, nvfp4
 from qtensor.formats.mxfp8 import MXFP8Data, MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Data, NVFP4Spec, SRSeed, check_sr_state, sr_state_tensor
@@ -93,7 +93,7 @@ def _backend_for(device_type: str, force_reference: bool) -> QuantBackend:
 
 def quant_backend(device: torch.device | str) -> QuantBackend:
     """The backend that quantizes tensors on `device` (chosen once per device type)."""
-    return QuantBackend(_backend_name(torch.device(device).type))
+    return QUANT_BACKENDS[_backend_name(torch.device(device).type)]
 
 
 # Chosen once: torch.compile calls it at trace time and keeps the result as a constant (a str:
