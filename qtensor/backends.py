@@ -108,12 +108,17 @@ def resolve_gemm_backend(device, override: GemmBackend | str | None = None) -> G
     if device.type != "cuda":
         return GemmBackend.EMULATED
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return GEMM_BACKENDS[_fastest_cuda_backend(index)]
+    return GEMM_BACKENDS[_fastest_cuda_backend_name(index)]
+
+
+# torch.compile calls it at trace time and keeps the result, a str, as a constant (marked on a
+# plain function: Dynamo looks through an lru_cache wrapper and would trace the probe).
+@torch.compiler.assume_constant_result
+def _fastest_cuda_backend_name(index: int) -> str:
+    return _fastest_cuda_backend(index)
 
 
 # Cached per device: activations are quantized (and their backend resolved) every forward.
-# torch.compile calls it at trace time and keeps the result, a str, as a constant.
-@torch.compiler.assume_constant_result
 @functools.lru_cache(maxsize=None)
 def _fastest_cuda_backend(index: int) -> str:
     for backend in (GemmBackend.SCALED_MM, GemmBackend.TRITON):
