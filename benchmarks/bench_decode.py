@@ -14,6 +14,8 @@ of 2048 tokens, and the peak GPU memory. How it is measured:
   measurement follows a warm-up call (compilation, CUDA graph capture).
 - bf16 is measured twice and the second is the baseline: the first pays the process warm-up.
 - The prefill is one forward of [1, 2048] tokens without cache (eager, median of 3).
+- Peak memory is the most allocated during the config's runs above what was allocated before
+  its model was built (weights, KV cache, workspaces, CUDA graph pools).
 - Every quantized config's first greedy tokens are compared with eager's own: compiled and
   eager run the same kernels, so they must agree.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import statistics
 import sys
@@ -132,6 +135,9 @@ def main() -> None:
     base: dict[tuple[int, str], float] = {}
     for name in names:
         torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+        start_bytes = torch.cuda.memory_allocated()
         model = quantize(build_model(args.layers), name)
         torch.cuda.reset_peak_memory_stats()
         pre = prefill_ms(model)
@@ -168,7 +174,7 @@ def main() -> None:
 
             e, er = cell("eager")
             c, cr = cell("compiled")
-            peak = torch.cuda.max_memory_allocated() / 2**30
+            peak = (torch.cuda.max_memory_allocated() - start_bytes) / 2**30
             emit(f"| {name} | {batch} | {e} | {er} | {c} | {cr} | {row.get('graphs', '')} | "
                  f"{pre:.1f} | {peak:.1f} | {row.get('agree', '')} |")
         del model
