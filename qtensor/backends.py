@@ -95,9 +95,9 @@ def resolve_gemm_backend(device, override: GemmBackend | str | None = None) -> G
     """The backend a tensor on `device` multiplies with: the explicit override, else the
     environment's, else the fastest one available (scaled_mm on sm_100+, triton on sm_80+ CUDA
     with Triton installed, emulated otherwise). An override that cannot run there raises."""
-    import torch
-
-    override = override if override is not None else GemmPolicy.current().override
+    if override is None:
+        name = _env_override_name()
+        override = GEMM_BACKENDS[name] if name is not None else None
     device = torch.device(device)
     if override is not None:
         backend = GemmBackend(override)
@@ -109,6 +109,14 @@ def resolve_gemm_backend(device, override: GemmBackend | str | None = None) -> G
         return GemmBackend.EMULATED
     index = device.index if device.index is not None else torch.cuda.current_device()
     return GEMM_BACKENDS[_fastest_cuda_backend_name(index)]
+
+
+# The process-wide override (read from the environment once) as a compile-time constant:
+# traced, GemmPolicy.current() would guard on the policy being unset and recompile once it is.
+@torch.compiler.assume_constant_result
+def _env_override_name() -> str | None:
+    override = GemmPolicy.current().override
+    return override.value if override is not None else None
 
 
 # torch.compile calls it at trace time and keeps the result, a str, as a constant (marked on a

@@ -17,9 +17,11 @@ from torch import nn
 from torchao.core.config import AOBaseConfig
 from torchao.quantization.transform_module import register_quantize_module_handler
 
+from qtensor.formats.fields import check_field_types
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
-from qtensor.tensors import quantize_spec
+from qtensor.tensors import QuantizedTensor, quantize_spec
+from qtensor.tensors.common import NonFiniteInputError
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -41,6 +43,7 @@ class _InferenceConfig(AOBaseConfig):
     spec_type: ClassVar[type]
 
     def __post_init__(self):
+        check_field_types(self)
         for role in ("weight", "activation"):
             spec = getattr(self, role, None)
             if role == "activation" and spec is None:
@@ -132,8 +135,22 @@ def quantize_linear(module: nn.Linear, config, name: str = "") -> nn.Module:
             "leave such layers in high precision."
         )
     weight_spec, act_spec = config.specs()
+    label = f"layer {name!r}" if name else f"layer {module}"
+    if isinstance(module.weight, QuantizedTensor):
+        raise TypeError(
+            f"{label} is already quantized ({type(module.weight).__name__}); quantize_ takes "
+            "the high-precision model. Load the original weights, or skip this layer with "
+            "filter_fn."
+        )
     with torch.no_grad():
-        w = quantize_spec(module.weight.detach(), weight_spec)
+        try:
+            w = quantize_spec(module.weight.detach(), weight_spec)
+        except NonFiniteInputError as e:
+            raise NonFiniteInputError(
+                f"{label}: the weight has {e.count} non-finite value(s) (NaN or Inf). Fix the "
+                "checkpoint, exclude the layer with filter_fn, or quantize the weight yourself "
+                "with check_finite=False (NVFP4Tensor.from_hp / MXFP8Tensor.from_hp) to get the "
+                "documented hardware rule (docs/formats.md).", e.count) from None
     if act_spec is not None:
         w = w.replace(act_spec=act_spec)
     module.weight = nn.Parameter(w, requires_grad=False)
@@ -164,6 +181,11 @@ def _handler(config: AOBaseConfig):
     """The module transform registered for this config type (ours, training, QAT, or torchao's)."""
     from torchao.quantization.transform_module import _QUANTIZE_CONFIG_HANDLER
 
+    if isinstance(config, type):
+        raise TypeError(
+            f"quantize_ takes a config instance; got the class {config.__name__}. Pass "
+            f"{config.__name__}() (with its options)."
+        )
     handler = _QUANTIZE_CONFIG_HANDLER.get(type(config))
     if handler is None or not type(config).__module__.startswith("qtensor."):
         names = ", ".join(c.__name__ for c in CONFIGS)

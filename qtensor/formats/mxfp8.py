@@ -14,6 +14,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from qtensor.formats.elements import e4m3, f32_exponent_bits, f32_from_bits, pow2_f32
+from qtensor.formats.fields import check_field_types
 
 BLOCK = 32
 ScaleRule = Literal["rceil", "floor"]
@@ -33,6 +34,7 @@ class MXFP8Spec:
     columnwise: bool = False
 
     def __post_init__(self):
+        check_field_types(self)
         if self.scale_rule not in ("rceil", "floor"):
             raise ValueError(f"scale_rule must be 'rceil' or 'floor'; got {self.scale_rule!r}.")
 

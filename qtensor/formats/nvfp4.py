@@ -29,6 +29,7 @@ from qtensor.formats.elements import (
     pack_fp4,
     unpack_fp4,
 )
+from qtensor.formats.fields import check_field_types
 from qtensor.formats.rht import apply_rht
 
 BLOCK = 16
@@ -55,6 +56,7 @@ class NVFP4Spec:
     columnwise: bool = False
 
     def __post_init__(self):
+        check_field_types(self)
         if self.e4m3_bound not in (448, 256):
             raise ValueError(f"e4m3_bound must be 448 or 256; got {self.e4m3_bound!r}.")
         if self.fourover6 not in (None, "mae", "mse"):

@@ -156,7 +156,7 @@ def _run_dense(fmt, a: Side, b: Side, bias, out_dtype, lead, backend: GemmBacken
     else:
         out = gemm_ops.reference_mm(fmt, a, b, bias, out_dtype)
     if len(lead) > 1:
-        out = out.reshape(*lead, *out.shape[-2:])
+        out = gemm_ops.fresh_reshape(out, (*lead, *out.shape[-2:]))
     return out
 
 
@@ -164,7 +164,7 @@ def emulated_mm(a_op, b_op, bias, out_dtype) -> torch.Tensor:
     """The reference: exact fp32 unit values, torch.matmul, the epilogue (any device)."""
     fmt, a, b, lead = dense_sides(a_op, b_op)
     out = gemm_ops.reference_mm(fmt, a, b, bias, out_dtype)
-    return out.reshape(*lead, *out.shape[-2:]) if len(lead) > 1 else out
+    return gemm_ops.fresh_reshape(out, (*lead, *out.shape[-2:])) if len(lead) > 1 else out
 
 
 def triton_mm(a_op, b_op, bias, out_dtype, config=None, predecode=None) -> torch.Tensor:
@@ -282,18 +282,63 @@ def _linear_dispatch(func, args, kwargs):
 
 
 def linear(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
-    """F.linear with a quantized weight: quantizes x first when the weight carries an act_spec."""
+    """F.linear with a quantized weight. A weight with an act_spec quantizes x first; when
+    autograd needs x's or the bias's gradient it is straight-through the activation quantizer
+    (`DynamicActivationLinear`). The output is a tensor of its own, as nn.Linear's is."""
     spec = getattr(weight, "act_spec", None)
-    if spec is not None and not isinstance(x, QuantizedTensor):
+    if spec is not None and not isinstance(x, QuantizedTensor) and x.numel():
+        if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+            return DynamicActivationLinear.apply(x, bias, _Frozen(weight), spec)
         # Activations are not checked for NaN/Inf: the check would cost a device sync per
         # layer; a non-finite activation poisons its amax and decodes to NaN instead.
         x = quantize_spec(x, spec, check_finite=False)
+    return _linear_quantized(x, weight, bias)
+
+
+def _linear_quantized(x, weight, bias) -> torch.Tensor:
+    """F.linear of x (high precision, or already quantized) and a quantized weight. An empty x
+    multiplies as it is: the op returns the empty product, as nn.Linear does."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(math.prod(lead), k) if x.dim() != 2 else x
     out = _linear_2d(x2, weight, bias, x.dtype)
     if out is None:
         out = quantized_mm(x2, weight.t(), bias, out_dtype=x.dtype)
-    return out.reshape(*lead, out.shape[-1]) if x.dim() != 2 else out
+    return gemm_ops.fresh_reshape(out, (*lead, out.shape[-1])) if x.dim() != 2 else out
+
+
+class _Frozen:
+    """Holds the quantized weight so autograd's apply() does not treat it as an input."""
+
+    def __init__(self, weight):
+        self.weight = weight
+
+
+class DynamicActivationLinear(torch.autograd.Function):
+    """F.linear whose activation is quantized on the fly (a dynamic-activation config).
+
+    Forward: the quantized product, bit for bit the inference path. Backward: straight through
+    the activation quantizer, as QAT and adapter training expect: dX = dY @ W with W the
+    weight's exact decoded values (fp32 products, cast to x's dtype), d bias = the sum of dY.
+    The quantized weight is frozen (it has no gradient).
+    """
+
+    @staticmethod
+    def forward(ctx, x, bias, frozen: _Frozen, spec):
+        ctx.frozen, ctx.x_dtype = frozen, x.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        xq = quantize_spec(x, spec, check_finite=False)
+        return _linear_quantized(xq, frozen.weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx = db = None
+        n = dy.shape[-1]
+        if ctx.needs_input_grad[0]:
+            w = ctx.frozen.weight.dequantize(torch.float32)  # [N, K]
+            dx = (dy.float().reshape(-1, n) @ w).reshape(*dy.shape[:-1], -1).to(ctx.x_dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[1]:
+            db = dy.float().reshape(-1, n).sum(0).to(ctx.bias_dtype)
+        return dx, db, None, None
 
 
 def _linear_2d(x2, weight, bias, out_dtype) -> torch.Tensor | None:

@@ -140,6 +140,14 @@ def epilogue_factors(fmt: str, a: Side, b: Side):
     return left, right
 
 
+def fresh_reshape(t: torch.Tensor, shape) -> torch.Tensor:
+    """t (contiguous, a GEMM's output) with `shape`, as a tensor of its own rather than a view:
+    what nn.Linear returns, so an in-place op on it never trips autograd's view checks."""
+    if tuple(t.shape) == tuple(shape):
+        return t
+    return torch.ops.aten._unsafe_view(t, shape)
+
+
 def apply_epilogue(acc, left, right, bias, out_dtype) -> torch.Tensor:
     """acc * left, then * right, then + bias, then the cast: [Note: emulated GEMM]'s order."""
     if left is not None:
@@ -311,7 +319,8 @@ def triton_mm(fmt: str, a: Side, b: Side, bias, out_dtype, config=None, predecod
         ka = qgemm.decode_bf16(ka, m, k)
     ep = qgemm.Epilogue(*epilogue_terms(fmt, a, b), bias)
     out = qgemm.qgemm(ka, kb, ep, out_dtype=out_dtype, m=m, n=n, k=k, config=config)
-    return out[0] if a.data.dim() == b.data.dim() == 2 else out
+    # [1, M, N] -> [M, N] as a tensor of its own (out[0] would be a view).
+    return fresh_reshape(out, (m, n)) if a.data.dim() == b.data.dim() == 2 else out
 
 
 def triton_grouped_mm(fmt: str, a: Side, b: Side, offs, bias, out_dtype):

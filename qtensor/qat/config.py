@@ -18,6 +18,7 @@ from torch import nn
 from torchao.core.config import AOBaseConfig
 from torchao.quantization.transform_module import register_quantize_module_handler
 
+from qtensor.formats.fields import check_field_types
 from qtensor.qat.hosts import Host
 from qtensor.qat.linear import MXFP4QATLinear, check_weight
 from qtensor.training.recipe import OVERRIDES
@@ -50,6 +51,7 @@ class MXFP4QATConfig(AOBaseConfig):
     skip_incompatible: bool = False
 
     def __post_init__(self):
+        check_field_types(self)
         hosts = tuple(h.value for h in Host)
         if self.host not in hosts:
             raise ValueError(f"host must be one of {hosts}; got {self.host!r}.")

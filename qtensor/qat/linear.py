@@ -22,6 +22,7 @@ import contextlib
 import torch
 from torch import nn
 
+from qtensor.ops.gemm_ops import fresh_reshape
 from qtensor.qat import hosts
 from qtensor.qat.cache import WeightCache, WeightOperands
 from qtensor.qat.hosts import Host
@@ -71,7 +72,7 @@ class _QATLinearFn(torch.autograd.Function):
         else:
             ctx.save_for_backward(x2, weight)
         ctx.weight = weight if module.qat_config.fuse_wgrad_accumulation else None
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return fresh_reshape(y, (*x.shape[:-1], y.shape[-1]))
 
     @staticmethod
     def backward(ctx, dy):

@@ -27,6 +27,14 @@ def check_hp_input(x: torch.Tensor, fmt: str) -> None:
         raise ValueError(f"{fmt} needs a non-empty tensor; got shape {tuple(x.shape)}.")
 
 
+class NonFiniteInputError(ValueError):
+    """A tensor to quantize holds NaN or Inf (`count` of them) and check_finite is on."""
+
+    def __init__(self, message: str, count: int):
+        super().__init__(message)
+        self.count = count
+
+
 def require_finite(x: torch.Tensor, fmt: str, quantized) -> None:
     """Raise the documented error if x holds a NaN or an Inf.
 
@@ -42,11 +50,10 @@ def require_finite(x: torch.Tensor, fmt: str, quantized) -> None:
         return
     bad = int((~torch.isfinite(x)).sum())
     if bad:
-        raise ValueError(
+        raise NonFiniteInputError(
             f"{fmt} input has {bad} non-finite value(s) (NaN or Inf) in a tensor of shape "
             f"{tuple(x.shape)}. Fix the producer of this tensor, or pass "
-            "check_finite=False to get the documented hardware rule (docs/formats.md)."
-        )
+            "check_finite=False to get the documented hardware rule (docs/formats.md).", bad)
 
 
 def _is_fake(x: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from qtensor.ops.gemm_ops import fresh_reshape
 from qtensor.tensors import QuantizedTensor
 from qtensor.training.recipe import NVFP4TrainingRecipe
 from qtensor.training.roles import (
@@ -128,7 +129,7 @@ class TrainingLinearFunction(torch.autograd.Function):
         ctx.state, ctx.dtype, ctx.x_meta = state, dtype, (x.shape, x.dtype)
         ctx.w_dtype = weight.dtype
         ctx.b_dtype = bias.dtype if bias is not None else None
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return fresh_reshape(y, (*x.shape[:-1], y.shape[-1]))
 
     @staticmethod
     def backward(ctx, dy):
