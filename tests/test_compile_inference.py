@@ -185,3 +185,26 @@ qtensor.nvfp4_quantize.default""")
 <built-in function getitem>
 qtensor.mxfp8_mm.default
 qtensor.mxfp8_quantize.default""")
+
+
+def test_quantized_tensors_have_a_stable_cache_hash():
+    """_stable_hash_for_caching keys torch.compile's AOT autograd cache: equal for tensors of
+    the same layout and metadata (in another process too), different when either differs, and
+    independent of the bytes."""
+    import subprocess
+    import sys
+
+    from qtensor import HybridTensor, MXFP8Spec, NVFP4Spec, NVFP4Tensor
+
+    code = ("import torch; from qtensor import NVFP4Tensor; "
+            "print(NVFP4Tensor.from_hp(torch.ones(32, 64), row_scaled=True)"
+            "._stable_hash_for_caching())")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True).stdout.strip().splitlines()[-1]
+    a = NVFP4Tensor.from_hp(torch.randn(32, 64), row_scaled=True)
+    assert a._stable_hash_for_caching() == other
+    assert NVFP4Tensor.from_hp(torch.randn(32, 64))._stable_hash_for_caching() != other
+    assert NVFP4Tensor.from_hp(torch.randn(32, 128), row_scaled=True)._stable_hash_for_caching() \
+        != other
+    h = HybridTensor.from_hp(torch.randn(32, 64), rowwise=MXFP8Spec(), columnwise=NVFP4Spec())
+    assert len(h._stable_hash_for_caching()) == 32

@@ -86,6 +86,26 @@ class QuantizedTensor(torch.Tensor):
         device = inner_tensors[next(iter(inner_tensors))].device
         return cls(outer_size if outer_size is not None else shape, dtype, device, **fields)
 
+    def _stable_hash_for_caching(self) -> str:
+        """A deterministic key of what a compiled graph depends on, for torch.compile's AOT
+        autograd cache: the class, outer shape, dtype and requires_grad, the decode attributes,
+        and each inner tensor's shape, strides, dtype and device type (never its values)."""
+        import hashlib
+        import pickle
+
+        inner = []
+        for n in self.tensor_data_names:
+            t = getattr(self, n)
+            if t is None or isinstance(t, QuantizedTensor):
+                inner.append((n, None if t is None else t._stable_hash_for_caching()))
+            else:
+                inner.append((n, str(tuple(t.shape)), str(t.stride()), str(t.dtype),
+                              t.device.type))
+        payload = (type(self).__module__, type(self).__qualname__, str(tuple(self.shape)),
+                   str(self.dtype), self.requires_grad,
+                   tuple((a, repr(getattr(self, a))) for a in self.tensor_attribute_names), inner)
+        return hashlib.blake2b(pickle.dumps(payload), digest_size=16).hexdigest()
+
     # ---- FSDP2 all-gather hooks ([Note: quantized FSDP2 shards], qtensor/distributed/fsdp.py) --
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
