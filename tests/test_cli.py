@@ -248,7 +248,7 @@ def test_bench_runs_each_script_and_says_what_it_measured(capfd, bench_dir):
     assert rc == 1  # bench_fails failed
     assert "| ok --quick" in out and "failed (exit 3)" in out and "helper" not in out
     if not torch.cuda.is_available():
-        assert "No CUDA device" in out and "No GPU kernel is timed" in out
+        assert "No CUDA device" in out and "No GEMM and no GPU kernel is timed" in out
         assert "skipped: needs a CUDA device" in out and "needs CUDA" in out
         # A GPU-only script on a CPU-only machine is expected, not a failure.
         assert main(["bench", "--dir", str(bench_dir), "--only", "gpu", "--only", "ok"]) == 0

@@ -369,3 +369,34 @@ def test_zero_tensor_gemm_is_zero():
     b = NVFP4Tensor.from_hp(torch.zeros(32, 64)).t()
     out = quantized_mm(a, b, out_dtype=torch.float32)
     assert_bits_equal(out, torch.zeros(16, 32), "zero GEMM")
+
+
+def test_nvfp4_tiny_amax_keeps_the_clamp():
+    """FORMATS.md step 2 clamps S_enc at FLT_MAX: below amax 6B / FLT_MAX (~7.9e-36) the block
+    scales fall short of B and the round trip degrades toward a relative error of 1 (kept as
+    Transformer Engine's reference does; docs/formats.md, "Tiny tensors")."""
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+    x = x / x.abs().max()
+
+    def worst(amax):
+        t = NVFP4Tensor.from_hp(x * amax)
+        dq = t.dequantize(torch.float32).double()
+        return ((dq - (x * amax).double()).abs().max() / amax).item(), t.scale.float().max()
+
+    err, top = worst(1e-30)
+    assert top.item() == 448.0 and err < 0.2  # an ordinary tensor: its amax block scale is B
+    err, top = worst(1e-37)
+    assert top.item() < 448.0 and 0.5 < err <= 0.997, (top, err)
+
+
+def test_mxfp8_inf_block_gets_the_nan_scale():
+    """A block with an Inf and no NaN gets scale code 0xFF (NaN) under both rules, so it decodes
+    to NaN and never to a finite number (docs/formats.md, "Non-finite inputs")."""
+    x = torch.randn(4, 64)
+    x[1, 3] = INF
+    for rule in ("rceil", "floor"):
+        t = MXFP8Tensor.from_hp(x, scale_rule=rule, check_finite=False)
+        codes = as_bytes(t.scale)
+        assert codes[1, 0].item() == 0xFF and codes[1, 1].item() != 0xFF
+        dq = t.dequantize(torch.float32)
+        assert bool(dq[1, :32].isnan().all()) and bool(dq[1, 32:].isfinite().all())

@@ -64,9 +64,9 @@ def device_note() -> str:
         return (f"CUDA device(s): {names} (sm_{cap[0]}{cap[1]}); torch {torch.__version__}. "
                 "GPU rows are kernel timings on this device.")
     return (f"No CUDA device (torch {torch.__version__}, {os.cpu_count()} CPU cores): only CPU "
-            "rows can be measured here -- the pure-torch reference and emulated GEMMs, and the "
-            "C++ CPU kernels where they are built. No GPU kernel is timed; run `qtensor bench` "
-            "on a CUDA machine for those tables.")
+            "rows can be measured here -- the quantizers' pure-torch reference and the C++ CPU "
+            "kernels where they are built. No GEMM and no GPU kernel is timed (those scripts "
+            "need CUDA); run `qtensor bench` on a CUDA machine for those tables.")
 
 
 def run_script(script: Path, args: list[str], timeout: float, capture: bool) -> dict:
