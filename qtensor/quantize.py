@@ -206,9 +206,11 @@ def quantize_(model: nn.Module, config: AOBaseConfig, filter_fn: FilterFn | None
     takes_name = "name" in inspect.signature(handler).parameters
     filter_fn = filter_fn or _is_linear
     modules = dict(model.named_modules())
+    tied = _tied_parameter_names(model)
     for name, module in list(modules.items()):
         if not (_is_candidate(module) and filter_fn(module, name)):
             continue
+        _warn_if_tied(name, module, tied)
         new = handler(module, config, name=name) if takes_name else handler(module, config)
         if new is not module:
             if not name:
@@ -219,3 +221,28 @@ def quantize_(model: nn.Module, config: AOBaseConfig, filter_fn: FilterFn | None
 
 
 __all__ = [c.__name__ for c in CONFIGS] + ["quantize_"]
+
+
+def _tied_parameter_names(model: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> its names, for parameters reachable under several names (tied)."""
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return {k: v for k, v in names.items() if len(v) > 1}
+
+
+def _warn_if_tied(name: str, module: nn.Module, tied: dict[int, list[str]]) -> None:
+    weight = getattr(module, "weight", None)
+    shared = tied.get(id(weight))
+    if shared:
+        import warnings
+
+        own = f"{name}.weight" if name else "weight"
+        others = [n for n in shared if n != own]
+        warnings.warn(
+            f"layer {name!r}'s weight is tied to {others}; quantizing the layer unties them: "
+            f"{others} keep the high-precision weight and {name!r} gets a quantized copy (more "
+            "memory, and training updates no longer reach both). Exclude the layer with "
+            f"filter_fn (e.g. lambda m, n: n != {name!r}) to keep them tied.",
+            stacklevel=3,
+        )

@@ -266,3 +266,14 @@ def test_bench_only_list_and_json(capfd, bench_dir):
 def test_bench_without_scripts_is_one_line(capsys, tmp_path):
     rc, _, err = run_main(capsys, "bench", "--dir", str(tmp_path))
     assert_one_line_error(rc, err, "bench_*.py", "--dir")
+
+
+def test_demo_counts_the_layers_it_quantized(capsys):
+    """With --skip-incompatible most layers of a hidden-48 model stay bf16 under MXFP8: the
+    table says how many were quantized, which the byte columns cover."""
+    small = [a if a != "64" else "48" for a in SMALL]
+    rc, out, _ = run_main(capsys, "demo", *small, "--configs", "mxfp8", "--skip-incompatible",
+                          "--json")
+    assert rc == 0
+    rows = {r["config"]: r for r in json.loads(out)["rows"]}
+    assert rows["mxfp8"]["layers"] == "1/8" and rows["bf16"]["layers"] == "-"

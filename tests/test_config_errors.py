@@ -59,3 +59,40 @@ def test_a_nan_weight_names_its_layer_and_a_reachable_remedy(config):
     with pytest.raises(ValueError, match=r"layer '2': the weight has 1 non-finite value\(s\).*"
                                          r"filter_fn.*check_finite=False \(NVFP4Tensor.from_hp"):
         qtensor.quantize_(model, config)
+
+
+def test_quantizing_a_tied_weight_says_it_unties_it():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(128, 64)
+            self.head = nn.Linear(64, 128, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    with pytest.warns(UserWarning, match=r"layer 'head'.s weight is tied to \['embed.weight'\]"):
+        qtensor.quantize_(model, qtensor.NVFP4WeightOnlyConfig())
+    assert isinstance(model.head.weight, qtensor.NVFP4Tensor)
+    assert not isinstance(model.embed.weight, qtensor.NVFP4Tensor)
+
+
+def test_a_meta_model_quantized_then_materialized_loads_a_checkpoint():
+    """Module.to_empty on quantized meta weights (empty_like keeps layout and metadata), then
+    load_state_dict fills the bytes."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 32))
+    qtensor.quantize_(model, qtensor.NVFP4WeightOnlyConfig(NVFP4Spec(row_scaled=True)))
+    model.to_empty(device="cpu")
+    assert model[0].weight.qdata.device.type == "cpu" and model[0].weight.row_scaled
+    src = qtensor.quantize_(nn.Sequential(nn.Linear(64, 32)),
+                            qtensor.NVFP4WeightOnlyConfig(NVFP4Spec(row_scaled=True)))
+    model.load_state_dict(src.state_dict())
+    x = torch.randn(3, 64)
+    assert torch.equal(model(x), src(x))
+
+
+def test_a_float64_activation_is_refused_by_the_gemm_op():
+    model = qtensor.quantize_(nn.Sequential(nn.Linear(64, 32)), qtensor.NVFP4WeightOnlyConfig())
+    with pytest.raises(ValueError, match=r"qtensor::nvfp4_mm: .*float32, bfloat16 or float16; "
+                                         r"got torch.float64"):
+        model(torch.randn(2, 64, dtype=torch.float64))

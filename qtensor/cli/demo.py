@@ -37,6 +37,7 @@ class DemoRow:
     quantize_s: float | None
     forward_s: float
     backends: str = "-"  # quant/gemm backends the quantized weights resolved, e.g. "cpu/emulated"
+    layers: str = "-"  # quantized / all nn.Linear layers, e.g. "13/15" (the bytes count those)
 
 
 def _timed(fn, *args):
@@ -67,8 +68,20 @@ def demo_rows(model, tokens, configs, skip_incompatible=False) -> list[DemoRow]:
         out, f_s = _forward(qmodel, tokens)
         stored, bf16 = quantized_weight_bytes(qmodel)
         rows.append(DemoRow(named.name, named.description, stored, bf16,
-                            sqnr_db(ref.float(), out.float()), q_s, f_s, _backends(qmodel)))
+                            sqnr_db(ref.float(), out.float()), q_s, f_s, _backends(qmodel),
+                            _layer_count(qmodel)))
     return rows
+
+
+def _layer_count(model) -> str:
+    """'quantized/all' nn.Linear layers: with --skip-incompatible some stay in bf16, and the
+    weight bytes cover only the quantized ones."""
+    from qtensor.analyze import linear_layers
+    from qtensor.tensors import QuantizedTensor
+
+    layers = [m for _, m in linear_layers(model)]
+    done = sum(isinstance(m.weight, QuantizedTensor) for m in layers)
+    return f"{done}/{len(layers)}"
 
 
 def _backends(model) -> str:
@@ -81,15 +94,15 @@ def _backends(model) -> str:
 
 
 def format_table(rows: list[DemoRow]) -> str:
-    head = (f"{'config':<17}{'weights MiB':>12}{'vs bf16':>9}{'SQNR dB':>9}{'quant s':>9}"
-            f"{'run s':>8}")
+    head = (f"{'config':<17}{'layers':>8}{'weights MiB':>12}{'vs bf16':>9}{'SQNR dB':>9}"
+            f"{'quant s':>9}{'run s':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = r.weight_bytes / r.bf16_weight_bytes if r.bf16_weight_bytes else float("nan")
         sqnr = "-" if r.sqnr_db is None else f"{r.sqnr_db:.2f}"
         quant = "-" if r.quantize_s is None else f"{r.quantize_s:.2f}"
-        lines.append(f"{r.config:<17}{r.weight_bytes / 2**20:>12.3f}{ratio:>8.3f}x{sqnr:>9}"
-                     f"{quant:>9}{r.forward_s:>8.2f}")
+        lines.append(f"{r.config:<17}{r.layers:>8}{r.weight_bytes / 2**20:>12.3f}{ratio:>8.3f}x"
+                     f"{sqnr:>9}{quant:>9}{r.forward_s:>8.2f}")
     return "\n".join(lines)
 
 
@@ -118,8 +131,9 @@ def run(args) -> int:
           f"vocab {cfg.vocab_size} ({params / 1e6:.2f}M parameters), bf16, seed {args.seed}; "
           f"batch {args.batch} x {args.seq} tokens on {device}")
     print(format_table(rows))
-    print(f"weights: stored bytes of the quantized nn.Linear weights (codes + scales + amax) "
-          f"vs the same weights in bf16.\nSQNR: logits vs the bf16 model (+6 dB = one more bit). "
+    print(f"layers: nn.Linear layers quantized / all. weights: stored bytes of the quantized "
+          f"nn.Linear weights (codes + scales + amax) vs the same weights in bf16 (layers left "
+          f"in bf16 are not counted).\nSQNR: logits vs the bf16 model (+6 dB = one more bit). "
           f"run s: the second forward of the batch.\n{_backend_note(rows)}\n"
           f"total {total_s:.1f} s")
     return 0

@@ -96,6 +96,30 @@ def _move(t: torch.Tensor, device, dtype) -> torch.Tensor:
     return t.to(device=device, copy=True)
 
 
+@QuantizedTensor.implements(aten.empty_like.default)
+def _empty_like(func, args, kwargs):
+    """Uninitialized bytes of the same layout and metadata (Module.to_empty from a meta model,
+    then load a checkpoint). A dtype change is refused: it would change the products' dtype."""
+    x = args[0]
+    dtype = kwargs.get("dtype")
+    if dtype is not None and dtype != x.dtype:
+        raise TypeError(
+            f"empty_like of a {type(x).__name__} keeps its dtype {x.dtype}; got dtype={dtype}. "
+            "Quantize a tensor of that dtype instead."
+        )
+    device = kwargs.get("device") or x.device
+    changes = {}
+    if "gemm_backend" in x.tensor_attribute_names and torch.device(device).type != x.device.type:
+        changes["gemm_backend"] = resolve_gemm_backend(device).value
+    return x.map_data(lambda t: _empty(t, device), **changes)
+
+
+def _empty(t: torch.Tensor, device) -> torch.Tensor:
+    if isinstance(t, QuantizedTensor):  # a HybridTensor's side
+        return aten.empty_like.default(t, device=device)
+    return torch.empty_like(t, device=device)
+
+
 @QuantizedTensor.implements(aten.copy_.default)
 def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
