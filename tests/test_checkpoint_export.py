@@ -103,6 +103,28 @@ def test_nvfp4_activation_scale_and_errors(tmp_path):
         export_nvfp4(rowscaled, tmp_path)
 
 
+def test_row_scaled_activations_export_with_calibrated_amax(tmp_path):
+    """The remedy the error names works: calibrate_input_amax measures each quantized layer's
+    input amax over a few batches, and export_nvfp4 takes it (one static scale per layer)."""
+    from qtensor.checkpoint import calibrate_input_amax
+    from qtensor.formats.nvfp4 import encode_scale
+
+    model = nvfp4_model(SPECS["plain"], act=NVFP4Spec(row_scaled=True))
+    with pytest.raises(CheckpointError, match=r"'0'.*one amax per row.*calibrate_input_amax"):
+        export_nvfp4(model, tmp_path)
+    gen = torch.Generator().manual_seed(4)
+    batches = [torch.randn(8, 256, generator=gen).bfloat16() * s for s in (1.0, 3.0)]
+    amax = calibrate_input_amax(model, batches)
+    assert sorted(amax) == ["0", "2"]  # the bf16 layer "3" quantizes nothing
+    assert amax["0"].item() == max(b.float().abs().max().item() for b in batches)
+    export_nvfp4(model, tmp_path, input_amax=amax)
+    sd = load_file(tmp_path / "model.safetensors")
+    want, _ = encode_scale(amax["2"], 448)
+    assert sd["2.input_global_scale"].item() == want.item()
+    with pytest.raises(ValueError, match="no nn.Linear named"):
+        calibrate_input_amax(model, batches, layers=["9"])
+
+
 class Experts(nn.Module):
     """gpt-oss style expert weights [E, N, K]."""
 

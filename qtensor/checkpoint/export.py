@@ -77,9 +77,12 @@ def export_nvfp4(
 ) -> dict:
     """Write an NVFP4-quantized model for serving; returns the config.json written.
 
-    input_amax: {linear layer name: calibrated activation amax}; needed when the weights carry
-    an activation spec (a W4A4 model), since serving engines want a static activation global
-    scale. weight_only=True exports the weights alone (activations left to the engine)."""
+    input_amax: {linear layer name: calibrated activation amax} (`calibrate_input_amax`
+    measures it); needed when the weights carry an activation spec (a W4A4 model), since
+    serving engines want one static activation global scale per layer. For a row-scaled
+    activation spec that is a change of recipe, which passing input_amax asks for: the engine
+    then quantizes each layer's activations with one static per-tensor scale instead of one
+    per row. weight_only=True exports the weights alone (activations left to the engine)."""
     input_amax = dict(input_amax or {})
     tensors, ignore, act = {}, [], None
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -90,11 +93,14 @@ def export_nvfp4(
             continue
         amax = None
         if w.act_spec is not None and not weight_only:
-            if w.act_spec.row_scaled or name not in input_amax:
+            if name not in input_amax:
+                per_row = (" one amax per row," if w.act_spec.row_scaled else "")
                 raise CheckpointError(
-                    f"{name!r}: the weight quantizes its activation on the fly "
+                    f"{name!r}: the weight quantizes its activation on the fly{per_row} "
                     f"({w.act_spec}); the serving layout needs a static per-tensor activation "
-                    "amax. Pass input_amax={name: calibrated amax}, or weight_only=True."
+                    "amax. Pass input_amax={name: calibrated amax} (measure it with "
+                    "qtensor.checkpoint.calibrate_input_amax(model, batches)), or "
+                    "weight_only=True."
                 )
             amax, act = input_amax.pop(name), _fp4_args("local")
         tensors.update(nvfp4_tensors(name, w, amax))
@@ -112,6 +118,48 @@ def export_nvfp4(
         "ignore": ignore,
     }
     return _write(directory, tensors, dict(config or {}), quant)
+
+
+def calibrate_input_amax(model: nn.Module, batches, *, layers=None) -> dict[str, torch.Tensor]:
+    """{layer name: fp32 0-d amax of its input over `batches`}: the static activation amax
+    export_nvfp4 takes. Runs model(batch) for every batch (a tensor, or a tuple/dict of
+    arguments) under torch.no_grad, recording max|input| of every nn.Linear whose weight is an
+    NVFP4Tensor with an activation spec (or of the names in `layers`). Raises if a chosen layer
+    saw no input."""
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if layers is None:
+        chosen = [n for n, m in linears.items()
+                  if isinstance(m.weight, NVFP4Tensor) and m.weight.act_spec is not None]
+    else:
+        chosen = list(layers)
+        unknown = sorted(set(chosen) - set(linears))
+        if unknown:
+            raise ValueError(f"calibrate_input_amax: no nn.Linear named {unknown} in the model.")
+    amax: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def record(module, args):
+            a = args[0].detach().abs().amax().float()
+            amax[name] = a if name not in amax else torch.maximum(amax[name], a)
+        return record
+
+    handles = [linears[n].register_forward_pre_hook(hook(n)) for n in chosen]
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                if isinstance(batch, dict):
+                    model(**batch)
+                elif isinstance(batch, (tuple, list)):
+                    model(*batch)
+                else:
+                    model(batch)
+    finally:
+        for h in handles:
+            h.remove()
+    missing = sorted(set(chosen) - set(amax))
+    if missing:
+        raise ValueError(f"calibrate_input_amax: layers {missing} saw no input in the batches.")
+    return amax
 
 
 def mxfp4_tensors(name: str, w: torch.Tensor) -> dict:
