@@ -25,6 +25,15 @@ class GemmBackend(str, enum.Enum):
     SCALED_MM = "scaled_mm"  # native block-scaled torch._scaled_mm (sm_100+), never on Hopper
 
 
+def compile_time_constant(fn):
+    """Mark fn as torch.compile's `torch.compiler.assume_constant_result` does (Dynamo calls it
+    at trace time and keeps its result as a constant), without importing Dynamo when qtensor
+    is imported: the public function sets exactly this attribute, but importing it costs about
+    a second. tests/test_compile_inference.py checks that the two agree."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # The members by value. Code that torch.compile traces looks a backend up here rather than
 # calling the Enum (Dynamo on torch 2.11 cannot trace Enum construction from a value).
 QUANT_BACKENDS = {b.value: b for b in QuantBackend}
@@ -113,7 +122,7 @@ def resolve_gemm_backend(device, override: GemmBackend | str | None = None) -> G
 
 # The process-wide override (read from the environment once) as a compile-time constant:
 # traced, GemmPolicy.current() would guard on the policy being unset and recompile once it is.
-@torch.compiler.assume_constant_result
+@compile_time_constant
 def _env_override_name() -> str | None:
     override = GemmPolicy.current().override
     return override.value if override is not None else None
@@ -121,7 +130,7 @@ def _env_override_name() -> str | None:
 
 # torch.compile calls it at trace time and keeps the result, a str, as a constant (marked on a
 # plain function: Dynamo looks through an lru_cache wrapper and would trace the probe).
-@torch.compiler.assume_constant_result
+@compile_time_constant
 def _fastest_cuda_backend_name(index: int) -> str:
     return _fastest_cuda_backend(index)
 

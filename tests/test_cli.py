@@ -277,3 +277,19 @@ def test_demo_counts_the_layers_it_quantized(capsys):
     assert rc == 0
     rows = {r["config"]: r for r in json.loads(out)["rows"]}
     assert rows["mxfp8"]["layers"] == "1/8" and rows["bf16"]["layers"] == "-"
+
+
+def test_imports_are_quiet_and_light():
+    """`import qtensor` loads no torch._dynamo (about a second), and loading torchao for a
+    config prints none of torchao's optional-kernel "Failed to load" lines nor torch's Enum
+    deprecation for torchao's pytree constant (qtensor/_torchao.py)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, qtensor; print('torch._dynamo' in sys.modules); "
+            "qtensor.NVFP4WeightOnlyConfig(); import torchao; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["False", "ok"]
+    assert "Failed to load" not in out.stderr and "register_constant" not in out.stderr, \
+        out.stderr

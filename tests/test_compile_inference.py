@@ -208,3 +208,16 @@ def test_quantized_tensors_have_a_stable_cache_hash():
         != other
     h = HybridTensor.from_hp(torch.randn(32, 64), rowwise=MXFP8Spec(), columnwise=NVFP4Spec())
     assert len(h._stable_hash_for_caching()) == 32
+
+
+def test_compile_time_constant_marks_as_torch_does():
+    """qtensor.backends.compile_time_constant sets what torch.compiler.assume_constant_result
+    sets (without importing Dynamo at qtensor's import)."""
+    from qtensor.backends import compile_time_constant
+
+    def probe():
+        return "x"
+
+    marked = torch.compiler.assume_constant_result(lambda: "x")
+    attrs = {k: v for k, v in vars(marked).items()}
+    assert attrs and vars(compile_time_constant(probe)) == attrs

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from qtensor.backends import QUANT_BACKENDS, QuantBackend
+from qtensor.backends import QUANT_BACKENDS, QuantBackend, compile_time_constant
 from qtensor.formats import mxfp4, mxfp8, nvfp4
 from qtensor.formats.mxfp8 import MXFP8Data, MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Data, NVFP4Spec, SRSeed, check_sr_state, sr_state_tensor
@@ -98,7 +98,7 @@ def quant_backend(device: torch.device | str) -> QuantBackend:
 
 # Chosen once: torch.compile calls it at trace time and keeps the result as a constant (a str:
 # an Enum returned from here would become an opaque object in the graph).
-@torch.compiler.assume_constant_result
+@compile_time_constant
 def _backend_name(device_type: str) -> str:
     return _backend_for(device_type, QuantPolicy.current().force_reference).value
 

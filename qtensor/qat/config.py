@@ -15,6 +15,7 @@ from typing import Mapping
 
 import torch
 from torch import nn
+import qtensor._torchao  # noqa: F401  (torchao without its import-time noise)
 from torchao.core.config import AOBaseConfig
 from torchao.quantization.transform_module import register_quantize_module_handler
 

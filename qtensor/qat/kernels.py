@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from qtensor.backends import QuantBackend
+from qtensor.backends import QuantBackend, compile_time_constant
 from qtensor.formats.fp8_block import FP8BlockData
 from qtensor.formats.mxfp8 import MXFP8Data
 from qtensor.ops import quant
@@ -26,7 +26,7 @@ _OPS = ("mxfp4_qat_mxfp8", "mxfp4_qat_fp8_block")
 _DISPATCH_KEY = {"cpu": "CPU", "cuda": "CUDA"}
 
 
-@torch.compiler.assume_constant_result  # chosen once: torch.compile reads it at trace time
+@compile_time_constant  # chosen once: torch.compile reads it at trace time
 def quant_backend(device_type: str) -> QuantBackend:
     """The project's choice for this device type (qtensor.ops.quant: extension built, policy),
     narrowed to REFERENCE when the loaded extension lacks these two ops for the device."""

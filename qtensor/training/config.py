@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 
 from torch import nn
+import qtensor._torchao  # noqa: F401  (torchao without its import-time noise)
 from torchao.core.config import AOBaseConfig
 from torchao.quantization.transform_module import register_quantize_module_handler
 
