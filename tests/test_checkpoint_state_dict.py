@@ -160,3 +160,31 @@ def test_pickle_with_disallowed_global_is_refused(tmp_path):
     torch.save({"0.weight": _Evil()}, path)  # what a hostile checkpoint looks like
     with pytest.raises(CheckpointError, match="not a weights-only checkpoint: .*GLOBAL posix.system"):
         load(path)
+
+
+def test_assign_load_into_a_meta_hf_model_names_unsaved_buffers():
+    """A transformers Llama built on meta keeps its rotary inv_freq (a non-persistent buffer,
+    never saved) on meta after an assign-load: refused before loading, naming the buffers; the
+    documented remedy (rebuild the rotary embedding on the CPU first) then loads bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    import qtensor
+    from qtensor.checkpoint import CheckpointError, load_state_dict
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1)
+    pick = lambda m, n: isinstance(m, torch.nn.Linear) and n != "lm_head"  # noqa: E731
+    torch.manual_seed(0)
+    src = qtensor.quantize_(transformers.LlamaForCausalLM(cfg), qtensor.NVFP4WeightOnlyConfig(),
+                            filter_fn=pick)
+    with torch.device("meta"):
+        dst = transformers.LlamaForCausalLM(cfg)
+    qtensor.quantize_(dst, qtensor.NVFP4WeightOnlyConfig(), filter_fn=pick)
+    with pytest.raises(CheckpointError, match=r"'model.rotary_emb.inv_freq'.*on the meta device "
+                                              r"and not in the checkpoint.*rotary_emb"):
+        load_state_dict(dst, src.state_dict(), assign=True)
+    dst.model.rotary_emb = type(dst.model.rotary_emb)(dst.config)
+    load_state_dict(dst, src.state_dict(), assign=True)
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(dst(ids).logits, src(ids).logits)

@@ -110,6 +110,8 @@ def load_state_dict(
     meta device) the checkpoint's tensors become the parameters; quantized ones are frozen
     (requires_grad=False), as quantize_ leaves them."""
     check_state_dict(model, state_dict, strict=strict, assign=assign)
+    if assign:
+        _refuse_meta_leftovers(model, state_dict)
     # load_state_dict(assign=True) writes a flag into the state_dict's shared _metadata, which
     # would turn a later plain load of the same dict into an assign; give it a private copy.
     sd = dict(state_dict)
@@ -124,3 +126,22 @@ def load_state_dict(
                 if isinstance(p, QuantizedTensor) and p.requires_grad:
                     p.requires_grad_(False)
     return result
+
+
+def _refuse_meta_leftovers(model: nn.Module, state_dict: Mapping[str, Any]) -> None:
+    """Before an assign-load into a meta model: a meta tensor of the model that the checkpoint
+    does not hold (a non-persistent buffer, such as a rotary embedding's inv_freq, is never
+    saved) would stay on the meta device and fail the first forward. Refuse, naming it."""
+    if all(getattr(t, "is_meta", True) for t in state_dict.values()):
+        return  # a meta checkpoint into a meta model (shape-only loading) is fine
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if t.is_meta and n not in state_dict]
+    if left:
+        raise CheckpointError(
+            f"load_state_dict(assign=True): {left[:8]}{' ...' if len(left) > 8 else ''} "
+            f"({len(left)} tensors) are on the meta device and not in the checkpoint "
+            "(non-persistent buffers, such as a rotary embedding's inv_freq, are never saved), "
+            "so they would stay on meta. Rebuild the modules that own them on the target device "
+            "first (for a transformers model, outside the meta context: "
+            "model.model.rotary_emb = type(model.model.rotary_emb)(model.config)), then load."
+        )

@@ -174,7 +174,9 @@ class QuantizedTensor(torch.Tensor):
             raise NotImplementedError(
                 f"{cls.__name__} does not implement {func} (argument types {arg_types}). "
                 "Quantized tensors run only the ops in their op table; call .dequantize() "
-                "first if a high-precision result is what you want."
+                "first if a high-precision result is what you want. (Quantizing an already "
+                "quantized model, e.g. with torchao's quantize_, ends here: apply it to the "
+                "high-precision model instead.)"
             )
         return handler(func, args, kwargs)
 
