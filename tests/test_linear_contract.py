@@ -141,3 +141,29 @@ def test_compile_is_the_first_thing_a_process_does(config):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "frames 1", out.stdout + out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("form", ["@", "mm", "matmul", "addmm", "method", "left", "bmm"])
+def test_products_of_quantized_operands_give_gradients(form):
+    """mm, bmm, matmul, @ and addmm with a quantized operand give the high-precision operand its
+    gradient (they raised in the backward before, from aten's formula)."""
+    torch.manual_seed(3)
+    w = qtensor.NVFP4Tensor.from_hp(torch.randn(32, 64), row_scaled=True)
+    x = torch.randn(4, 64, requires_grad=True)
+    w3 = qtensor.MXFP8Tensor.from_hp(torch.randn(2, 32, 64))
+    x3 = torch.randn(2, 4, 64, requires_grad=True)
+    run = {
+        "@": lambda: x @ w.t(), "mm": lambda: torch.mm(x, w.t()),
+        "matmul": lambda: torch.matmul(x, w.t()), "method": lambda: x.mm(w.t()),
+        "addmm": lambda: torch.addmm(torch.zeros(32), x, w.t()),
+        "left": lambda: (w @ x.t()).t(), "bmm": lambda: torch.bmm(x3, w3.transpose(-1, -2)),
+    }[form]
+    y = run()
+    dy = torch.randn(y.shape)
+    y.backward(dy)
+    if form == "bmm":
+        ref, got = dy.double() @ w3.dequantize(torch.float64), x3.grad
+    else:
+        ref, got = dy.double() @ w.dequantize(torch.float64), x.grad
+    err = ((got.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-6, f"{form}: dX relative error {err:.2e}"

@@ -365,5 +365,44 @@ def _linear_2d(x2, weight, bias, out_dtype) -> torch.Tensor | None:
 
 QuantizedTensor._function_table[torch.nn.functional.linear] = linear
 
+
+# mm, bmm, matmul (and @) and addmm are handled at the torch level too, before autograd, as
+# F.linear is: the GEMM op's autograd then gives a high-precision operand its gradient. Below
+# autograd, aten's formulas would multiply the gradient by the quantized operand's transpose,
+# which has its blocks along the wrong dim. Other forms (1-D operands, out=) take the aten path.
+def _torch_level(func, handler):
+    def run(*args, **kwargs):
+        out = handler(*args, **kwargs) if "out" not in kwargs else None
+        if out is None:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        return out
+
+    return run
+
+
+def _product(a, b):
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2 or \
+            b.dim() < 2:
+        return None
+    _refuse_skipped_activation_quant(a, b)
+    return quantized_mm(a, b)
+
+
+def _product_plus(bias, a, b, *, beta=1, alpha=1):
+    if beta != 1 or alpha != 1:
+        raise ValueError("Quantized addmm supports beta=1 and alpha=1 only.")
+    if a.dim() != 2 or b.dim() != 2:
+        return None
+    _refuse_skipped_activation_quant(a, b)
+    return quantized_mm(a, b, bias)
+
+
+for _f in (torch.mm, torch.bmm, torch.matmul, torch.Tensor.mm, torch.Tensor.bmm,
+           torch.Tensor.matmul, torch.Tensor.__matmul__):
+    QuantizedTensor._function_table[_f] = _torch_level(_f, _product)
+for _f in (torch.addmm, torch.Tensor.addmm):
+    QuantizedTensor._function_table[_f] = _torch_level(_f, _product_plus)
+
 # torch._grouped_mm's handler lives beside this layer and registers on import.
 from qtensor.ops import grouped_gemm as _grouped_gemm  # noqa: E402,F401
