@@ -168,20 +168,18 @@ def test_dynamic_graph_calls_qtensor_ops_and_no_dequantize():
 
     if quant_backend("cpu") is not QuantBackend.CPU:
         pytest.skip(f"the CPU kernels are not in use: {extension_status()}")
-    torch.manual_seed(0)
-    model = quantized(nn.Sequential(nn.Linear(64, 32, bias=False)).to(torch.bfloat16),
-                      "nvfp4_dynamic")
-    gm = forward_graph(model, torch.randn(8, 64, dtype=torch.bfloat16))
-    assert_expected_inline(op_names(gm), """\
+    def ops_of(name):
+        torch.manual_seed(0)
+        model = quantized(nn.Sequential(nn.Linear(64, 32, bias=False)).to(torch.bfloat16), name)
+        return op_names(forward_graph(model, torch.randn(8, 64, dtype=torch.bfloat16)))
+
+    assert_expected_inline(ops_of("nvfp4_dynamic"), """\
 <built-in function getitem>
 aten.view.default
 qtensor.amax.default
 qtensor.nvfp4_mm.default
 qtensor.nvfp4_quantize.default""")
-    mxfp8 = quantized(nn.Sequential(nn.Linear(64, 32, bias=False)).to(torch.bfloat16),
-                      "mxfp8_dynamic")
-    gm = forward_graph(mxfp8, torch.randn(8, 64, dtype=torch.bfloat16))
-    assert_expected_inline(op_names(gm), """\
+    assert_expected_inline(ops_of("mxfp8_dynamic"), """\
 <built-in function getitem>
 qtensor.mxfp8_mm.default
 qtensor.mxfp8_quantize.default""")
