@@ -96,3 +96,16 @@ def test_a_float64_activation_is_refused_by_the_gemm_op():
     with pytest.raises(ValueError, match=r"qtensor::nvfp4_mm: .*float32, bfloat16 or float16; "
                                          r"got torch.float64"):
         model(torch.randn(2, 64, dtype=torch.float64))
+
+
+def test_a_second_quantization_says_what_happened():
+    """torchao's quantize_ on a qtensor-quantized model reaches an op the quantized weight does
+    not implement: the error names the op and says to quantize the high-precision model."""
+    from torchao.quantization import Int8WeightOnlyConfig
+    from torchao.quantization import quantize_ as torchao_quantize_
+
+    model = qtensor.quantize_(nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16),
+                              qtensor.NVFP4WeightOnlyConfig())
+    with pytest.raises(NotImplementedError, match=r"NVFP4Tensor does not implement aten\..*"
+                                                  r"Quantizing an already quantized model"):
+        torchao_quantize_(model, Int8WeightOnlyConfig())
