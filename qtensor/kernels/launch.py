@@ -1,4 +1,4 @@
-"""Launch a Triton kernel with the host work of one dictionary lookup.
+"""Launch a Triton kernel with less host work than Triton's own launch path.
 
 [Note: direct launch]
 `kernel[grid](*args)` (JITFunction.run) binds every argument, formats its specialization as a
@@ -10,9 +10,9 @@ specializes on: a tensor's dtype and the low 4 bits of its data pointer (Triton 
 divisibility by 16 and on their range), the constexprs and the launch options. Two calls with
 one key therefore always get the kernel Triton would pick. The first launch of a key goes
 through `kernel[grid]`, which compiles (or finds) that kernel and returns it; later launches
-with the same key call the compiled kernel's launcher directly. Whenever a launch hook is installed (profilers use
-them) every launch takes Triton's own path, and a Triton whose compiled kernels lack the
-launcher attributes used here falls back to it for good.
+with the same key call the compiled kernel's launcher directly. Whenever a launch hook is
+installed (profilers use them) every launch takes Triton's own path, and a Triton whose
+compiled kernels lack the launcher attributes used here falls back to it for good.
 """
 
 from __future__ import annotations

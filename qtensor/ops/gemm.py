@@ -193,13 +193,10 @@ def product_backend(a_op, b_op) -> GemmBackend:
     return GEMM_BACKENDS[getattr(owner, "gemm_backend", GemmBackend.EMULATED.value)]
 
 
-def _triton_runs(fmt, a: Side, b: Side, bias, out_dtype) -> bool:
-    return gemm_ops.triton_problem(a, b, bias, out_dtype) is None
-
-
-def plan(a_op, b_op, bias, out_dtype) -> GemmBackend:
+def plan(a_op, b_op, bias, out_dtype, sides=None) -> GemmBackend:
     """The backend that runs this product: the requested one if it has a kernel for it, else the
-    next one down (scaled_mm -> triton -> emulated)."""
+    next one down (scaled_mm -> triton -> emulated). `sides`: dense_sides(a_op, b_op) when the
+    caller has them already."""
     backend = product_backend(a_op, b_op)
     if backend is GemmBackend.SCALED_MM:
         if scaled_mm_problem(a_op, b_op, bias) is None:
@@ -208,8 +205,8 @@ def plan(a_op, b_op, bias, out_dtype) -> GemmBackend:
             return GemmBackend.EMULATED
         backend = GemmBackend.TRITON
     if backend is GemmBackend.TRITON:
-        fmt, a, b, _ = dense_sides(a_op, b_op)
-        if out_dtype in gemm_ops.FLOAT_DTYPES and _triton_runs(fmt, a, b, bias, out_dtype):
+        _, a, b, _ = sides or dense_sides(a_op, b_op)
+        if gemm_ops.triton_problem(a, b, bias, out_dtype) is None:
             return backend
     return GemmBackend.EMULATED
 
@@ -224,11 +221,11 @@ def quantized_mm(a, b, bias=None, out_dtype=None) -> torch.Tensor:
     """a [.., M, K] @ b [.., K, N] (+ bias [N]) where either operand may be quantized."""
     a_op, b_op = operands(a, b)
     out_dtype = out_dtype or a.dtype
-    backend = plan(a_op, b_op, bias, out_dtype)
+    sides = dense_sides(a_op, b_op)
+    backend = plan(a_op, b_op, bias, out_dtype, sides)
     if backend is GemmBackend.SCALED_MM:
         return native_scaled_mm(a_op, b_op, bias, out_dtype)
-    fmt, sa, sb, lead = dense_sides(a_op, b_op)
-    return _run_dense(fmt, sa, sb, bias, out_dtype, lead, backend)
+    return _run_dense(*sides[:3], bias, out_dtype, sides[3], backend)
 
 
 def with_gemm_backend(x: QuantizedTensor, backend: GemmBackend | str) -> QuantizedTensor:
@@ -358,8 +355,8 @@ def _linear_2d(x2, weight, bias, out_dtype) -> torch.Tensor | None:
     fmt = NVFP4 if cls is NVFP4Tensor else MXFP8
     a = _rows_side(a_op, True)
     b = _rows_side(weight, True)  # the weight's rows are N: rows along K as it is stored
-    if backend == "triton" and not _triton_runs(fmt, a, b, bias, out_dtype):
-        backend = "emulated"
+    # For the triton backend the op's CUDA kernel itself runs the reference for what the
+    # kernels do not take, so nothing is checked twice here.
     return _run_dense(fmt, a, b, bias, out_dtype, (), GEMM_BACKENDS[backend])
 
 

@@ -95,13 +95,30 @@ class Side:
         return self.scale is not None
 
 
-def _sides(fmt: str, args) -> tuple[Side, Side]:
-    """The (a, b) sides of a dense op's arguments (without bias and out_dtype)."""
+def pack_args(fmt: str, a: Side, b: Side, bias, out_dtype, offs=None) -> tuple:
+    """The arguments of a dense op (offs None) or a grouped op, in schema order."""
     if fmt == NVFP4:
-        a, a_scale, a_amax, b, b_scale, b_amax, a_bound, b_bound = args
-        return Side(a, a_scale, a_amax, a_bound), Side(b, b_scale, b_amax, b_bound)
-    a, a_scale, b, b_scale = args
-    return Side(a, a_scale), Side(b, b_scale)
+        head, bounds = (a.data, a.scale, a.amax, b.data, b.scale, b.amax), (a.bound, b.bound)
+    else:
+        head, bounds = (a.data, a.scale, b.data, b.scale), ()
+    return (*head, *(() if offs is None else (offs,)), *bounds, bias, out_dtype)
+
+
+def unpack_args(fmt: str, args, grouped: bool):
+    """(a, b, offs, bias, out_dtype) of an op's arguments: pack_args read backwards."""
+    n = 6 if fmt == NVFP4 else 4
+    head, rest = args[:n], list(args[n:])
+    offs = rest.pop(0) if grouped else None
+    if fmt == NVFP4:
+        a, b = Side(*head[:3], rest.pop(0)), Side(*head[3:], rest.pop(0))
+    else:
+        a, b = Side(*head[:2]), Side(*head[2:])
+    bias, out_dtype = rest
+    return a, b, offs, bias, out_dtype
+
+
+# Where the two operands sit in an op's arguments (the bias is always second to last).
+B_POSITION = {NVFP4: 3, MXFP8: 2}
 
 
 def _k(fmt: str, side: Side) -> int:
@@ -196,37 +213,37 @@ def _check_side(op: str, fmt: str, name: str, s: Side) -> None:
             _fail(op, f"{name}_bound must be 448 or 256; got {s.bound}.")
 
 
+def _check_pair(op: str, fmt: str, a: Side, b: Side, out_dtype) -> None:
+    """What every op asks of its two operands: valid sides, one K, one device, a float output."""
+    _check_side(op, fmt, "a", a)
+    _check_side(op, fmt, "b", b)
+    if _k(fmt, a) != _k(fmt, b):
+        _fail(op, f"K differs: a {tuple(a.data.shape)} x b {tuple(b.data.shape)} (rows along K).")
+    if a.data.device != b.data.device:
+        _fail(op, f"operands on different devices: {a.data.device} and {b.data.device}.")
+    if out_dtype not in FLOAT_DTYPES:
+        _fail(op, f"out_dtype must be float32, bfloat16 or float16; got {out_dtype}.")
+
+
 def _check_dense(op: str, fmt: str, a: Side, b: Side, bias, out_dtype) -> None:
     if not (a.quantized or b.quantized):
         _fail(op, "at least one operand must be quantized (a_scale or b_scale given).")
-    _check_side(op, fmt, "a", a)
-    _check_side(op, fmt, "b", b)
-    if _k(fmt, a) != _k(fmt, b):
-        _fail(op, f"K differs: a {tuple(a.data.shape)} x b {tuple(b.data.shape)} (rows along K).")
+    _check_pair(op, fmt, a, b, out_dtype)
     if a.data.dim() == b.data.dim() == 3 and 1 != a.data.shape[0] != b.data.shape[0] != 1:
         _fail(op, f"batch sizes differ: {a.data.shape[0]} x {b.data.shape[0]}.")
-    if out_dtype not in FLOAT_DTYPES:
-        _fail(op, f"out_dtype must be float32, bfloat16 or float16; got {out_dtype}.")
-    if a.data.device != b.data.device:
-        _fail(op, f"operands on different devices: {a.data.device} and {b.data.device}.")
 
 
 def _check_grouped(op: str, fmt: str, a: Side, b: Side, offs, bias, out_dtype) -> None:
-    _check_side(op, fmt, "a", a)
-    _check_side(op, fmt, "b", b)
     if a.data.dim() != 2 or b.data.dim() != 3:
         _fail(op, f"takes tokens a [T, K*] x experts b [E, N, K*]; got {tuple(a.data.shape)} x "
                   f"{tuple(b.data.shape)}.")
-    if _k(fmt, a) != _k(fmt, b):
-        _fail(op, f"K differs: a {tuple(a.data.shape)} x b {tuple(b.data.shape)} (rows along K).")
+    _check_pair(op, fmt, a, b, out_dtype)
     experts = b.data.shape[0]
     if offs.dim() != 1 or offs.dtype != torch.int32 or offs.shape[0] != experts:
         _fail(op, f"offs must be int32 [E] with E = {experts} cumulative row ends; got "
                   f"{offs.dtype} {tuple(offs.shape)}.")
     if bias is not None and tuple(bias.shape) != (experts, b.data.shape[1]):
         _fail(op, f"bias must be [E, N] = {(experts, b.data.shape[1])}; got {tuple(bias.shape)}.")
-    if out_dtype not in FLOAT_DTYPES:
-        _fail(op, f"out_dtype must be float32, bfloat16 or float16; got {out_dtype}.")
 
 
 def _dense_shape(a: Side, b: Side) -> tuple[int, ...]:
@@ -289,6 +306,8 @@ def triton_problem(a: Side, b: Side, bias, out_dtype, grouped=False) -> str | No
         return f"a high-precision left operand must be bfloat16 to be exact; got {a.data.dtype}"
     if a.data.device.type != "cuda":
         return "the operands are not on a CUDA device"
+    if out_dtype not in FLOAT_DTYPES:
+        return f"the kernels write float32, bfloat16 or float16; got {out_dtype}"
     if not grouped and bias is not None and (bias.dim() != 1 or bias.shape[0] != b.data.shape[-2]):
         return "the bias is not a vector [N]"
     if a.data.numel() == 0 or b.data.numel() == 0:
@@ -341,26 +360,22 @@ def triton_grouped_mm(fmt: str, a: Side, b: Side, offs, bias, out_dtype):
 def _dense_kernels(fmt: str):
     op = f"{fmt}_mm"
 
-    def split(args):
-        *operands, bias, out_dtype = args
-        a, b = _sides(fmt, operands)
+    def checked(args):
+        a, b, _, bias, out_dtype = unpack_args(fmt, args, grouped=False)
+        _check_dense(op, fmt, a, b, bias, out_dtype)
         return a, b, bias, out_dtype
 
     def cpu(*args):
-        a, b, bias, out_dtype = split(args)
-        _check_dense(op, fmt, a, b, bias, out_dtype)
-        return reference_mm(fmt, a, b, bias, out_dtype)
+        return reference_mm(fmt, *checked(args))
 
     def cuda(*args):
-        a, b, bias, out_dtype = split(args)
-        _check_dense(op, fmt, a, b, bias, out_dtype)
+        a, b, bias, out_dtype = checked(args)
         if triton_problem(a, b, bias, out_dtype) is None and _device_ok(a):
             return triton_mm(fmt, a, b, bias, out_dtype)
         return reference_mm(fmt, a, b, bias, out_dtype)
 
     def fake(*args):
-        a, b, bias, out_dtype = split(args)
-        _check_dense(op, fmt, a, b, bias, out_dtype)
+        a, b, _, out_dtype = checked(args)
         return a.data.new_empty(_dense_shape(a, b), dtype=out_dtype)
 
     return cpu, cuda, fake
@@ -369,32 +384,25 @@ def _dense_kernels(fmt: str):
 def _grouped_kernels(fmt: str):
     op = f"{fmt}_grouped_mm"
 
-    def split(args):
-        if fmt == NVFP4:
-            a, a_scale, a_amax, b, b_scale, b_amax, offs, a_bound, b_bound, bias, out_dtype = args
-            return Side(a, a_scale, a_amax, a_bound), Side(b, b_scale, b_amax, b_bound), offs, \
-                bias, out_dtype
-        a, a_scale, b, b_scale, offs, bias, out_dtype = args
-        return Side(a, a_scale), Side(b, b_scale), offs, bias, out_dtype
+    def checked(args):
+        a, b, offs, bias, out_dtype = unpack_args(fmt, args, grouped=True)
+        _check_grouped(op, fmt, a, b, offs, bias, out_dtype)
+        return a, b, offs, bias, out_dtype
 
     def cpu(*args):
-        a, b, offs, bias, out_dtype = split(args)
-        _check_grouped(op, fmt, a, b, offs, bias, out_dtype)
-        return reference_grouped_mm(fmt, a, b, offs, bias, out_dtype)
+        return reference_grouped_mm(fmt, *checked(args))
 
     def cuda(*args):
-        a, b, offs, bias, out_dtype = split(args)
-        _check_grouped(op, fmt, a, b, offs, bias, out_dtype)
+        a, b, offs, bias, out_dtype = checked(args)
         if triton_problem(a, b, None, out_dtype, grouped=True) is None and _device_ok(a):
             return triton_grouped_mm(fmt, a, b, offs, bias, out_dtype)
         return reference_grouped_mm(fmt, a, b, offs, bias, out_dtype)
 
     def fake(*args):
-        a, b, offs, bias, out_dtype = split(args)
-        _check_grouped(op, fmt, a, b, offs, bias, out_dtype)
+        a, b, _, _, out_dtype = checked(args)
         return a.data.new_empty((a.data.shape[0], b.data.shape[1]), dtype=out_dtype)
 
-    return cpu, cuda, fake, split
+    return cpu, cuda, fake
 
 
 # ---- autograd: the high-precision operand and the bias ------------------------------------------
@@ -419,28 +427,26 @@ def _reduce_to(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return grad.to(like.dtype)
 
 
-def _dense_backward(fmt: str, positions: dict):
+def _dense_backward(fmt: str):
     """The autograd formula of a dense op: d acc = dY * left * right (fp32), then
     dA = d acc @ units(B) and dB = d acc^T @ units(A) for a high-precision side, d bias = sum."""
-
-    setup_context = _setup_context
+    pos_b = B_POSITION[fmt]
 
     def backward(ctx, grad):
         inputs = _saved_inputs(ctx)
-        *operands, bias, _ = inputs
-        a, b = _sides(fmt, operands)
+        a, b, _, bias, _ = unpack_args(fmt, inputs, grouped=False)
         left, right = epilogue_factors(fmt, a, b)
         d = apply_epilogue(grad.float(), left, right, None, torch.float32)
         grads = [None] * len(inputs)
-        if ctx.needs_input_grad[positions["a"]]:
-            grads[positions["a"]] = _reduce_to(d @ units(fmt, b), a.data)
-        if ctx.needs_input_grad[positions["b"]]:
-            grads[positions["b"]] = _reduce_to(d.transpose(-1, -2) @ units(fmt, a), b.data)
-        if bias is not None and ctx.needs_input_grad[positions["bias"]]:
-            grads[positions["bias"]] = _sum_to(grad.float(), bias)
+        if ctx.needs_input_grad[0]:
+            grads[0] = _reduce_to(d @ units(fmt, b), a.data)
+        if ctx.needs_input_grad[pos_b]:
+            grads[pos_b] = _reduce_to(d.transpose(-1, -2) @ units(fmt, a), b.data)
+        if bias is not None and ctx.needs_input_grad[-2]:
+            grads[-2] = _sum_to(grad.float(), bias)
         return tuple(grads)
 
-    return setup_context, backward
+    return _setup_context, backward
 
 
 def _sum_to(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -453,14 +459,14 @@ def _sum_to(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return grad.to(like.dtype)
 
 
-def _grouped_backward(fmt: str, split, positions: dict):
+def _grouped_backward(fmt: str):
     """dA rows of expert e = (dY * left * right_e) @ units(B[e]); d bias[e] = sum of its rows.
     Expert e's rows are selected by a mask built from offs on the device (no host sync, so the
     backward traces under torch.compile)."""
 
     def backward(ctx, grad):
         inputs = _saved_inputs(ctx)
-        a, b, offs, bias, _ = split(inputs)
+        a, b, offs, bias, _ = unpack_args(fmt, inputs, grouped=True)
         left, right = epilogue_factors(fmt, a, b)
         ub = units(fmt, b)
         g = grad.float()
@@ -475,10 +481,10 @@ def _grouped_backward(fmt: str, split, positions: dict):
             da = da + d @ ub[e]
             db.append(torch.where(mine, g, 0.0).sum(0))
         grads = [None] * len(inputs)
-        if ctx.needs_input_grad[positions["a"]]:
-            grads[positions["a"]] = da.to(a.data.dtype)
-        if bias is not None and ctx.needs_input_grad[positions["bias"]]:
-            grads[positions["bias"]] = torch.stack(db).to(bias.dtype)
+        if ctx.needs_input_grad[0]:
+            grads[0] = da.to(a.data.dtype)
+        if bias is not None and ctx.needs_input_grad[-2]:
+            grads[-2] = torch.stack(db).to(bias.dtype)
         return tuple(grads)
 
     return _setup_context, backward
@@ -486,12 +492,6 @@ def _grouped_backward(fmt: str, split, positions: dict):
 
 # ---- registration ------------------------------------------------------------------------------
 
-_POSITIONS = {
-    "nvfp4_mm": {"a": 0, "b": 3, "bias": 8},
-    "mxfp8_mm": {"a": 0, "b": 2, "bias": 4},
-    "nvfp4_grouped_mm": {"a": 0, "b": 3, "bias": 9},
-    "mxfp8_grouped_mm": {"a": 0, "b": 2, "bias": 5},
-}
 _LIB = torch.library.Library("qtensor", "FRAGMENT")
 # Per op: {"cpu": fn, "cuda": fn}, the kernels the dispatcher calls (and the GEMM layer's eager
 # direct calls).
@@ -500,12 +500,8 @@ KERNELS: dict[str, dict[str, object]] = {}
 
 def _register() -> None:
     for fmt in (NVFP4, MXFP8):
-        cpu, cuda, fake = _dense_kernels(fmt)
-        name = f"{fmt}_mm"
-        _define(name, cpu, cuda, fake, *_dense_backward(fmt, _POSITIONS[name]))
-        cpu, cuda, fake, split = _grouped_kernels(fmt)
-        name = f"{fmt}_grouped_mm"
-        _define(name, cpu, cuda, fake, *_grouped_backward(fmt, split, _POSITIONS[name]))
+        _define(f"{fmt}_mm", *_dense_kernels(fmt), *_dense_backward(fmt))
+        _define(f"{fmt}_grouped_mm", *_grouped_kernels(fmt), *_grouped_backward(fmt))
 
 
 def _define(name, cpu, cuda, fake, setup_context, backward) -> None:
@@ -551,20 +547,9 @@ def call(name: str, *args) -> torch.Tensor:
     return op(name)(*args)
 
 
-def nvfp4_args(a: Side, b: Side, bias, out_dtype) -> tuple:
-    return (a.data, a.scale, a.amax, b.data, b.scale, b.amax, a.bound, b.bound, bias, out_dtype)
-
-
-def mxfp8_args(a: Side, b: Side, bias, out_dtype) -> tuple:
-    return (a.data, a.scale, b.data, b.scale, bias, out_dtype)
-
-
 def dense_args(fmt: str, a: Side, b: Side, bias, out_dtype) -> tuple:
-    return (nvfp4_args if fmt == NVFP4 else mxfp8_args)(a, b, bias, out_dtype)
+    return pack_args(fmt, a, b, bias, out_dtype)
 
 
 def grouped_args(fmt: str, a: Side, b: Side, offs, bias, out_dtype) -> tuple:
-    if fmt == NVFP4:
-        return (a.data, a.scale, a.amax, b.data, b.scale, b.amax, offs, a.bound, b.bound, bias,
-                out_dtype)
-    return (a.data, a.scale, b.data, b.scale, offs, bias, out_dtype)
+    return pack_args(fmt, a, b, bias, out_dtype, offs)

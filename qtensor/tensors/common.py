@@ -81,11 +81,15 @@ def _to_copy(func, args, kwargs):
             f"float32, bfloat16 or float16; got {dtype}."
         )
     device = kwargs.get("device") or x.device
-    changes = {"dtype": dtype}
+    return x.map_data(lambda t: _move(t, device, dtype), dtype=dtype,
+                      **_backend_for_device(x, device))
+
+
+def _backend_for_device(x, device) -> dict:
+    """The GEMM backend belongs to the device: chosen again when the bytes change device."""
     if "gemm_backend" in x.tensor_attribute_names and torch.device(device).type != x.device.type:
-        # The GEMM backend belongs to the device: chosen again when the bytes change device.
-        changes["gemm_backend"] = resolve_gemm_backend(device).value
-    return x.map_data(lambda t: _move(t, device, dtype), **changes)
+        return {"gemm_backend": resolve_gemm_backend(device).value}
+    return {}
 
 
 def _move(t: torch.Tensor, device, dtype) -> torch.Tensor:
@@ -108,10 +112,7 @@ def _empty_like(func, args, kwargs):
             "Quantize a tensor of that dtype instead."
         )
     device = kwargs.get("device") or x.device
-    changes = {}
-    if "gemm_backend" in x.tensor_attribute_names and torch.device(device).type != x.device.type:
-        changes["gemm_backend"] = resolve_gemm_backend(device).value
-    return x.map_data(lambda t: _empty(t, device), **changes)
+    return x.map_data(lambda t: _empty(t, device), **_backend_for_device(x, device))
 
 
 def _empty(t: torch.Tensor, device) -> torch.Tensor:
