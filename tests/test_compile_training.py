@@ -142,3 +142,30 @@ def test_stochastic_rounding_step_inductor():
     assert_bitwise(out[1], ref[1], "input gradient")
     for (pname, _), g, r in zip(eager.named_parameters(), out[2], ref[2]):
         assert_bitwise(g, r, f"gradient of {pname}")
+
+
+@pytest.mark.parametrize("name, gemm", [("qat_mxfp8", "qtensor.mxfp8_mm.default"),
+                                        ("qat_fp8_block128", "qtensor.fp8_block_mm.default")])
+def test_qat_graphs_multiply_through_the_host_gemm_op(name, gemm):
+    """A compiled QAT step's forward and backward graphs multiply through the host's opaque GEMM
+    op (fprop; dgrad and wgrad), and no fp32 matmul of decoded operands is left to Inductor."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    model = training_model(name)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture),
+                             fullgraph=True)
+    x = torch.randn(128, 128, dtype=torch.bfloat16, requires_grad=True)
+    compiled(x).float().square().sum().backward()
+    fw, bw = (sorted({str(n.target) for n in g.graph.nodes if n.op == "call_function"})
+              for g in graphs)
+    assert fw.count(gemm) == 1 and bw.count(gemm) == 1, (fw, bw)
+    calls = [n for g in graphs for n in g.graph.nodes if str(n.target) == gemm]
+    assert len(calls) == 2 + 2 * 2, [str(n) for n in calls]  # fprop x 2 layers, dgrad + wgrad x 2
+    assert not any("aten.mm" in t or "aten.bmm" in t for t in fw + bw), (fw, bw)

@@ -1,4 +1,4 @@
-"""The GEMM ops (qtensor::nvfp4_mm, mxfp8_mm and their grouped forms): torch.library.opcheck,
+"""The GEMM ops (qtensor::nvfp4_mm, mxfp8_mm, their grouped forms and fp8_block_mm): torch.library.opcheck,
 the reference against an independent fp64 product of dequantized operands, autograd, errors,
 and the eager direct call against the dispatcher.
 
@@ -238,3 +238,64 @@ def test_quantized_left_times_hybrid_routes_through_the_op():
     out = torch.mm(a, b)
     ref = a.rowwise.dequantize(torch.float64) @ b.columnwise.dequantize(torch.float64)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def fp8_block_cases(device):
+    """(name, args of qtensor::fp8_block_mm, fp64 oracle): 1x128 rows times 1x128 rows and
+    times 128x128 tiles, as the FP8 host of MXFP4 QAT feeds them (b as a transposed view)."""
+    from qtensor.formats import fp8_block
+    from qtensor.formats.fp8_block import FP8BlockSpec
+
+    g = _gen(device, 5)
+    x = torch.randn(48, 256, device=device, generator=g)
+    w = torch.randn(128, 256, device=device, generator=g) * 0.05
+    col = torch.randn(256, 128, device=device, generator=g)  # [K, N], blocks along K
+    bias = torch.randn(128, device=device, generator=g).bfloat16()
+    rows, tiles = FP8BlockSpec("1x128"), FP8BlockSpec("128x128")
+    cols = FP8BlockSpec("1x128", columnwise=True)
+    qx, qw, qc = fp8_block.quantize(x, rows), fp8_block.quantize(w, tiles), fp8_block.quantize(
+        col, cols)
+
+    def dq(q, spec):
+        return fp8_block.dequantize(*q, spec, torch.float64)
+
+    return [
+        ("rows_x_tiles_bias", (*qx, *qw, True, bias), dq(qx, rows) @ dq(qw, tiles).t()
+         + bias.double()),
+        ("rows_x_transposed_columnwise", (*qx, qc.qdata.t(), qc.scale.t(), False, None),
+         dq(qx, rows) @ dq(qc, cols)),
+    ]
+
+
+@pytest.mark.parametrize("device", devices)
+def test_fp8_block_op_passes_opcheck_and_matches_fp64(device):
+    op = gemm_ops.op("fp8_block_mm")
+    for name, args, ref in fp8_block_cases(device):
+        for out_dtype in (torch.bfloat16, torch.float32):
+            opcheck(op, (*args, out_dtype))
+        out = op(*args, torch.float32)
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-6, f"{name}: relative error {err:.2e}"
+        assert torch.equal(gemm_ops.call("fp8_block_mm", *args, torch.float32), out), name
+
+
+def test_fp8_block_op_bias_gradient_passes_opcheck():
+    name, args, _ = fp8_block_cases("cpu")[0]
+    bias = args[-1].detach().clone().requires_grad_(True)
+    opcheck(gemm_ops.op("fp8_block_mm"), (*args[:-1], bias, torch.float32))
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda a: a[:3] + (a[3][:, :1],) + a[4:], r"b_scale must be 128x128 tiles \(1, 2\)"),
+        (lambda a: a[:4] + (False,) + a[5:], r"b_scale must be 1x128 blocks \(128, 2\)"),
+        (lambda a: (a[0][:, :128],) + a[1:], "K differs"),
+        (lambda a: (a[0].float(),) + a[1:], "must be 2-D float8_e4m3fn"),
+        (lambda a: a[:5] + (torch.zeros(7),), r"bias must be a vector \[N\] = \[128\]"),
+    ],
+)
+def test_fp8_block_op_bad_arguments_raise_naming_the_op(mutate, match):
+    _, args, _ = fp8_block_cases("cpu")[0]
+    with pytest.raises(ValueError, match=r"qtensor::fp8_block_mm: .*" + match):
+        gemm_ops.op("fp8_block_mm")(*mutate(args), torch.bfloat16)

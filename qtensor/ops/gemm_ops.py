@@ -11,6 +11,8 @@
                               int b_bound, Tensor? bias, ScalarType out_dtype) -> Tensor
     qtensor::mxfp8_grouped_mm(Tensor a, Tensor? a_scale, Tensor b, Tensor b_scale, Tensor offs,
                               Tensor? bias, ScalarType out_dtype) -> Tensor
+    qtensor::fp8_block_mm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool b_tiles,
+                          Tensor? bias, ScalarType out_dtype) -> Tensor
 
 Both operands come as "rows along K": a is [.., M, K*], b is [.., N, K*], and the dense ops
 compute out[.., m, n] = epilogue(sum_k A[.., m, k] * B[.., n, k]) ([Note: emulated GEMM] in
@@ -20,6 +22,9 @@ is given:
   (0-d, or [.., R] when row-scaled) and its E4M3 bound (448 or 256);
 - MXFP8: E4M3 data [.., R, K], UE8M0 scales float8_e8m0fnu [.., R, K/32];
 - otherwise a high-precision float tensor [.., R, K] (its bound argument is ignored).
+- FP8 block (the FP8 host of MXFP4 QAT, qtensor/formats/fp8_block.py): E4M3 data [R, K] and
+  fp32 power-of-two scales, 1x128 blocks [R, K/128]; b's may instead be 128x128 tiles
+  [N/128, K/128] (b_tiles). Both sides are quantized and 2-D.
 At least one side of a dense op is quantized; a grouped op's right operand always is. Dense
 operands are 2-D or 3-D (a batch of 1 broadcasts) and the output is 2-D when both are. A
 grouped op multiplies tokens a [T, K*] by experts b [E, N, K*], expert e owning rows
@@ -29,7 +34,10 @@ Implementations:
 - CPU: the exact reference (`reference_mm`, `reference_grouped_mm`): fp32 unit values,
   torch.matmul, the epilogue.
 - CUDA: the Triton kernels of qtensor/kernels for what they take (a quantized right operand, a
-  bf16 or same-format left one, sm_80+); anything else runs the same reference on the GPU.
+  bf16 or same-format left one, sm_80+); anything else runs the same reference on the GPU. The
+  FP8 block op has no kernel: it runs its reference on every device, as an opaque op so that
+  eager and compiled programs multiply in the same fp32 matmul (Inductor would otherwise pick
+  its own layouts for the decoded operands, and cuBLAS another summation order).
 - Meta: the output's shape and dtype (torch.compile traces through it).
 - Autograd: the gradient of a high-precision operand and of the bias (the derivative of the
   fp32 epilogue: dY * left * right, times the other operand's exact unit values); quantized
@@ -48,6 +56,7 @@ import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from qtensor.backends import GemmBackend, gemm_backend_problem
+from qtensor.formats import fp8_block as fp8_block_ref
 from qtensor.formats import mxfp8 as mxfp8_ref
 from qtensor.formats import nvfp4 as nvfp4_ref
 from qtensor.formats.elements import fdiv
@@ -76,6 +85,8 @@ SCHEMAS = {
                         "ScalarType out_dtype) -> Tensor",
     "mxfp8_grouped_mm": "(Tensor a, Tensor? a_scale, Tensor b, Tensor b_scale, Tensor offs, "
                         "Tensor? bias, ScalarType out_dtype) -> Tensor",
+    "fp8_block_mm": "(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool b_tiles, "
+                    "Tensor? bias, ScalarType out_dtype) -> Tensor",
 }
 
 
@@ -405,6 +416,52 @@ def _grouped_kernels(fmt: str):
     return cpu, cuda, fake
 
 
+_FP8_ROWS = fp8_block_ref.FP8BlockSpec("1x128")
+_FP8_TILES = fp8_block_ref.FP8BlockSpec("128x128")
+
+
+def _check_fp8_block(a, a_scale, b, b_scale, b_tiles: bool, bias, out_dtype) -> None:
+    op, blk = "fp8_block_mm", fp8_block_ref.BLOCK
+    for name, d, sc in (("a", a, a_scale), ("b", b, b_scale)):
+        if d.dim() != 2 or d.dtype != torch.float8_e4m3fn or sc.dtype != torch.float32:
+            _fail(op, f"operand {name} must be 2-D float8_e4m3fn rows along K with float32 "
+                      f"scales; got {d.dtype} {tuple(d.shape)} and {sc.dtype} scales.")
+        if d.shape[-1] % blk:
+            _fail(op, f"K must be a multiple of {blk}; operand {name} has {tuple(d.shape)}.")
+    if a.shape[1] != b.shape[1]:
+        _fail(op, f"K differs: a {tuple(a.shape)} x b {tuple(b.shape)} (rows along K).")
+    k_blocks = a.shape[1] // blk
+    if tuple(a_scale.shape) != (a.shape[0], k_blocks):
+        _fail(op, f"a_scale must be 1x128 blocks {(a.shape[0], k_blocks)}; got "
+                  f"{tuple(a_scale.shape)}.")
+    if b_tiles and b.shape[0] % blk:
+        _fail(op, f"128x128 tiles need N a multiple of {blk}; b has {tuple(b.shape)}.")
+    want = (b.shape[0] // blk if b_tiles else b.shape[0], k_blocks)
+    if tuple(b_scale.shape) != want:
+        _fail(op, f"b_scale must be {'128x128 tiles' if b_tiles else '1x128 blocks'} {want}; "
+                  f"got {tuple(b_scale.shape)}.")
+    if a.device != b.device:
+        _fail(op, f"operands on different devices: {a.device} and {b.device}.")
+    if bias is not None and tuple(bias.shape) != (b.shape[0],):
+        _fail(op, f"bias must be a vector [N] = [{b.shape[0]}]; got {tuple(bias.shape)}.")
+    if out_dtype not in FLOAT_DTYPES:
+        _fail(op, f"out_dtype must be float32, bfloat16 or float16; got {out_dtype}.")
+
+
+def reference_fp8_block_mm(a, a_scale, b, b_scale, b_tiles, bias, out_dtype) -> torch.Tensor:
+    """The exact product of FP8 block operands: fp32 decoded values (exact: E4M3 times a power
+    of two), one fp32 matmul, + bias in fp32, the cast."""
+    _check_fp8_block(a, a_scale, b, b_scale, b_tiles, bias, out_dtype)
+    ua = fp8_block_ref.dequantize(a, a_scale, _FP8_ROWS)
+    ub = fp8_block_ref.dequantize(b, b_scale, _FP8_TILES if b_tiles else _FP8_ROWS)
+    return apply_epilogue(ua @ ub.t(), None, None, bias, out_dtype)
+
+
+def _fp8_block_fake(a, a_scale, b, b_scale, b_tiles, bias, out_dtype):
+    _check_fp8_block(a, a_scale, b, b_scale, b_tiles, bias, out_dtype)
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
 # ---- autograd: the high-precision operand and the bias ------------------------------------------
 
 
@@ -490,6 +547,19 @@ def _grouped_backward(fmt: str):
     return _setup_context, backward
 
 
+def _fp8_block_backward():
+    """Both operands are quantized bytes: only the bias has a gradient."""
+
+    def backward(ctx, grad):
+        inputs = _saved_inputs(ctx)
+        grads = [None] * len(inputs)
+        if inputs[5] is not None and ctx.needs_input_grad[5]:
+            grads[5] = _sum_to(grad.float(), inputs[5])
+        return tuple(grads)
+
+    return _setup_context, backward
+
+
 # ---- registration ------------------------------------------------------------------------------
 
 _LIB = torch.library.Library("qtensor", "FRAGMENT")
@@ -502,6 +572,8 @@ def _register() -> None:
     for fmt in (NVFP4, MXFP8):
         _define(f"{fmt}_mm", *_dense_kernels(fmt), *_dense_backward(fmt))
         _define(f"{fmt}_grouped_mm", *_grouped_kernels(fmt), *_grouped_backward(fmt))
+    _define("fp8_block_mm", reference_fp8_block_mm, reference_fp8_block_mm, _fp8_block_fake,
+            *_fp8_block_backward())
 
 
 def _define(name, cpu, cuda, fake, setup_context, backward) -> None:

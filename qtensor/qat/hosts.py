@@ -12,8 +12,8 @@ its scales, with `layout` naming the block shape and direction:
 `mm(a, b)` = a [M, K] @ b [K, N] needs a's blocks along its last dim and b's along dim 0, the
 same convention as qtensor/ops/gemm.py.
 
-Backends, chosen once per device (`gemm_backend`): EMULATED decodes both operands to their exact
-fp32 values and runs one fp32 matmul (every platform; the reference); SCALED_MM, opt-in
+Backends, chosen once per device (`gemm_backend`): EMULATED multiplies the exact decoded values
+through the GEMM ops (`mm`; every platform, exact up to fp32 summation order); SCALED_MM, opt-in
 (MXFP4QATConfig.native_gemm), runs the FP8 block host natively through torch._scaled_mm on
 sm_90+ (1x128 x 128x128 for fprop and dgrad, 1x128 x 1x128 for wgrad); on the H200 it does not
 yet match the emulation (docs/qat.md, Status). The MXFP8 host has no native GEMM on Hopper
@@ -28,11 +28,11 @@ import functools
 
 import torch
 
-from qtensor.backends import GemmBackend
+from qtensor.backends import GEMM_BACKENDS, GemmBackend, compile_time_constant
 from qtensor.formats import fp8_block, mxfp8
 from qtensor.formats.fp8_block import FP8BlockSpec
 from qtensor.formats.mxfp8 import MXFP8Spec
-from qtensor.ops import quant
+from qtensor.ops import gemm_ops, quant
 
 
 class Host(str, enum.Enum):
@@ -82,32 +82,56 @@ def token_multiple(host: Host) -> int:
     return mxfp8.BLOCK if host is Host.MXFP8 else fp8_block.BLOCK
 
 
-@functools.lru_cache(maxsize=None)
 def gemm_backend(host: Host, device: torch.device, native: bool = False) -> GemmBackend:
     """Chosen once per (host, device, native): the native FP8 block GEMM when asked for on
     sm_90+, else exact emulation. `native` is opt-in (MXFP4QATConfig.native_gemm) until the
     torch._scaled_mm scale layouts are verified on the GPU machine (docs/qat.md, status)."""
-    if native and host is Host.FP8_BLOCK128 and device.type == "cuda":
-        if torch.cuda.get_device_capability(device) >= (9, 0):
+    return GEMM_BACKENDS[_gemm_backend_name(host.value, device.type, device.index, native)]
+
+
+# Chosen once: torch.compile calls it at trace time and keeps the result (a str) as a constant.
+@compile_time_constant
+def _gemm_backend_name(host: str, device_type: str, index: int | None, native: bool) -> str:
+    return _choose_gemm_backend(host, device_type, index, native).value
+
+
+@functools.lru_cache(maxsize=None)
+def _choose_gemm_backend(host: str, device_type: str, index: int | None,
+                         native: bool) -> GemmBackend:
+    if native and host == Host.FP8_BLOCK128.value and device_type == "cuda":
+        if torch.cuda.get_device_capability(index) >= (9, 0):
             return GemmBackend.SCALED_MM
     return GemmBackend.EMULATED
 
 
 def mm(a: Operand, b: Operand, out_dtype: torch.dtype, backend: GemmBackend,
        bias: torch.Tensor | None = None) -> torch.Tensor:
-    """a [M, K] @ b [K, N] (+ bias in fp32) cast to out_dtype."""
-    if a.layout not in ("mx_row", "fb_row") or b.layout not in ("mx_col", "fb_col", "fb_tile"):
+    """a [M, K] @ b [K, N] (+ bias in fp32) cast to out_dtype.
+
+    EMULATED products run through the GEMM ops (qtensor/ops/gemm_ops.py), fed b as rows along
+    K (b.t(), a view): the MXFP8 host through qtensor::mxfp8_mm (the Triton GEMM on CUDA, the
+    exact reference elsewhere), the FP8 block host through qtensor::fp8_block_mm (its exact
+    reference on every device). Both are opaque ops, so a compiled step multiplies exactly as
+    the eager one does."""
+    mx = a.layout == "mx_row"
+    if a.layout not in ("mx_row", "fb_row") or b.layout not in (
+            ("mx_col",) if mx else ("fb_col", "fb_tile")):
         raise ValueError(
-            f"mm needs a rowwise left operand and a columnwise or tile right operand; got "
-            f"{a.layout} x {b.layout}."
+            f"mm needs a rowwise left operand and a columnwise or tile right operand of the same "
+            f"host; got {a.layout} x {b.layout}."
         )
     if backend is GemmBackend.SCALED_MM:
         acc = _scaled_mm_block(a, b, torch.float32 if bias is not None else out_dtype)
-    else:
-        acc = torch.matmul(a.dequantize(), b.dequantize())
-    if bias is not None:
-        acc = acc + bias.float()
-    return acc.to(out_dtype)
+        if bias is not None:
+            acc = acc + bias.float()
+        return acc.to(out_dtype)
+    rows = b.t()
+    if mx:
+        args = gemm_ops.dense_args(gemm_ops.MXFP8, gemm_ops.Side(a.qdata, a.scale),
+                                   gemm_ops.Side(rows.qdata, rows.scale), bias, out_dtype)
+        return gemm_ops.call("mxfp8_mm", *args)
+    return gemm_ops.call("fp8_block_mm", a.qdata, a.scale, rows.qdata, rows.scale,
+                         rows.layout == "fb_tile", bias, out_dtype)
 
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:
