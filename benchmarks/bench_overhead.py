@@ -8,8 +8,9 @@ For F.linear on an 8192x8192 weight at M=1 (bf16, and each weight-only and dynam
 - wall us: a synchronized loop's time per call (max of host and GPU time), the eager speed;
 - graph us: the same call replayed from a CUDA graph (GPU time only);
 - and the ratio of bf16's wall time to the path's (>= 1 means as fast as bf16).
-The qtensor rows are also timed with the direct Triton launch off and through the dispatcher,
-to show what each saves. Then `from_hp` on 16384x8192 bf16 (GPU) and 4096x4096 (CPU): the
+The qtensor rows are also timed without the prepared decode path (the GEMM layer and the op
+each call), then also with the direct Triton launch off, or through the dispatcher, to show
+what each saves. Then `from_hp` on 16384x8192 bf16 (GPU) and 4096x4096 (CPU): the
 default (check_finite=True) against check_finite=False.
 """
 
@@ -95,6 +96,19 @@ def no_direct_launch():
 
 
 @contextlib.contextmanager
+def no_plan():
+    """Without the prepared decode path ([Note: prepared linear]): the GEMM layer and the op."""
+    from qtensor.ops import gemm
+
+    saved = gemm._prepared_linear
+    gemm._prepared_linear = lambda x, weight, bias: None
+    try:
+        yield
+    finally:
+        gemm._prepared_linear = saved
+
+
+@contextlib.contextmanager
 def through_dispatcher():
     saved = gemm_ops._direct_ok
     gemm_ops._direct_ok = lambda tensors: False
@@ -116,9 +130,9 @@ def linear_section(n: int, k: int, m: int) -> None:
         "MXFP8 dynamic": MXFP8Tensor.from_hp(w).replace(act_spec=MXFP8Spec()),
     }
     emit(f"\n### F.linear, {n}x{k} weight, M={m}\n")
-    emit("| path | host us | wall us | graph us | bf16 wall / wall | host, no direct launch "
-         "| host, via dispatcher |")
-    emit("|---|---|---|---|---|---|---|")
+    emit("| path | host us | wall us | graph us | bf16 wall / wall | host, no plan "
+         "| host, no plan, no direct launch | host, no plan, via dispatcher |")
+    emit("|---|---|---|---|---|---|---|---|")
     base = None
     with torch.no_grad():
         for name, wt in weights.items():
@@ -127,14 +141,16 @@ def linear_section(n: int, k: int, m: int) -> None:
 
             h, wl, gr = host_us(fn), wall_us(fn), graph_us(fn)
             base = base or wl
-            extra = ["", ""]
+            extra = ["", "", ""]
             if name != "bf16 F.linear":
-                with no_direct_launch():
+                with no_plan():
                     extra[0] = f"{host_us(fn):.1f}"
-                with through_dispatcher():
-                    extra[1] = f"{host_us(fn):.1f}"
-            emit(f"| {name} | {h:.1f} | {wl:.1f} | {gr:.1f} | {base / wl:.2f}x | {extra[0]} | "
-                 f"{extra[1]} |")
+                    with no_direct_launch():
+                        extra[1] = f"{host_us(fn):.1f}"
+                    with through_dispatcher():
+                        extra[2] = f"{host_us(fn):.1f}"
+            emit(f"| {name} | {h:.1f} | {wl:.1f} | {gr:.1f} | {base / wl:.2f}x | "
+                 + " | ".join(extra) + " |")
 
 
 def cuda_ms(fn) -> float:

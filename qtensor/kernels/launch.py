@@ -13,6 +13,11 @@ through `kernel[grid]`, which compiles (or finds) that kernel and returns it; la
 with the same key call the compiled kernel's launcher directly. Whenever a launch hook is
 installed (profilers use them) every launch takes Triton's own path, and a Triton whose
 compiled kernels lack the launcher attributes used here falls back to it for good.
+
+`Launcher.bind(grid, **constexprs)` goes one step further for a caller that launches one
+kernel many times with arguments that change only in tensors of the same dtype and 16-byte
+alignment (a prepared product: new activation, new output, the same weight): the `Bound`
+launch keeps the compiled kernel of its first launch and skips the key altogether.
 """
 
 from __future__ import annotations
@@ -68,6 +73,37 @@ class Launcher:
             self.direct = False
             return self.fn[grid](*args, **kwargs)
         return kernel
+
+
+    def bind(self, grid, **kwargs) -> "Bound":
+        return Bound(self, tuple(grid), kwargs)
+
+
+class Bound:
+    """One kernel at one grid with fixed constexprs. The caller guarantees that every call's
+    runtime arguments agree with the first call's in dtype and 16-byte alignment of each tensor
+    and in the value of every other argument, so the first call's compiled kernel is the one
+    Triton would pick for each."""
+
+    __slots__ = ("launcher", "grid", "kwargs", "constexprs", "kernel")
+
+    def __init__(self, launcher: Launcher, grid: tuple, kwargs: dict):
+        self.launcher, self.grid, self.kwargs = launcher, grid + (1,) * (3 - len(grid)), kwargs
+        self.constexprs = [kwargs[n] for n in launcher.constexpr_names]
+        self.kernel = None
+
+    def __call__(self, stream: int, *args) -> None:
+        kernel = self.kernel
+        if kernel is None or not self.launcher.direct or _hooks_installed():
+            self.kernel = self.launcher(self.grid, *args, **self.kwargs)
+            return
+        g = self.grid
+        try:
+            kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None,
+                       None, None, *args, *self.constexprs)
+        except (TypeError, SystemError):
+            self.launcher.direct = False
+            self.launcher.fn[g](*args, **self.kwargs)
 
 
 def _hooks_installed() -> bool:

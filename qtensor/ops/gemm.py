@@ -33,8 +33,10 @@ same numbers, never a different precision. `gemm_plan(a, b)` says which path a p
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from qtensor.backends import GEMM_BACKENDS, GemmBackend, gemm_backend_problem
 from qtensor.ops import gemm_ops
@@ -282,6 +284,9 @@ def linear(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
     """F.linear with a quantized weight. A weight with an act_spec quantizes x first; when
     autograd needs x's or the bias's gradient it is straight-through the activation quantizer
     (`DynamicActivationLinear`). The output is a tensor of its own, as nn.Linear's is."""
+    out = _prepared_linear(x, weight, bias)
+    if out is not None:
+        return out
     spec = getattr(weight, "act_spec", None)
     if spec is not None and not isinstance(x, QuantizedTensor) and x.numel():
         if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
@@ -358,6 +363,76 @@ def _linear_2d(x2, weight, bias, out_dtype) -> torch.Tensor | None:
     # For the triton backend the op's CUDA kernel itself runs the reference for what the
     # kernels do not take, so nothing is checked twice here.
     return _run_dense(fmt, a, b, bias, out_dtype, (), GEMM_BACKENDS[backend])
+
+
+# ---- the eager decode path: one prepared product per weight and activation layout ----------
+
+# [Note: prepared linear]
+# An eager weight-only F.linear at decode shapes (M <= 64 rows, a contiguous bf16 activation,
+# a rowwise 2-D NVFP4 / MXFP8 weight on the triton backend) spends more time in Python than in
+# its kernels: building the operands, the op's checks, the launch arguments. All of that depends
+# only on the weight, the bias and the activation's layout, so it is done once, into a
+# `qgemm.Prepared` kept per weight (`_PLANS`, keyed by the weight's id and dropped with it) and
+# per (activation shape, strides, dtype, device, 16-byte alignment, bias); a call then checks
+# that nothing else is asked of it and launches the same kernels with the same arguments as the
+# op would, so the bits are the op's. It applies only where the op itself would be called
+# directly: not compiling, no dispatch mode or functorch transform, no autograd to record.
+# A weight whose inner tensors are replaced (never done by qtensor itself) gets new plans.
+_PLANS: dict[int, tuple] = {}
+_PLANS_PER_WEIGHT = 16
+
+
+def _inner(weight) -> tuple:
+    return (weight.qdata, weight.scale, weight.amax) if type(weight) is NVFP4Tensor else (
+        weight.qdata, weight.scale)
+
+
+def _prepared_linear(x, weight, bias):
+    """F.linear through the weight's prepared product, or None where it does not apply."""
+    if torch.compiler.is_compiling() or type(x) is not torch.Tensor:
+        return None
+    if getattr(weight, "gemm_backend", None) != "triton":
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return None
+    if is_in_torch_dispatch_mode() or torch._C._are_functorch_transforms_active():
+        return None
+    entry = _PLANS.get(id(weight))
+    if entry is None or entry[0]() is not weight:
+        if type(weight) is not NVFP4Tensor and type(weight) is not MXFP8Tensor:
+            return None
+        entry = (weakref.ref(weight, lambda _, i=id(weight): _PLANS.pop(i, None)), {})
+        _PLANS[id(weight)] = entry
+    plans = entry[1]
+    key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, id(bias))
+    found = plans.get(key)
+    if found is None:
+        if len(plans) >= _PLANS_PER_WEIGHT:
+            plans.clear()
+        found = plans[key] = (_prepare_linear(x, weight, bias), _inner(weight), bias)
+    prepared, inner, _ = found
+    if prepared is None:
+        return None
+    now = _inner(weight)
+    if now[0] is not inner[0] or now[1] is not inner[1] or now[-1] is not inner[-1]:
+        plans.pop(key, None)
+        return _prepared_linear(x, weight, bias)
+    return prepared(x)
+
+
+def _prepare_linear(x, weight, bias):
+    """The Prepared product of F.linear(x-like, weight, bias), or None (the general path)."""
+    if getattr(weight, "act_spec", None) is not None or weight.gemm_backend != "triton":
+        return None
+    if weight.axis != ROWWISE or weight.qdata.dim() != 2 or x.dim() < 2 or not x.is_contiguous():
+        return None
+    if x.dtype != torch.bfloat16 or getattr(weight, "rht", False):
+        return None
+    fmt = NVFP4 if type(weight) is NVFP4Tensor else MXFP8
+    n = weight.qdata.shape[0]
+    x2 = x.view(-1, x.shape[-1])
+    return gemm_ops.prepare_dense(fmt, Side(x2), _rows_side(weight, True), bias, x.dtype,
+                                  (*x.shape[:-1], n))
 
 
 QuantizedTensor._function_table[torch.nn.functional.linear] = linear

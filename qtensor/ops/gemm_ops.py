@@ -365,6 +365,23 @@ def triton_grouped_mm(fmt: str, a: Side, b: Side, offs, bias, out_dtype):
     return grouped_qgemm.grouped_qgemm(ka, kb, offs, ep, out_dtype=out_dtype, t=t, n=n, k=k)
 
 
+def prepare_dense(fmt: str, a: Side, b: Side, bias, out_dtype, out_shape=None):
+    """The CUDA kernel's product as a `qgemm.Prepared` (every argument but a's data bound), or
+    None where the kernel would not run it that way: a must be a 2-D high-precision operand of
+    at most DECODE_FIRST_M rows and b 2-D. The same launches as `triton_mm`, so the same bits."""
+    from qtensor.kernels import qgemm
+
+    if a.quantized or a.data.dim() != 2 or b.data.dim() != 2:
+        return None
+    m, n, k = a.data.shape[0], b.data.shape[0], _k(fmt, b)
+    if m > qgemm.DECODE_FIRST_M or triton_problem(a, b, bias, out_dtype) or not _device_ok(a):
+        return None
+    _check_dense(f"{fmt}_mm", fmt, a, b, bias, out_dtype)
+    ep = qgemm.Epilogue(*epilogue_terms(fmt, a, b), bias)
+    return qgemm.Prepared(_kernel_operand(fmt, a, qgemm), _kernel_operand(fmt, b, qgemm), ep,
+                          out_dtype=out_dtype, m=m, n=n, k=k, out_shape=out_shape)
+
+
 # ---- the kernels each op registers, per format --------------------------------------------------
 
 
