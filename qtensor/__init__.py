@@ -5,7 +5,7 @@
 
 import torch as _torch
 
-from qtensor.checkpoint import load_file, save_file
+from qtensor.checkpoint import from_pretrained, load_file, save_file
 from qtensor.formats import MXFP8Spec, NVFP4Spec
 from qtensor.ops import gemm as _gemm  # noqa: F401  registers the GEMM ops and F.linear
 from qtensor.ops.gemm import quantized_mm
@@ -46,6 +46,7 @@ __all__ = [
     "NVFP4Tensor",
     "NVFP4WeightOnlyConfig",
     "QuantizedTensor",
+    "from_pretrained",
     "load_file",
     "quantize_",
     "quantized_mm",

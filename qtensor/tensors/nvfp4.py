@@ -13,7 +13,7 @@ import torch
 
 from qtensor.formats import nvfp4 as ref
 from qtensor.formats.nvfp4 import NVFP4Spec
-from qtensor.backends import resolve_gemm_backend
+from qtensor.backends import QuantBackend, resolve_gemm_backend
 from qtensor.ops import quant
 from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.common import (
@@ -90,6 +90,35 @@ class NVFP4Tensor(QuantizedTensor):
             evidence = out if global_amax is None else out.replace(amax=x.abs().amax().float())
             require_finite(x, "NVFP4", evidence)
         return out
+
+    @classmethod
+    def from_bytes(cls, qdata: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, *,
+                   dtype: torch.dtype = torch.bfloat16, e4m3_bound: int = 448,
+                   act_spec: NVFP4Spec | None = None) -> "NVFP4Tensor":
+        """A rowwise 2-D weight [N, K] from stored bytes: packed codes uint8 [N, K/2] (element 2j
+        in the low nibble), E4M3 block scales [N, K/16] and its fp32 amax (0-d), as a
+        checkpoint holds them (qtensor/checkpoint/pretrained.py). Nothing is re-encoded."""
+        if qdata.dtype != torch.uint8 or qdata.dim() != 2:
+            raise ValueError(f"NVFP4 codes must be uint8 [N, K/2]; got {qdata.dtype} "
+                             f"{tuple(qdata.shape)}.")
+        n, k = qdata.shape[0], 2 * qdata.shape[1]
+        if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (n, k // BLOCK) or k % BLOCK:
+            raise ValueError(f"NVFP4 block scales must be float8_e4m3fn [N, K/16] = "
+                             f"{[n, k // BLOCK]} with K % 16 == 0; got {scale.dtype} "
+                             f"{tuple(scale.shape)} for K = {k}.")
+        if amax.dtype != torch.float32 or amax.numel() != 1:
+            raise ValueError(f"the NVFP4 amax must be one float32 value; got {amax.dtype} "
+                             f"{tuple(amax.shape)}.")
+        if e4m3_bound not in (448, 256):
+            raise ValueError(f"e4m3_bound must be 448 or 256; got {e4m3_bound}.")
+        return cls(
+            (n, k), dtype, qdata.device, qdata=qdata, scale=scale,
+            amax=amax.reshape(()).to(qdata.device), axis=ROWWISE, block_2d=False,
+            row_scaled=False, fourover6=None, e4m3_bound=e4m3_bound, rht=False,
+            scale_layout="compact", act_spec=act_spec,
+            quant_backend=QuantBackend.REFERENCE.value,
+            gemm_backend=resolve_gemm_backend(qdata.device).value,
+        )
 
     def input_was_finite(self) -> bool:
         """Whether the input held no NaN and no Inf, as its amax (x's torch.amax, of its RHT

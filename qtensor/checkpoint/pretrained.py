@@ -1,0 +1,453 @@
+"""Published NVFP4 checkpoints, run as stored: `from_pretrained` builds the transformers model of
+a checkpoint directory whose quantized linear weights are `NVFP4Tensor`s holding the file's
+codes and block scales byte for byte (nothing is dequantized and requantized).
+
+[Note: reading NVFP4 checkpoints]
+Two writers' layouts, per quantized linear layer NAME (N output features, K inputs):
+- compressed-tensors (llm-compressor; config.json `quantization_config.quant_method` is
+  "compressed-tensors", format "nvfp4-pack-quantized"):
+      NAME.weight_packed        uint8 [N, K/2]           E2M1 codes, element 2j in the low nibble
+      NAME.weight_scale         float8_e4m3fn [N, K/16]  block scales s_b
+      NAME.weight_global_scale  float32 [1]              the encode scale S_enc = 2688 / amax
+      NAME.input_global_scale   float32 [1]              (W4A4) the static activation S_enc
+  decoded by the writer as value(q) * (s_b / S_enc).
+- NVIDIA ModelOpt (`hf_quant_config.json` with `quantization.quant_algo` "NVFP4", or the same
+  block as config.json's `quantization_config` with quant_method "modelopt"):
+      NAME.weight               uint8 [N, K/2]           the same codes and packing
+      NAME.weight_scale         float8_e4m3fn [N, K/16]  block scales s_b
+      NAME.weight_scale_2       float32 [] or [1]        the decode scale amax / 2688
+      NAME.input_scale          float32 [] or [1]        the static activation decode scale
+  decoded as value(q) * (s_b * weight_scale_2).
+qtensor keeps the codes and block scales as its `qdata` and `scale` and takes the per-tensor
+amax A (bound B = 448, 6 B = 2688) from the global scale: A = r(2688 / S_enc), or
+A = r(weight_scale_2 * 2688). Its decode is docs/formats.md's step 7,
+value(q) * r(r(s_b * A) * r(1 / 2688)); the writers' own decode rounds the per-block factor
+once (a division or a product), so a decoded value can differ from theirs in the last fp32 bit
+(the GEMM multiplies the exact value(q) * s_b and applies A / 2688 once per output, in fp32).
+
+Activations: both layouts' W4A4 form carries a static activation scale, which qtensor's dynamic
+activation quantization does not use (it takes each call's own amax). So a checkpoint with
+quantized inputs loads only when the caller says what to do with them: activations="dynamic"
+quantizes each layer's input to NVFP4 on the fly (qtensor's rule, not the checkpoint's
+calibrated scale), activations="none" runs the layers weight-only (bf16 activations).
+
+Everything is checked before any weight is placed: the scheme and its arguments, every quantized
+layer's tensors (dtype, shape, a finite positive global scale), that each layer the config
+quantizes has them and each one found is a linear layer of the model with matching shape, and
+that the remaining tensors cover the model exactly. A failure raises CheckpointError naming the
+tensor and the rule, and no model is returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from qtensor.checkpoint.schema import CheckpointError
+from qtensor.formats import NVFP4Spec
+from qtensor.formats.elements import fdiv
+from qtensor.tensors import NVFP4Tensor
+
+COMPRESSED_TENSORS, MODELOPT = "compressed-tensors", "modelopt"
+NVFP4_FORMAT = "nvfp4-pack-quantized"
+ACTIVATIONS = ("checkpoint", "dynamic", "none")
+_FP4_TIMES_E4M3 = 6.0 * 448  # 6 B: the global scale's constant for bound B = 448
+
+
+class Scheme(NamedTuple):
+    """What a checkpoint's config says: the writer, which linear layers it quantizes (a
+    predicate on the layer name) and whether it quantizes their inputs."""
+
+    writer: str
+    quantizes: Any  # callable(name) -> bool: a linear layer the config quantizes
+    inputs: bool  # W4A4: the checkpoint carries static activation scales
+
+
+class Layer(NamedTuple):
+    name: str
+    packed: str  # tensor names in the checkpoint
+    scale: str
+    global_scale: str
+    input_scale: str | None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path.name} is not valid JSON: {e}.") from None
+
+
+# ---- the scheme ---------------------------------------------------------------------------------
+
+
+def _matches(patterns, name: str, regex_prefix: str | None) -> bool:
+    """Whether a layer name matches one of the patterns: "re:<regex>" (compressed-tensors) or an
+    fnmatch wildcard (ModelOpt), else the exact name or a module class name ("Linear")."""
+    for p in patterns or ():
+        if regex_prefix and p.startswith(regex_prefix):
+            if re.match(p[len(regex_prefix):], name):
+                return True
+        elif p == name or p == "Linear" or fnmatch.fnmatchcase(name, p):
+            return True
+    return False
+
+
+def _check_fp4_args(where: str, args: Any, what: str) -> None:
+    want = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
+    if not isinstance(args, dict):
+        raise CheckpointError(f"{where}: {what} must be an object of quantization arguments; got "
+                              f"{type(args).__name__}.")
+    want["symmetric"] = True
+    bad = {k: args.get(k, True if k == "symmetric" else None) for k in want}
+    bad = {k: v for k, v in bad.items() if v != want[k]}
+    if bad:
+        raise CheckpointError(f"{where}: {what} are not NVFP4 (qtensor reads {want}); got {bad}.")
+
+
+def _compressed_tensors_scheme(qc: dict) -> Scheme:
+    where = "config.json quantization_config"
+    fmt = qc.get("format")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise CheckpointError(f"{where}: needs config_groups; got {groups!r}.")
+    if qc.get("quantization_status", "compressed") != "compressed":
+        raise CheckpointError(
+            f"{where}: quantization_status is {qc.get('quantization_status')!r}; qtensor reads "
+            "compressed checkpoints (weights stored as weight_packed), status 'compressed'.")
+    targets, inputs = [], set()
+    for gname, g in groups.items():
+        gfmt = g.get("format") or fmt
+        if gfmt != NVFP4_FORMAT:
+            raise CheckpointError(
+                f"{where}: group {gname!r} has format {gfmt!r}; qtensor reads {NVFP4_FORMAT!r}. "
+                "Other compressed-tensors schemes are not supported.")
+        _check_fp4_args(f"{where} group {gname!r}", g.get("weights"), "weights")
+        act = g.get("input_activations")
+        if act is not None:
+            _check_fp4_args(f"{where} group {gname!r}", act, "input_activations")
+        inputs.add(act is not None)
+        if g.get("output_activations") is not None:
+            raise CheckpointError(f"{where}: group {gname!r} quantizes output activations, which "
+                                  "qtensor does not run.")
+        targets += list(g.get("targets") or [])
+    if len(inputs) != 1:
+        raise CheckpointError(f"{where}: groups disagree on input activations (some quantize "
+                              "them, some do not); qtensor loads one rule per checkpoint.")
+    ignore = list(qc.get("ignore") or [])
+
+    def quantizes(name: str) -> bool:
+        return _matches(targets, name, "re:") and not _matches(ignore, name, "re:")
+
+    return Scheme(COMPRESSED_TENSORS, quantizes, inputs.pop())
+
+
+def _modelopt_scheme(q: dict, where: str) -> Scheme:
+    algo = q.get("quant_algo")
+    if algo != "NVFP4":
+        raise CheckpointError(f"{where}: quant_algo is {algo!r}; qtensor reads ModelOpt's 'NVFP4' "
+                              "(not NVFP4_AWQ, FP8 or W4A8 variants).")
+    if q.get("group_size", 16) != 16:
+        raise CheckpointError(f"{where}: group_size must be 16 for NVFP4; got "
+                              f"{q.get('group_size')!r}.")
+    exclude = list(q.get("exclude_modules") or [])
+
+    def quantizes(name: str) -> bool:
+        return not _matches(exclude, name, None)
+
+    return Scheme(MODELOPT, quantizes, True)
+
+
+def read_scheme(model_dir: str | os.PathLike) -> Scheme:
+    """The checkpoint's writer and quantization rule, validated; raises CheckpointError."""
+    d = Path(model_dir)
+    if not (d / "config.json").is_file():
+        raise CheckpointError(f"{d} has no config.json: not a transformers checkpoint directory.")
+    qc = _read_json(d / "config.json").get("quantization_config")
+    if (d / "hf_quant_config.json").is_file():
+        hq = _read_json(d / "hf_quant_config.json")
+        return _modelopt_scheme(hq.get("quantization") or {}, "hf_quant_config.json quantization")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method == COMPRESSED_TENSORS:
+        return _compressed_tensors_scheme(qc)
+    if method == MODELOPT:
+        return _modelopt_scheme(qc.get("quantization", qc), "config.json quantization_config")
+    raise CheckpointError(
+        f"{d}: no NVFP4 checkpoint qtensor reads (quantization_config.quant_method is "
+        f"{method!r}; qtensor.from_pretrained reads 'compressed-tensors' with format "
+        f"{NVFP4_FORMAT!r} and ModelOpt NVFP4). For an unquantized checkpoint, load it with "
+        "transformers and quantize it with qtensor.quantize_ or TorchAoConfig.")
+
+
+# ---- the checkpoint's tensors ----------------------------------------------------------------------
+
+
+def _weight_files(d: Path) -> dict[str, Path]:
+    """{tensor name: safetensors file} of a single-file or sharded checkpoint."""
+    from safetensors import safe_open
+
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index.name} has no weight_map.")
+        files = {k: d / v for k, v in weight_map.items()}
+    elif (d / "model.safetensors").is_file():
+        with safe_open(d / "model.safetensors", "pt") as f:
+            files = {k: d / "model.safetensors" for k in f.keys()}
+    else:
+        raise CheckpointError(f"{d} has neither model.safetensors nor model.safetensors.index.json.")
+    for path in set(files.values()):
+        if not path.is_file():
+            raise CheckpointError(f"the index names {path.name}, which is not in {d}.")
+    return files
+
+
+class _Reader:
+    """Tensors of a checkpoint by name, each file opened once; shapes and dtypes before data."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files, self._open = files, {}
+        self._stack = contextlib.ExitStack()
+
+    def _handle(self, name: str):
+        from safetensors import safe_open
+
+        path = self.files[name]
+        if path not in self._open:
+            self._open[path] = self._stack.enter_context(safe_open(path, "pt"))
+        return self._open[path]
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], str]:
+        s = self._handle(name).get_slice(name)
+        return tuple(s.get_shape()), s.get_dtype()
+
+    def get(self, name: str, device) -> torch.Tensor:
+        return self._handle(name).get_tensor(name).to(device)
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def find_layers(scheme: Scheme, names) -> dict[str, Layer]:
+    """{layer name: its tensors} for every quantized layer the checkpoint holds."""
+    names = set(names)
+    layers = {}
+    if scheme.writer == COMPRESSED_TENSORS:
+        for key in names:
+            if key.endswith(".weight_packed"):
+                n = key[: -len(".weight_packed")]
+                inp = f"{n}.input_global_scale"
+                layers[n] = Layer(n, key, f"{n}.weight_scale", f"{n}.weight_global_scale",
+                                  inp if inp in names else None)
+    else:
+        for key in names:
+            if key.endswith(".weight_scale_2"):
+                n = key[: -len(".weight_scale_2")]
+                inp = f"{n}.input_scale"
+                layers[n] = Layer(n, f"{n}.weight", f"{n}.weight_scale", key,
+                                  inp if inp in names else None)
+    return layers
+
+
+def _check_layer(layer: Layer, reader: _Reader, names: set, n: int, k: int,
+                 scheme: Scheme) -> None:
+    """The dtypes and shapes of one layer's tensors against the model's [N, K] weight."""
+    for key in (layer.packed, layer.scale, layer.global_scale):
+        if key not in names:
+            raise CheckpointError(f"{key!r}: missing; an NVFP4 layer needs {layer.packed!r}, "
+                                  f"{layer.scale!r} and {layer.global_scale!r}.")
+    want = {layer.packed: ((n, k // 2), "U8"), layer.scale: ((n, k // 16), "F8_E4M3")}
+    for key, (shape, dtype) in want.items():
+        got = reader.meta(key)
+        if got != (shape, dtype):
+            raise CheckpointError(
+                f"{key!r}: must be {dtype} {list(shape)} for the model's [{n}, {k}] weight "
+                f"(packed E2M1 codes [N, K/2], E4M3 block scales [N, K/16]); got {got[1]} "
+                f"{list(got[0])}.")
+    for key in (layer.global_scale, layer.input_scale):
+        if key is None:
+            continue
+        shape, dtype = reader.meta(key)
+        if dtype != "F32" or shape not in ((), (1,)):
+            raise CheckpointError(f"{key!r}: a global scale must be one float32 value ([] or "
+                                  f"[1]); got {dtype} {list(shape)}.")
+    if scheme.inputs and layer.input_scale is None:
+        want_in = "input_global_scale" if scheme.writer == COMPRESSED_TENSORS else "input_scale"
+        raise CheckpointError(f"{layer.name!r}: the config quantizes inputs, but the checkpoint "
+                              f"has no {layer.name}.{want_in}.")
+
+
+def _global_to_amax(layer: Layer, value: torch.Tensor, writer: str) -> torch.Tensor:
+    g = value.reshape(()).float()
+    if not bool(torch.isfinite(g)) or not bool(g > 0):
+        raise CheckpointError(f"{layer.global_scale!r}: must be finite and positive; got "
+                              f"{g.item()}.")
+    c = torch.tensor(_FP4_TIMES_E4M3)
+    return fdiv(c, g) if writer == COMPRESSED_TENSORS else g * c
+
+
+# ---- building the model ---------------------------------------------------------------------------
+
+
+def _linears(model: nn.Module) -> dict[str, nn.Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def _persistent(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer by name (what a full checkpoint holds)."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+def _tied_keys(model: nn.Module) -> set[str]:
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if isinstance(tied, dict):
+        return set(tied)
+    return set()
+
+
+def _set(model: nn.Module, key: str, value: torch.Tensor, param: bool) -> None:
+    owner, _, name = key.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    if param:
+        module._parameters[name] = nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[name] = value
+
+
+def _materialize_buffers(model: nn.Module, device) -> None:
+    """Non-persistent buffers (a rotary embedding's frequencies) were built on the meta device
+    and are in no checkpoint: recompute them with the model's own initializer, which for a
+    module without parameters touches only its buffers."""
+    for mname, module in model.named_modules():
+        names = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None]
+        if not names:
+            continue
+        if next(module.parameters(recurse=False), None) is not None:
+            raise CheckpointError(
+                f"{mname!r} holds parameters and unsaved buffers {names}; qtensor.from_pretrained "
+                "cannot rebuild those buffers without re-initializing its weights.")
+        for n in names:
+            module._buffers[n] = torch.empty_like(module._buffers[n], device=device)
+        model._init_weights(module)
+
+
+def from_pretrained(model_dir: str | os.PathLike, *, activations: str = "checkpoint",
+                    model_class=None, dtype: torch.dtype | None = None,
+                    device: str | torch.device = "cpu", **hf_kwargs) -> nn.Module:
+    """The transformers model of an NVFP4 checkpoint directory (compressed-tensors or ModelOpt,
+    [Note: reading NVFP4 checkpoints]) with each quantized linear weight an NVFP4Tensor of the
+    stored bytes; the other tensors as stored (cast to `dtype` if given).
+
+    activations: for a checkpoint whose config quantizes layer inputs (W4A4), "dynamic" (NVFP4
+    activations quantized on the fly with their own amax) or "none" (weight-only); the default
+    "checkpoint" refuses such a checkpoint, since its static activation scales are not what
+    qtensor would apply. model_class: a transformers class with `from_config` (default
+    AutoModelForCausalLM). hf_kwargs go to AutoConfig.from_pretrained. The model is in eval
+    mode, on `device`.
+    """
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}; got {activations!r}.")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = Path(model_dir)
+    scheme = read_scheme(d)
+    if scheme.inputs and activations == "checkpoint":
+        raise CheckpointError(
+            f"{d}: the checkpoint quantizes layer inputs with static activation scales (W4A4), "
+            "which qtensor does not apply. Pass activations='dynamic' to quantize inputs to NVFP4 "
+            "on the fly (each call's own amax), or activations='none' to run weight-only.")
+    reader = _Reader(_weight_files(d))
+    try:
+        names = set(reader.files)
+        layers = find_layers(scheme, names)
+        config = AutoConfig.from_pretrained(d, **hf_kwargs)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        with torch.device("meta"):
+            model = (model_class or AutoModelForCausalLM).from_config(
+                config, **({"dtype": dtype} if dtype is not None else {}))
+        plan = _plan(model, scheme, layers, reader, names)
+        _load(model, plan, layers, reader, scheme, activations, torch.device(device))
+    finally:
+        reader.close()
+    return model.eval()
+
+
+def _plan(model, scheme: Scheme, layers: dict[str, Layer], reader: _Reader, names: set) -> dict:
+    """Check everything against the model; returns {plain key: model tensor} to load."""
+    linears = _linears(model)
+    for name, layer in sorted(layers.items()):
+        if name not in linears:
+            raise CheckpointError(f"{layer.packed!r}: {name!r} is not a linear layer of "
+                                  f"{type(model).__name__}.")
+        if not scheme.quantizes(name):
+            raise CheckpointError(f"{layer.packed!r}: the config does not quantize {name!r} "
+                                  "(ignored or excluded), but the checkpoint holds it quantized.")
+        n, k = linears[name].weight.shape
+        _check_layer(layer, reader, names, n, k, scheme)
+    for name in sorted(linears):
+        if name not in layers and scheme.quantizes(name):
+            raise CheckpointError(
+                f"{name!r}: the config quantizes this layer, but the checkpoint has no NVFP4 "
+                f"tensors for it (looked for "
+                f"{name + ('.weight_packed' if scheme.writer == COMPRESSED_TENSORS else '.weight_scale_2')!r}).")
+    used = {k for layer in layers.values() for k in layer[1:] if k is not None}
+    want = _persistent(model)
+    quantized_weights = {f"{n}.weight" for n in layers}
+    plain = {k: t for k, t in want.items() if k not in quantized_weights}
+    tied = _tied_keys(model)
+    missing = sorted(k for k in plain if k not in names and k not in tied)
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks tensors the model needs: {missing[:8]}"
+                              f"{' ...' if len(missing) > 8 else ''}.")
+    unexpected = sorted(names - used - set(plain))
+    if unexpected:
+        raise CheckpointError(f"the checkpoint holds tensors the model has no place for: "
+                              f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}.")
+    for key, t in plain.items():
+        if key in names:
+            shape, _ = reader.meta(key)
+            if shape != tuple(t.shape):
+                raise CheckpointError(f"{key!r}: shape {list(shape)} in the checkpoint, "
+                                      f"{list(t.shape)} in the model.")
+    return {k: t for k, t in plain.items() if k in names}
+
+
+def _load(model, plain: dict, layers: dict[str, Layer], reader: _Reader, scheme: Scheme,
+          activations: str, device: torch.device) -> None:
+    weights = {}
+    for name, layer in layers.items():
+        amax = _global_to_amax(layer, reader.get(layer.global_scale, "cpu"), scheme.writer)
+        qdata, scale = reader.get(layer.packed, device), reader.get(layer.scale, device)
+        n, half_k = qdata.shape
+        act = NVFP4Spec() if scheme.inputs and activations == "dynamic" else None
+        weights[name] = NVFP4Tensor.from_bytes(qdata, scale, amax.to(device),
+                                               dtype=model.get_submodule(name).weight.dtype,
+                                               act_spec=act)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    values = {}
+    for key, t in plain.items():
+        v = reader.get(key, device)
+        if v.is_floating_point() and v.dtype != t.dtype:
+            v = v.to(t.dtype)
+        values[key] = v
+    for name, w in weights.items():
+        model.get_submodule(name)._parameters["weight"] = nn.Parameter(w, requires_grad=False)
+    for key, v in values.items():
+        _set(model, key, v, key in params)
+    _materialize_buffers(model, device)
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
+        model.tie_weights()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise CheckpointError(f"the model still has unloaded tensors after loading: {left[:8]}.")
