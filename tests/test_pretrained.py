@@ -235,3 +235,23 @@ def test_a_checkpoint_without_nvfp4_is_refused(base_dir, tmp_path):
         qtensor.from_pretrained(base_dir)
     with pytest.raises(CheckpointError, match="has no config.json"):
         qtensor.from_pretrained(tmp_path)
+
+
+def test_sharded_checkpoint_loads_like_the_single_file(ct_dir, tmp_path):
+    d = shutil.copytree(ct_dir, tmp_path / "sharded")
+    sd = safetensors_torch.load_file(d / "model.safetensors")
+    (d / "model.safetensors").unlink()
+    keys = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": keys[::2],
+              "model-00002-of-00002.safetensors": keys[1::2]}
+    for fname, names in shards.items():
+        safetensors_torch.save_file({k: sd[k] for k in names}, d / fname, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    single, sharded = qtensor.from_pretrained(ct_dir), qtensor.from_pretrained(d)
+    with torch.no_grad():
+        assert torch.equal(single(tokens()).logits, sharded(tokens()).logits)
+    index["weight_map"][keys[0]] = "model-00003-of-00002.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="model-00003-of-00002.safetensors, which is not in"):
+        qtensor.from_pretrained(d)
