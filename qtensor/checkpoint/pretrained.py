@@ -353,7 +353,7 @@ def from_pretrained(model_dir: str | os.PathLike, *, activations: str = "checkpo
     "checkpoint" refuses such a checkpoint, since its static activation scales are not what
     qtensor would apply. model_class: a transformers class with `from_config` (default
     AutoModelForCausalLM). hf_kwargs go to AutoConfig.from_pretrained. The model is in eval
-    mode, on `device`.
+    mode, on `device`, with every parameter frozen (requires_grad=False), as a served model.
     """
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}; got {activations!r}.")
