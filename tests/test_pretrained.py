@@ -20,7 +20,6 @@ from qtensor import NVFP4Spec, NVFP4Tensor
 from qtensor.checkpoint import CheckpointError
 
 transformers = pytest.importorskip("transformers")
-ct = pytest.importorskip("compressed_tensors")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 LAYER = "model.layers.0.self_attn.q_proj"
@@ -40,6 +39,7 @@ def base_dir(tmp_path_factory):
 
 def write_compressed_tensors(base, out, inputs: bool = False):
     """A compressed NVFP4 checkpoint of `base`, made by compressed-tensors itself."""
+    pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig,
                                                  QuantizationScheme, apply_quantization_config)
@@ -255,3 +255,30 @@ def test_sharded_checkpoint_loads_like_the_single_file(ct_dir, tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="model-00003-of-00002.safetensors, which is not in"):
         qtensor.from_pretrained(d)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_checkpoint_loads_onto_cuda_and_matches_the_cpu_model(base_dir, tmp_path):
+    """An NVFP4 checkpoint (the compressed-tensors layout, written by export_nvfp4) loaded onto
+    the GPU: the same bytes as on the CPU, the rotary buffers rebuilt there, the Triton GEMMs
+    equal to the CPU reference up to fp32 summation order."""
+    from transformers import AutoModelForCausalLM
+
+    from qtensor.checkpoint import export_nvfp4
+
+    src = qtensor.quantize_(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16),
+                            qtensor.NVFP4WeightOnlyConfig(),
+                            filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and n != "lm_head")
+    export_nvfp4(src, tmp_path / "ckpt", config=src.config.to_dict())
+    cpu = qtensor.from_pretrained(tmp_path / "ckpt")
+    gpu = qtensor.from_pretrained(tmp_path / "ckpt", device="cuda")
+    w_cpu, w_gpu = cpu.get_submodule(LAYER).weight, gpu.get_submodule(LAYER).weight
+    assert w_gpu.device.type == "cuda" and w_gpu.gemm_backend == "triton"
+    assert torch.equal(w_gpu.qdata.cpu(), w_cpu.qdata) and torch.equal(w_gpu.amax.cpu(), w_cpu.amax)
+    assert gpu.model.rotary_emb.inv_freq.device.type == "cuda"
+    assert torch.equal(gpu.model.rotary_emb.inv_freq.cpu(), cpu.model.rotary_emb.inv_freq)
+    with torch.no_grad():
+        a = cpu(tokens()).logits.float()
+        b = gpu(tokens().cuda()).logits.float().cpu()
+    assert ((a - b).norm() / a.norm()).item() < 1e-2
