@@ -303,11 +303,6 @@ def _linears(model: nn.Module) -> dict[str, nn.Linear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
-def _persistent(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and persistent buffer by name (what a full checkpoint holds)."""
-    return dict(model.state_dict(keep_vars=True))
-
-
 def _tied_keys(model: nn.Module) -> set[str]:
     tied = getattr(model, "all_tied_weights_keys", None)
     if isinstance(tied, dict):
@@ -402,7 +397,7 @@ def _plan(model, scheme: Scheme, layers: dict[str, Layer], reader: _Reader, name
                 f"tensors for it (looked for "
                 f"{name + ('.weight_packed' if scheme.writer == COMPRESSED_TENSORS else '.weight_scale_2')!r}).")
     used = {k for layer in layers.values() for k in layer[1:] if k is not None}
-    want = _persistent(model)
+    want = dict(model.state_dict(keep_vars=True))  # parameters and persistent buffers
     quantized_weights = {f"{n}.weight" for n in layers}
     plain = {k: t for k, t in want.items() if k not in quantized_weights}
     tied = _tied_keys(model)
@@ -429,7 +424,6 @@ def _load(model, plain: dict, layers: dict[str, Layer], reader: _Reader, scheme:
     for name, layer in layers.items():
         amax = _global_to_amax(layer, reader.get(layer.global_scale, "cpu"), scheme.writer)
         qdata, scale = reader.get(layer.packed, device), reader.get(layer.scale, device)
-        n, half_k = qdata.shape
         act = NVFP4Spec() if scheme.inputs and activations == "dynamic" else None
         weights[name] = NVFP4Tensor.from_bytes(qdata, scale, amax.to(device),
                                                dtype=model.get_submodule(name).weight.dtype,

@@ -409,6 +409,7 @@ def _prepared_linear(x, weight, bias):
     if found is None:
         if len(plans) >= _PLANS_PER_WEIGHT:
             plans.clear()
+        # The bias rides along so that its id in the key cannot be reused while the plan lives.
         found = plans[key] = (_prepare_linear(x, weight, bias), _inner(weight), bias)
     prepared, inner, _ = found
     if prepared is None:
@@ -422,7 +423,7 @@ def _prepared_linear(x, weight, bias):
 
 def _prepare_linear(x, weight, bias):
     """The Prepared product of F.linear(x-like, weight, bias), or None (the general path)."""
-    if getattr(weight, "act_spec", None) is not None or weight.gemm_backend != "triton":
+    if getattr(weight, "act_spec", None) is not None:
         return None
     if weight.axis != ROWWISE or weight.qdata.dim() != 2 or x.dim() < 2 or not x.is_contiguous():
         return None

@@ -122,9 +122,7 @@ def mm(a: Operand, b: Operand, out_dtype: torch.dtype, backend: GemmBackend,
         )
     if backend is GemmBackend.SCALED_MM:
         acc = _scaled_mm_block(a, b, torch.float32 if bias is not None else out_dtype)
-        if bias is not None:
-            acc = acc + bias.float()
-        return acc.to(out_dtype)
+        return gemm_ops.apply_epilogue(acc, None, None, bias, out_dtype)
     rows = b.t()
     if mx:
         args = gemm_ops.dense_args(gemm_ops.MXFP8, gemm_ops.Side(a.qdata, a.scale),
