@@ -5,7 +5,7 @@
 
 import torch as _torch
 
-from qtensor.checkpoint import from_pretrained, load_file, save_file
+from qtensor.checkpoint import from_pretrained, load_file, save_file, save_pretrained
 from qtensor.formats import MXFP8Spec, NVFP4Spec
 from qtensor.ops import gemm as _gemm  # noqa: F401  registers the GEMM ops and F.linear
 from qtensor.ops.gemm import quantized_mm
@@ -51,4 +51,5 @@ __all__ = [
     "quantize_",
     "quantized_mm",
     "save_file",
+    "save_pretrained",
 ]

@@ -282,3 +282,63 @@ def test_checkpoint_loads_onto_cuda_and_matches_the_cpu_model(base_dir, tmp_path
         a = cpu(tokens()).logits.float()
         b = gpu(tokens().cuda()).logits.float().cpu()
     assert ((a - b).norm() / a.norm()).item() < 1e-2
+
+
+def _configs():
+    from test_compile_inference import configs
+
+    return configs()
+
+
+@pytest.mark.parametrize("name", list(_configs()))
+def test_save_pretrained_round_trips_every_config_bitwise(base_dir, tmp_path, name):
+    """Quantized on load through TorchAoConfig, written by qtensor.save_pretrained, read back by
+    qtensor.from_pretrained: every weight of the same class with equal bytes and metadata, and
+    equal logits."""
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        base_dir, dtype=torch.bfloat16,
+        quantization_config=TorchAoConfig(quant_type=_configs()[name]))
+    qtensor.save_pretrained(model, tmp_path / "q")
+    again = qtensor.from_pretrained(tmp_path / "q")
+    quantized = 0
+    for (key, a), (key2, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert key == key2 and type(a) is type(b), key
+        if isinstance(a, qtensor.QuantizedTensor):
+            quantized += 1
+            assert a.fields().keys() == b.fields().keys()
+            for f, va in a.fields().items():
+                vb = b.fields()[f]
+                if isinstance(va, torch.Tensor):
+                    assert torch.equal(va.view(torch.uint8) if va.dtype.itemsize == 1 else va,
+                                       vb.view(torch.uint8) if vb.dtype.itemsize == 1 else vb), (key, f)
+                else:
+                    assert va == vb, (key, f)
+        else:
+            assert torch.equal(a, b), key
+    assert quantized == 14  # every linear but lm_head (transformers keeps the output head)
+    with torch.no_grad():
+        assert torch.equal(model(tokens()).logits, again(tokens()).logits)
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "qtensor"
+
+
+def test_save_pretrained_refuses_a_plain_module(tmp_path):
+    with pytest.raises(TypeError, match="takes a transformers model"):
+        qtensor.save_pretrained(torch.nn.Linear(4, 4), tmp_path)
+
+
+def test_qtensor_checkpoint_refuses_an_activation_override(base_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = qtensor.quantize_(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16),
+                              qtensor.NVFP4WeightOnlyConfig())
+    qtensor.save_pretrained(model, tmp_path / "q")
+    with pytest.raises(ValueError, match="carry their own activation spec"):
+        qtensor.from_pretrained(tmp_path / "q", activations="none")
+    bad = json.loads((tmp_path / "q" / "config.json").read_text())
+    bad["quantization_config"]["format"] = "other"
+    (tmp_path / "q" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(CheckpointError, match="format 'qtensor-safetensors'; got 'other'"):
+        qtensor.from_pretrained(tmp_path / "q")

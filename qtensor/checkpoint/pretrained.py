@@ -1,6 +1,11 @@
-"""Published NVFP4 checkpoints, run as stored: `from_pretrained` builds the transformers model of
-a checkpoint directory whose quantized linear weights are `NVFP4Tensor`s holding the file's
-codes and block scales byte for byte (nothing is dequantized and requantized).
+"""Quantized transformers checkpoints: `from_pretrained` builds the transformers model of a
+checkpoint directory whose quantized weights are qtensor tensors holding the file's bytes
+(nothing is dequantized and requantized); `save_pretrained` writes one.
+
+Three layouts are read: qtensor's own (what `save_pretrained` writes: config.json with
+`quantization_config.quant_method` "qtensor", and model.safetensors written by
+`qtensor.save_file`, whose header describes every quantized tensor, [Note: checkpoint
+schema] in qtensor/checkpoint/schema.py), and the NVFP4 layouts of two other writers, below.
 
 [Note: reading NVFP4 checkpoints]
 Two writers' layouts, per quantized linear layer NAME (N output features, K inputs):
@@ -51,13 +56,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from qtensor.checkpoint.safetensors import load_file, save_file
 from qtensor.checkpoint.schema import CheckpointError
+from qtensor.checkpoint.state_dict import load_state_dict
 from qtensor.formats import NVFP4Spec
 from qtensor.formats.elements import fdiv
-from qtensor.tensors import NVFP4Tensor
+from qtensor.tensors import NVFP4Tensor, QuantizedTensor
 
-COMPRESSED_TENSORS, MODELOPT = "compressed-tensors", "modelopt"
+COMPRESSED_TENSORS, MODELOPT, QTENSOR = "compressed-tensors", "modelopt", "qtensor"
 NVFP4_FORMAT = "nvfp4-pack-quantized"
+QTENSOR_FORMAT = "qtensor-safetensors"
 ACTIVATIONS = ("checkpoint", "dynamic", "none")
 _FP4_TIMES_E4M3 = 6.0 * 448  # 6 B: the global scale's constant for bound B = 448
 
@@ -177,13 +185,18 @@ def read_scheme(model_dir: str | os.PathLike) -> Scheme:
         hq = _read_json(d / "hf_quant_config.json")
         return _modelopt_scheme(hq.get("quantization") or {}, "hf_quant_config.json quantization")
     method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method == QTENSOR:
+        if qc.get("format") != QTENSOR_FORMAT:
+            raise CheckpointError(f"config.json quantization_config: a qtensor checkpoint has "
+                                  f"format {QTENSOR_FORMAT!r}; got {qc.get('format')!r}.")
+        return Scheme(QTENSOR, lambda name: True, False)
     if method == COMPRESSED_TENSORS:
         return _compressed_tensors_scheme(qc)
     if method == MODELOPT:
         return _modelopt_scheme(qc.get("quantization", qc), "config.json quantization_config")
     raise CheckpointError(
         f"{d}: no NVFP4 checkpoint qtensor reads (quantization_config.quant_method is "
-        f"{method!r}; qtensor.from_pretrained reads 'compressed-tensors' with format "
+        f"{method!r}; qtensor.from_pretrained reads 'qtensor', 'compressed-tensors' with format "
         f"{NVFP4_FORMAT!r} and ModelOpt NVFP4). For an unquantized checkpoint, load it with "
         "transformers and quantize it with qtensor.quantize_ or TorchAoConfig.")
 
@@ -361,21 +374,72 @@ def from_pretrained(model_dir: str | os.PathLike, *, activations: str = "checkpo
             f"{d}: the checkpoint quantizes layer inputs with static activation scales (W4A4), "
             "which qtensor does not apply. Pass activations='dynamic' to quantize inputs to NVFP4 "
             "on the fly (each call's own amax), or activations='none' to run weight-only.")
+    config = AutoConfig.from_pretrained(d, **hf_kwargs)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        model = (model_class or AutoModelForCausalLM).from_config(
+            config, **({"dtype": dtype} if dtype is not None else {}))
+    if scheme.writer == QTENSOR:
+        if activations != "checkpoint":
+            raise ValueError("a qtensor checkpoint's weights carry their own activation spec; "
+                             f"activations={activations!r} does not apply to it.")
+        _load_qtensor(model, d, torch.device(device))
+        return model.eval()
     reader = _Reader(_weight_files(d))
     try:
         names = set(reader.files)
         layers = find_layers(scheme, names)
-        config = AutoConfig.from_pretrained(d, **hf_kwargs)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        with torch.device("meta"):
-            model = (model_class or AutoModelForCausalLM).from_config(
-                config, **({"dtype": dtype} if dtype is not None else {}))
         plan = _plan(model, scheme, layers, reader, names)
         _load(model, plan, layers, reader, scheme, activations, torch.device(device))
     finally:
         reader.close()
     return model.eval()
+
+
+def _load_qtensor(model: nn.Module, d: Path, device: torch.device) -> None:
+    """qtensor's own layout: the file's state_dict, every key checked, assigned whole."""
+    if not (d / "model.safetensors").is_file():
+        raise CheckpointError(f"{d}: a qtensor checkpoint keeps its weights in model.safetensors; "
+                              "it is not there.")
+    state_dict = load_file(d / "model.safetensors", device=device)
+    want = model.state_dict(keep_vars=True)
+    for key, t in state_dict.items():
+        dst = want.get(key)
+        if dst is not None and not isinstance(t, QuantizedTensor) and t.is_floating_point():
+            state_dict[key] = t.to(dst.dtype)
+    _materialize_buffers(model, device)
+    load_state_dict(model, state_dict, assign=True)
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
+        model.tie_weights()
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+
+def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> None:
+    """Write a transformers model, quantized by any qtensor config (through quantize_ or
+    TorchAoConfig), as a checkpoint directory `from_pretrained` reads back bitwise: config.json
+    (quant_method "qtensor"), generation_config.json when the model has one, and
+    model.safetensors written by `qtensor.save_file` (one file; tied weights are stored under
+    each of their names)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        raise TypeError(f"save_pretrained takes a transformers model (with a .config); got "
+                        f"{type(model).__name__}. For any other module use qtensor.save_file("
+                        "model.state_dict(), path).")
+    from qtensor import __version__
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    save_file(model.state_dict(), d / "model.safetensors", metadata={"format": "pt"})
+    data = json.loads(config.to_json_string(use_diff=False))
+    data["quantization_config"] = {"quant_method": QTENSOR, "format": QTENSOR_FORMAT,
+                                   "version": __version__}
+    data["architectures"] = [type(model).__name__]
+    (d / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and hasattr(generation, "save_pretrained"):
+        generation.save_pretrained(d)
 
 
 def _plan(model, scheme: Scheme, layers: dict[str, Layer], reader: _Reader, names: set) -> dict:
