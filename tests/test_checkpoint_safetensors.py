@@ -12,6 +12,7 @@ from test_checkpoint_state_dict import CONFIGS, inputs, make_model, weight_bytes
 
 import qtensor
 from qtensor.checkpoint import CheckpointError, load_state_dict
+from qtensor.tensors import QuantizedTensor
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -38,7 +39,7 @@ def test_file_is_plain_safetensors(tmp_path):
         assert f.get_tensor("0.weight::scale").dtype == torch.float8_e4m3fn
         assert torch.equal(f.get_tensor("0.weight::amax"), src[0].weight.amax)
         head = json.loads(f.metadata()["qtensor"])
-    assert head["version"] == 1
+    assert head["version"] == 2
     attrs = head["tensors"]["0.weight"]["attributes"]
     assert attrs["row_scaled"] is True and attrs["act_spec"]["spec"] == "NVFP4Spec"
 
@@ -92,7 +93,11 @@ def _entry(meta):
 
 BAD = {
     "unknown class": (lambda h, m: _entry(m).update({"class": "os.system"}), "'class' must be"),
-    "wrong version": (lambda h, m: m.update({"version": 2}), "version 2 is not readable"),
+    "wrong version": (lambda h, m: m.update({"version": 3}), "version 3 is not readable"),
+    "version as text": (lambda h, m: m.update({"version": "2"}), "version '2' is not readable"),
+    "legacy attribute, other value": (
+        lambda h, m: _entry(m)["attributes"].update({"scale_layout": "swizzled"}),
+        "'scale_layout' must be 'compact'"),
     "wrong format tag": (lambda h, m: m.update({"format": "x"}), "metadata format is 'x'"),
     "extra header key": (lambda h, m: m.update({"code": "print(1)"}), "exactly the keys"),
     "extra entry key": (lambda h, m: _entry(m).update({"loader": "x"}), "exactly the fields"),
@@ -121,6 +126,30 @@ BAD = {
     "claims more bytes": (lambda h, m: h["2.bias"].update(
         {"data_offsets": [h["2.bias"]["data_offsets"][0], 10**6]}), "not a readable safetensors"),
 }
+
+
+def test_version_1_file_loads(tmp_path):
+    """A file written before tensors dropped `scale_layout` (version 1: every quantized entry
+    carries "scale_layout": "compact") loads to the same tensors."""
+    src = make_model("nvfp4_dyn_rowscaled", 0)
+    path = tmp_path / "model.safetensors"
+    qtensor.save_file(src.state_dict(), path)
+
+    def to_version_1(head, meta):
+        meta["version"] = 1
+        for entry in meta["tensors"].values():
+            entry["attributes"]["scale_layout"] = "compact"
+
+    _rewrite(path, to_version_1)
+    loaded = qtensor.load_file(path)
+    for key, t in src.state_dict().items():
+        assert type(loaded[key]) is type(t)
+        if isinstance(t, QuantizedTensor):
+            assert loaded[key].fields().keys() == t.fields().keys()
+            for name in t.tensor_data_names:
+                assert torch.equal(getattr(loaded[key], name), getattr(t, name))
+            for name in t.tensor_attribute_names:
+                assert getattr(loaded[key], name) == getattr(t, name)
 
 
 @pytest.mark.parametrize("case", list(BAD))

@@ -17,9 +17,10 @@ import torch.distributed as dist
 from torch import nn
 
 from qtensor import HybridTensor, MXFP8Spec, MXFP8Tensor, NVFP4Spec, NVFP4Tensor
-from qtensor.distributed import fsdp, shard_problems
+from qtensor.distributed import shard_problems
+from qtensor.tensors import layout
 from qtensor.distributed.launch import run_local
-from qtensor.distributed.ops import QuantizedStorageView
+from qtensor.tensors.layout import QuantizedStorageView
 
 WORLD = 2
 
@@ -51,9 +52,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def same_bytes(a, b) -> bool:
     """Every leaf of two quantized tensors holds the same bytes."""
-    la, lb = fsdp.leaves(a), fsdp.leaves(b)
+    la, lb = layout.leaves(a), layout.leaves(b)
     return la == lb and all(
-        torch.equal(bits(fsdp.get_leaf(a, x.path)), bits(fsdp.get_leaf(b, x.path))) for x in la
+        torch.equal(bits(layout.get_leaf(a, x.path)), bits(layout.get_leaf(b, x.path))) for x in la
     )
 
 
@@ -211,8 +212,8 @@ def run_kind(rank: int, kind: str, reshard: bool, device: str = "cpu") -> dict:
     local = [lin.weight._local_tensor for lin in (model[0], model[2])]
     rows = [w.shape[0] // WORLD for w in originals]
     shard_bytes = sum(
-        bits(fsdp.get_leaf(t, leaf.path)).numel()
-        for t in local for leaf in fsdp.leaves(t) if leaf.dim is not None
+        bits(layout.get_leaf(t, leaf.path)).numel()
+        for t in local for leaf in layout.leaves(t) if leaf.dim is not None
     )
     return {
         "equal": [torch.equal(o, ref) for o in outs],

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from qtensor.checkpoint.schema import SEP, CheckpointError, decode, encode, expected_layout, header
 from qtensor.checkpoint.schema import parse_header
 from qtensor.distributed.master import QuantizeOnGatherWeight
-from qtensor.tensors import HybridTensor, QuantizedTensor
+from qtensor.tensors import QuantizedTensor
 from qtensor.tensors.common import INFORMATIONAL_ATTRIBUTES
 
 META = "__qtensor__"
@@ -65,9 +65,8 @@ def _inner_dict(t: QuantizedTensor) -> dict:
 
 def _inner_dtensors(key: str, local: QuantizedTensor, shape: torch.Size, mesh) -> dict:
     """DTensors of the inner tensors of a row shard `local` of a tensor of global `shape`."""
-    if isinstance(local, HybridTensor):
-        return {n: _inner_dtensors(key, getattr(local, n), shape, mesh)
-                for n in local.tensor_data_names}
+    if local.parts():
+        return {n: _inner_dtensors(key, part, shape, mesh) for n, part in local.parts().items()}
     cls, attrs = type(local), _attrs(local)
     glob = expected_layout(key, cls, shape, attrs)
     loc = expected_layout(key, cls, local.shape, attrs)

@@ -27,15 +27,21 @@ from qtensor.backends import GemmBackend, QuantBackend
 from qtensor.formats import mxfp8, nvfp4
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
-from qtensor.tensors import HybridTensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
+from qtensor.tensors import QuantizedTensor
+from qtensor.tensors.common import COLUMNWISE, ROWWISE
+from qtensor.tensors.hybrid import SOURCES
 
 FORMAT = "qtensor.checkpoint"
-VERSION = 1
+# 2: tensors no longer carry `scale_layout` (it only ever held "compact"); version 1 files,
+# which do, are read too.
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 SEP = "::"  # joins a state_dict key and an inner tensor's name
+# Attributes version 1 wrote that tensors no longer have, with the one value they could hold.
+LEGACY_ATTRIBUTES = {"scale_layout": "compact"}
 
-CLASSES: dict[str, type[QuantizedTensor]] = {
-    c.__name__: c for c in (NVFP4Tensor, MXFP8Tensor, HybridTensor)
-}
+# qtensor's own classes by name: a file names a class, never a module to import.
+CLASSES: dict[str, type[QuantizedTensor]] = QuantizedTensor.classes
 SPECS = {c.__name__: c for c in (NVFP4Spec, MXFP8Spec)}
 DTYPES = {
     str(d).removeprefix("torch."): d
@@ -61,18 +67,17 @@ def _one_of(*allowed):
 
 
 _BOOL = _one_of(True, False)
-# Allowed values of every attribute a class declares; an attribute missing here (a field
-# added later) must still be a JSON scalar.
+# Allowed values of every attribute a class declares, from the definitions the specs and
+# tensors validate against (a bool field of a spec takes a bool); an attribute missing here (a
+# field added later) must still be a JSON scalar.
+_SPEC_CHOICES = {"fourover6": nvfp4.FOUROVERSIX_MODES, "e4m3_bound": nvfp4.E4M3_BOUNDS,
+                 "scale_rule": mxfp8.SCALE_RULES}
 ATTRIBUTE_RULES: dict[str, Callable[[Any], bool]] = {
-    "axis": _one_of("rowwise", "columnwise"),
-    "block_2d": _BOOL,
-    "row_scaled": _BOOL,
-    "fourover6": _one_of(None, "mae", "mse"),
-    "e4m3_bound": _one_of(448, 256),
-    "rht": _BOOL,
-    "scale_layout": _one_of("compact"),
-    "scale_rule": _one_of("rceil", "floor"),
-    "columnwise_source": _one_of("original", "rowwise_dequantized"),
+    **{f.name: _BOOL for spec in (NVFP4Spec, MXFP8Spec) for f in dataclasses.fields(spec)
+       if f.type == "bool"},
+    **{name: _one_of(*values) for name, values in _SPEC_CHOICES.items()},
+    "axis": _one_of(ROWWISE, COLUMNWISE),
+    "columnwise_source": _one_of(*SOURCES),
     "quant_backend": _one_of(*(b.value for b in QuantBackend)),
     "gemm_backend": _one_of(*(b.value for b in GemmBackend)),
 }
@@ -142,10 +147,11 @@ def parse_header(text: str, where: str) -> dict[str, dict]:
                               f"got {got}.")
     if head["format"] != FORMAT:
         raise CheckpointError(f"{where}: metadata format is {head['format']!r}, not {FORMAT!r}.")
-    if head["version"] != VERSION:
+    if head["version"] not in READABLE_VERSIONS or type(head["version"]) is not int:
         raise CheckpointError(
             f"{where}: metadata version {head['version']!r} is not readable by this qtensor "
-            f"(reads version {VERSION}). Load it with the qtensor release that wrote it."
+            f"(reads versions {list(READABLE_VERSIONS)}). Load it with the qtensor release "
+            "that wrote it."
         )
     if not isinstance(head["tensors"], dict):
         raise CheckpointError(f"{where}: metadata 'tensors' must be an object.")
@@ -202,7 +208,7 @@ def decode(key: str, entry: Any, fetch: Callable[[str, torch.Size, torch.dtype],
     ):
         _fail(key, "dtype", f"must be float32, bfloat16 or float16; got {entry['dtype']!r}.")
     shape = torch.Size(_shape(key, "shape", entry["shape"]))
-    attrs, data = entry["attributes"], entry["data"]
+    attrs, data = _without_legacy(key, entry["attributes"], cls), entry["data"]
     if not isinstance(attrs, dict) or set(attrs) != set(cls.tensor_attribute_names):
         _fail(key, "attributes", f"needs exactly {list(cls.tensor_attribute_names)}; got "
                                  f"{sorted(attrs) if isinstance(attrs, dict) else attrs!r}.")
@@ -213,7 +219,7 @@ def decode(key: str, entry: Any, fetch: Callable[[str, torch.Size, torch.dtype],
     layout = expected_layout(key, cls, shape, fields)
     for name in cls.tensor_data_names:
         sub, want = f"{key}{SEP}{name}", layout[name]
-        if cls is HybridTensor:
+        if isinstance(want, str):  # a part of a composite: a quantized tensor with that axis
             t = decode(sub, data[name], fetch)
             if t.shape != shape or t.axis != want:
                 _fail(key, name, f"must be a {want} tensor of shape {list(shape)}; got {t!r}.")
@@ -228,27 +234,23 @@ def decode(key: str, entry: Any, fetch: Callable[[str, torch.Size, torch.dtype],
     return cls(shape, DTYPES[entry["dtype"]], device, **fields)
 
 
+def _without_legacy(key: str, attrs: Any, cls) -> Any:
+    """attrs less the attributes a version 1 file wrote that the class no longer has."""
+    if not isinstance(attrs, dict):
+        return attrs
+    out = dict(attrs)
+    for name, only in LEGACY_ATTRIBUTES.items():
+        if name in out and name not in cls.tensor_attribute_names:
+            if out.pop(name) != only:
+                _fail(key, name, f"must be {only!r} (the only value it ever held); got "
+                                 f"{attrs[name]!r}.")
+    return out
+
+
 def expected_layout(key: str, cls, shape: torch.Size, attrs: dict) -> dict:
-    """{inner name: (shape, dtype)} a tensor of this class, shape and attributes must hold
-    (the storage notes in qtensor/tensors/nvfp4.py and mxfp8.py); for a hybrid, the axis each
-    side must have."""
-    if cls is HybridTensor:
-        if len(shape) != 2:
-            _fail(key, "shape", f"of a HybridTensor must have 2 dims; got {list(shape)}.")
-        return {"rowwise": "rowwise", "columnwise": "columnwise"}
-    block = nvfp4.BLOCK if cls is NVFP4Tensor else mxfp8.BLOCK
-    col = attrs["axis"] == "columnwise"
-    lead, r, c = shape[:-2], (shape[-2] if len(shape) > 1 else None), shape[-1] if shape else 0
-    bdim = r if col else c
-    if not shape or (col and r is None) or bdim % block or (col and cls is NVFP4Tensor and r % 2):
-        _fail(key, "shape", f"{list(shape)} cannot hold {attrs['axis']} {block}-element blocks.")
-    if cls is MXFP8Tensor:
-        scale = [*lead, r // block, c] if col else [*shape[:-1], c // block]
-        return {"qdata": (shape, torch.float8_e4m3fn),
-                "scale": (torch.Size(scale), torch.float8_e8m0fnu)}
-    rows = [*lead, c] if col else list(shape[:-1])  # storage rows (columns of a columnwise one)
-    return {
-        "qdata": (torch.Size([*rows, bdim // 2]), torch.uint8),
-        "scale": (torch.Size([*rows, bdim // block]), torch.float8_e4m3fn),
-        "amax": (torch.Size(rows if attrs["row_scaled"] else []), torch.float32),
-    }
+    """{inner name: (shape, dtype)} a tensor of this class, shape and attributes must hold (its
+    class's `inner_layout`); for a part of a composite, the axis that part must have."""
+    try:
+        return cls.inner_layout(shape, attrs)
+    except ValueError as e:
+        _fail(key, "shape", f"{e}")

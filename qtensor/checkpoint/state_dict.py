@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from qtensor.checkpoint.schema import CheckpointError
-from qtensor.tensors import HybridTensor, QuantizedTensor
+from qtensor.tensors import QuantizedTensor
 from qtensor.tensors.common import metadata_mismatch
 
 
@@ -70,7 +70,7 @@ def _compare_quantized(dst: QuantizedTensor, src: QuantizedTensor) -> str | None
         d, s = getattr(dst, name), getattr(src, name)
         if (d is None) != (s is None):
             return f"inner tensor {name!r} is present on one side only"
-        if isinstance(dst, HybridTensor):
+        if isinstance(d, QuantizedTensor):  # a part of a composite
             why = _compare_quantized(d, s)
             if why:
                 return f"{name} side: {why}"

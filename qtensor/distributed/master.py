@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from qtensor.distributed import fsdp
+from qtensor.tensors import gather, layout
 from qtensor.formats.elements import pack_fp4, unpack_fp4
 from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.tensors.base import QuantizedTensor
@@ -99,24 +99,24 @@ class QuantizeOnGatherWeight(torch.Tensor):
         stamp = self._amax_stamp
         if self.amax is None or stamp is None or stamp[0]._version != stamp[1]:
             raise RuntimeError(
-                f"The global amax of {fsdp._param_name(module, self)} is "
+                f"The global amax of {gather.param_name(module, self)} is "
                 f"{'missing' if self.amax is None else 'stale (the weight changed since)'}. "
                 "Call qtensor.distributed.precompute_amaxes(model) before the first forward "
                 "and after every optimizer step (one all-reduce for all weights)."
             )
         operand = shard_operand(self._data, self.role, self.amax)
-        inputs, meta = fsdp.pre_all_gather(operand, mesh, outer_size, module)
+        inputs, meta = gather.pre_all_gather(operand, mesh, outer_size, module)
         return inputs, (operand, meta)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         operand, meta = metadata
-        gathered = fsdp.post_all_gather(operand, all_gather_outputs, meta, param_dtype)[0]
+        gathered = gather.post_all_gather(operand, all_gather_outputs, meta, param_dtype)[0]
         full = complete_operand(gathered, self.role, self._data.dtype)
         if out is None:
             # The derived columnwise bytes are FSDP2's to free on reshard and refill here.
             return full, tuple(_derived_leaves(full, gathered))
-        for leaf in fsdp.leaves(full):  # gathered leaves are already out's (same buffers)
-            src, dst = fsdp.get_leaf(full, leaf.path), fsdp.get_leaf(out, leaf.path)
+        for leaf in layout.leaves(full):  # gathered leaves are already out's (same buffers)
+            src, dst = layout.get_leaf(full, leaf.path), layout.get_leaf(out, leaf.path)
             if src.data_ptr() != dst.data_ptr():
                 dst.copy_(src)
         return None
@@ -146,7 +146,7 @@ def _derived_after_gather(role) -> bool:
 
 def complete_operand(gathered: QuantizedTensor, role, master_dtype) -> QuantizedTensor:
     """The full weight operand of the role from what was gathered."""
-    if role.columnwise is None or isinstance(gathered, HybridTensor):
+    if role.columnwise is None or gathered.parts():
         return gathered
     if role.columnwise_source == "rowwise_dequantized":
         col = quantize_spec(gathered.dequantize(master_dtype), role.columnwise,

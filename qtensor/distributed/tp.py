@@ -20,21 +20,6 @@ from __future__ import annotations
 from torch import nn
 
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.tensors.hybrid import HybridTensor
-from qtensor.tensors.mxfp8 import MXFP8Tensor
-from qtensor.tensors.nvfp4 import NVFP4Tensor
-
-
-def _block(w: QuantizedTensor, dim: int) -> int:
-    """Elements one scale covers along `dim` of a 2-D weight."""
-    if isinstance(w, HybridTensor):
-        return max(_block(w.rowwise, dim), _block(w.columnwise, dim))
-    if isinstance(w, NVFP4Tensor):
-        _, is_block = w.storage_dim(dim)
-        return 16 if is_block or w.block_2d else 1
-    if isinstance(w, MXFP8Tensor):
-        return 32 if dim == w.block_dim() else 1
-    raise NotImplementedError(f"no tensor-parallel rule for {type(w).__name__}.")
 
 
 def plan_problems(model: nn.Module, plan: dict, world_size: int) -> list[str]:
@@ -59,7 +44,7 @@ def plan_problems(model: nn.Module, plan: dict, world_size: int) -> list[str]:
             style, RowwiseParallel) else None
         if dim is None:
             continue
-        size, unit = w.shape[dim], _block(w, dim)
+        size, unit = w.shape[dim], w.block_size(dim)
         if size % world_size or (size // world_size) % unit:
             problems.append(
                 f"{name}: {type(style).__name__} splits dim {dim} of {size} into {world_size} "

@@ -26,3 +26,9 @@ def check_field_types(obj) -> None:
                 f"{type(obj).__name__}.{f.name} must be an int; got {value!r} "
                 f"({type(value).__name__}). Pass {f.name}=int(...)."
             )
+
+
+def either(values) -> str:
+    """The allowed values as an error message lists them: "448 or 256", "None, 'mae' or 'mse'"."""
+    names = [repr(v) for v in values]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]

@@ -14,10 +14,11 @@ from typing import Literal, NamedTuple
 import torch
 
 from qtensor.formats.elements import e4m3, f32_exponent_bits, f32_from_bits, pow2_f32
-from qtensor.formats.fields import check_field_types
+from qtensor.formats.fields import check_field_types, either
 
 BLOCK = 32
 ScaleRule = Literal["rceil", "floor"]
+SCALE_RULES = ("rceil", "floor")  # the values MXFP8Spec.scale_rule may take
 # r(1/448) in fp32 (0x3B124925); amax * r(1/448) is the unrounded scale of the RCEIL rule. A
 # Python float with that exact value, so torch.compile's fake tensors never meet a real one.
 RECIP_448 = f32_from_bits(0x3B124925).item()
@@ -35,8 +36,8 @@ class MXFP8Spec:
 
     def __post_init__(self):
         check_field_types(self)
-        if self.scale_rule not in ("rceil", "floor"):
-            raise ValueError(f"scale_rule must be 'rceil' or 'floor'; got {self.scale_rule!r}.")
+        if self.scale_rule not in SCALE_RULES:
+            raise ValueError(f"scale_rule must be {either(SCALE_RULES)}; got {self.scale_rule!r}.")
 
 
 class MXFP8Data(NamedTuple):

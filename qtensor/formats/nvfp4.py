@@ -29,11 +29,14 @@ from qtensor.formats.elements import (
     pack_fp4,
     unpack_fp4,
 )
-from qtensor.formats.fields import check_field_types
+from qtensor.formats.fields import check_field_types, either
 from qtensor.formats.rht import apply_rht
 
 BLOCK = 16
 FourOverSix = Literal["mae", "mse"]
+# The values each NVFP4Spec field may take (checkpoints and the tensors check against these).
+E4M3_BOUNDS = (448, 256)
+FOUROVERSIX_MODES = (None, "mae", "mse")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +60,11 @@ class NVFP4Spec:
 
     def __post_init__(self):
         check_field_types(self)
-        if self.e4m3_bound not in (448, 256):
-            raise ValueError(f"e4m3_bound must be 448 or 256; got {self.e4m3_bound!r}.")
-        if self.fourover6 not in (None, "mae", "mse"):
-            raise ValueError(f"fourover6 must be None, 'mae' or 'mse'; got {self.fourover6!r}.")
+        if self.e4m3_bound not in E4M3_BOUNDS:
+            raise ValueError(f"e4m3_bound must be {either(E4M3_BOUNDS)}; got {self.e4m3_bound!r}.")
+        if self.fourover6 not in FOUROVERSIX_MODES:
+            raise ValueError(
+                f"fourover6 must be {either(FOUROVERSIX_MODES)}; got {self.fourover6!r}.")
         if self.fourover6 and (self.rht or self.stochastic_rounding):
             raise ValueError(
                 "4over6 excludes RHT and stochastic rounding (its error is measured on the "

@@ -40,16 +40,14 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from qtensor.backends import GEMM_BACKENDS, GemmBackend, gemm_backend_problem
 from qtensor.ops import gemm_ops
-from qtensor.ops.gemm_ops import MXFP8, NVFP4, Side
+from qtensor.ops.gemm_ops import Side
 from qtensor.ops.scaled_mm import scaled_mm_args, scaled_mm_problem
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.tensors.common import COLUMNWISE, ROWWISE
-from qtensor.tensors.hybrid import HybridTensor, quantize_spec
-from qtensor.tensors.mxfp8 import MXFP8Tensor
-from qtensor.tensors.nvfp4 import NVFP4Tensor
+from qtensor.tensors.common import ROWWISE
+from qtensor.tensors.hybrid import quantize_spec
+from qtensor.tensors.layout import map_parts
 
 aten = torch.ops.aten
-_WANT = {"left": ROWWISE, "right": COLUMNWISE}
 apply_epilogue = gemm_ops.apply_epilogue
 
 
@@ -57,32 +55,24 @@ apply_epilogue = gemm_ops.apply_epilogue
 
 
 def _side(x, side: str):
-    """The operand a GEMM multiplies on this side: a hybrid's matching half, else x itself."""
-    if isinstance(x, HybridTensor):
-        return x.rowwise if side == "left" else x.columnwise
-    if isinstance(x, QuantizedTensor) and x.axis != _WANT[side]:
-        raise ValueError(
-            f"The {side} operand of a quantized GEMM needs its blocks along the reduction dim "
-            f"({_WANT[side]}); got {x!r}. Quantize it with columnwise="
-            f"{side == 'right'} or pass its transpose."
-        )
-    return x
+    """The operand a GEMM multiplies on this side (the class's `gemm_operand`: a composite's
+    matching part, else x itself when its blocks run along the reduction dim)."""
+    return x.gemm_operand(side) if isinstance(x, QuantizedTensor) else x
 
 
 def _check_pair(a, b) -> None:
-    if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
+    qa, qb = isinstance(a, QuantizedTensor), isinstance(b, QuantizedTensor)
+    if qa and qb:
         if type(a) is not type(b):
             raise TypeError(
                 f"A GEMM needs both operands in one format; got {type(a).__name__} x "
                 f"{type(b).__name__}. Use a HybridTensor to carry both formats."
             )
-        if isinstance(a, NVFP4Tensor) and a.rht != b.rht:
-            raise ValueError(
-                "NVFP4 RHT must be applied to both GEMM operands or neither (it cancels only "
-                f"in pairs); got rht={a.rht} x rht={b.rht}."
-            )
-    elif getattr(a, "rht", False) or getattr(b, "rht", False):
-        raise ValueError("An RHT-transformed NVFP4 operand needs an RHT-transformed partner.")
+        problem = a.pair_problem(b)
+    else:
+        problem = a.pair_problem(None) if qa else b.pair_problem(None) if qb else None
+    if problem:
+        raise ValueError(f"{problem}.")
 
 
 def operands(a, b):
@@ -93,19 +83,16 @@ def operands(a, b):
 
 
 def _format(a_op, b_op) -> str:
-    return NVFP4 if isinstance(a_op, NVFP4Tensor) or isinstance(b_op, NVFP4Tensor) else MXFP8
+    """The GEMM ops' format of a product (the quantized operand's class declares it)."""
+    return (a_op if isinstance(a_op, QuantizedTensor) else b_op).gemm_format
 
 
 def _rows_side(x, rows_are_logical_rows: bool) -> Side:
     """x as the ops' rows along K: a left operand's rows are its logical rows (rowwise storage),
     a right operand's rows are its logical columns (columnwise storage, or a high-precision
-    tensor's transpose view)."""
-    if isinstance(x, NVFP4Tensor):  # rowwise [.., M, K/2], or columnwise storage [.., N, K/2]
-        return Side(x.qdata, x.scale, x.amax, x.e4m3_bound)
-    if isinstance(x, MXFP8Tensor):  # columnwise data keeps [.., K, N]: its transpose view
-        if rows_are_logical_rows:
-            return Side(x.qdata, x.scale)
-        return Side(x.qdata.transpose(-1, -2), x.scale.transpose(-1, -2))
+    tensor's transpose view). A quantized operand's class says how (`gemm_rows`)."""
+    if isinstance(x, QuantizedTensor):
+        return Side(*x.gemm_rows(rows_are_logical_rows))
     return Side(x if rows_are_logical_rows else x.transpose(-1, -2))
 
 
@@ -233,16 +220,15 @@ def quantized_mm(a, b, bias=None, out_dtype=None) -> torch.Tensor:
 def with_gemm_backend(x: QuantizedTensor, backend: GemmBackend | str) -> QuantizedTensor:
     """x with its products forced onto `backend` (the explicit override); raises if that backend
     cannot run on x's device."""
-    if isinstance(x, HybridTensor):
-        return x.replace(
-            rowwise=with_gemm_backend(x.rowwise, backend),
-            columnwise=with_gemm_backend(x.columnwise, backend),
-        )
     backend = GemmBackend(backend)
-    problem = gemm_backend_problem(backend, x.device)
-    if problem:
-        raise ValueError(f"Cannot set gemm_backend={backend.value!r} on {x!r}: {problem}.")
-    return x.replace(gemm_backend=backend.value)
+
+    def force(part: QuantizedTensor) -> QuantizedTensor:
+        problem = gemm_backend_problem(backend, part.device)
+        if problem:
+            raise ValueError(f"Cannot set gemm_backend={backend.value!r} on {part!r}: {problem}.")
+        return part.replace(gemm_backend=backend.value)
+
+    return map_parts(x, force)
 
 
 # ---- op table ---------------------------------------------------------------------------------
@@ -347,17 +333,14 @@ def _linear_2d(x2, weight, bias, out_dtype) -> torch.Tensor | None:
     """F.linear's direct path: a rowwise 2-D weight [N, K] already is the right operand as rows
     along K, so the op takes its bytes without building the transposed tensor (a subclass
     dispatch per call). None for other weights (hybrids, columnwise, scaled_mm)."""
-    cls = type(weight)
-    if cls is not NVFP4Tensor and cls is not MXFP8Tensor:
-        return None
-    if weight.axis != ROWWISE or weight.dim() != 2:
+    fmt = type(weight).gemm_format
+    if fmt is None or weight.axis != ROWWISE or weight.dim() != 2:
         return None
     backend = weight.gemm_backend
     if backend == "scaled_mm":
         return None
     a_op = _side(x2, "left")
     _check_pair(a_op, weight)
-    fmt = NVFP4 if cls is NVFP4Tensor else MXFP8
     a = _rows_side(a_op, True)
     b = _rows_side(weight, True)  # the weight's rows are N: rows along K as it is stored
     # For the triton backend the op's CUDA kernel itself runs the reference for what the
@@ -382,9 +365,8 @@ _PLANS: dict[int, tuple] = {}
 _PLANS_PER_WEIGHT = 16
 
 
-def _inner(weight) -> tuple:
-    return (weight.qdata, weight.scale, weight.amax) if type(weight) is NVFP4Tensor else (
-        weight.qdata, weight.scale)
+def _inner(weight) -> list:
+    return [getattr(weight, n) for n in type(weight).tensor_data_names]
 
 
 def _prepared_linear(x, weight, bias):
@@ -399,7 +381,7 @@ def _prepared_linear(x, weight, bias):
         return None
     entry = _PLANS.get(id(weight))
     if entry is None or entry[0]() is not weight:
-        if type(weight) is not NVFP4Tensor and type(weight) is not MXFP8Tensor:
+        if getattr(type(weight), "gemm_format", None) is None:
             return None
         entry = (weakref.ref(weight, lambda _, i=id(weight): _PLANS.pop(i, None)), {})
         _PLANS[id(weight)] = entry
@@ -429,7 +411,7 @@ def _prepare_linear(x, weight, bias):
         return None
     if x.dtype != torch.bfloat16 or getattr(weight, "rht", False):
         return None
-    fmt = NVFP4 if type(weight) is NVFP4Tensor else MXFP8
+    fmt = type(weight).gemm_format
     n = weight.qdata.shape[0]
     x2 = x.view(-1, x.shape[-1])
     return gemm_ops.prepare_dense(fmt, Side(x2), _rows_side(weight, True), bias, x.dtype,

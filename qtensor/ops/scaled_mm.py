@@ -22,8 +22,6 @@ from qtensor.backends import QuantBackend
 from qtensor.formats import scale_layout
 from qtensor.ops import quant
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.tensors.mxfp8 import MXFP8Tensor
-from qtensor.tensors.nvfp4 import NVFP4Tensor
 
 
 class ScaledMMArgs(NamedTuple):
@@ -37,7 +35,7 @@ def scaled_mm_problem(a_op, b_op, bias=None) -> str | None:
     """Why the native call cannot run this product, or None."""
     if not (isinstance(a_op, QuantizedTensor) and type(a_op) is type(b_op)):
         return "both operands must be quantized in one format"
-    if not isinstance(b_op, (NVFP4Tensor, MXFP8Tensor)):
+    if b_op.gemm_format not in ("nvfp4", "mxfp8"):
         return f"no block-scaled GEMM for {type(b_op).__name__}"
     if a_op.dim() != 2 or b_op.dim() != 2:
         return "torch._scaled_mm takes 2-D operands"
@@ -66,7 +64,7 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
 
 def scaled_mm_args(a_op, b_op) -> ScaledMMArgs:
     """Arguments of torch._scaled_mm for a rowwise left and a columnwise right operand."""
-    if isinstance(a_op, NVFP4Tensor):
+    if a_op.gemm_format == "nvfp4":
         fp4 = torch.float4_e2m1fn_x2
         # Columnwise storage [N, K/2] is B^T row-major, so its .t() is B column-major.
         return ScaledMMArgs(

@@ -8,17 +8,36 @@ named by `tensor_attribute_names`. Flatten/unflatten, repr, `replace` and pickli
 from those two tuples. Every aten op goes through the class's op table: an op that is not in
 it raises NotImplementedError naming the op and the argument types. Nothing dequantizes
 behind the user's back.
+
+[Note: layout protocol]
+Each class also says how it is stored, so that sharding (FSDP2, tensor parallelism),
+checkpoints and the GEMM layer ask the class instead of testing which class it is:
+- `parts()`: the quantized inner tensors of a composite (a HybridTensor's sides), walked by
+  everything below as a tree whose leaves are plain tensors;
+- `shard_dims()`: per plain inner tensor, the storage dim carrying the logical dim 0 (None:
+  replicated, such as a per-tensor amax);
+- `block_size(dim)`: elements one scale covers along a logical dim;
+- `flat()`: the 1-D reading `view(-1)` returns, where there is one;
+- `inner_layout(shape, attrs)`: the inner shapes and dtypes the class derives from its logical
+  shape and attributes (a checkpoint must hold exactly these);
+- `gemm_operand(side)`, `gemm_format`, `gemm_rows(...)`, `pair_problem(other)`: how it enters
+  a product (qtensor/ops/gemm.py);
+- `spec`: the format spec it was quantized with, as a value.
+qtensor/tensors/layout.py derives leaves, rebuilding, shard checks and the FSDP2 storage ops from
+these; a new format implements them once in its class.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, ClassVar
 
 import torch
 from torch.utils._pytree import tree_map
 
 OpHandler = Callable[..., Any]
+_GEMM_AXIS = {"left": "rowwise", "right": "columnwise"}
 
 
 class QuantizedTensor(torch.Tensor):
@@ -26,6 +45,11 @@ class QuantizedTensor(torch.Tensor):
     tensor_attribute_names: ClassVar[tuple[str, ...]] = ()
     # Filled per subclass by `implements`; a subclass sees its own ops and then the base's.
     _op_table: ClassVar[dict[Any, OpHandler]] = {}
+    # Every concrete class by name (the fixed table checkpoints read class names through).
+    classes: ClassVar[dict[str, type["QuantizedTensor"]]] = {}
+    # The format name the GEMM ops take for this class ("nvfp4", "mxfp8"); None for a composite,
+    # whose parts enter products instead.
+    gemm_format: ClassVar[str | None] = None
 
     @staticmethod
     def __new__(cls, shape, dtype, device, **fields):
@@ -44,6 +68,9 @@ class QuantizedTensor(torch.Tensor):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls._op_table = {}
+        if cls.tensor_data_names:
+            if QuantizedTensor.classes.setdefault(cls.__name__, cls) is not cls:
+                raise TypeError(f"a quantized tensor class named {cls.__name__} already exists.")
 
     # ---- plumbing derived from the declared names -------------------------------------------
 
@@ -106,17 +133,71 @@ class QuantizedTensor(torch.Tensor):
                    tuple((a, repr(getattr(self, a))) for a in self.tensor_attribute_names), inner)
         return hashlib.blake2b(pickle.dumps(payload), digest_size=16).hexdigest()
 
-    # ---- FSDP2 all-gather hooks ([Note: quantized FSDP2 shards], qtensor/distributed/fsdp.py) --
+    # ---- layout protocol ([Note: layout protocol]) --------------------------------------------
 
-    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        from qtensor.distributed.fsdp import pre_all_gather
+    def parts(self) -> dict[str, "QuantizedTensor"]:
+        """The quantized inner tensors of a composite (a hybrid's two sides); {} for a class
+        whose inner tensors are all plain."""
+        return {n: t for n in self.tensor_data_names
+                if isinstance(t := getattr(self, n), QuantizedTensor)}
 
-        return pre_all_gather(self, mesh, outer_size, module)
+    def shard_dims(self) -> dict[str, int | None]:
+        """Inner tensor name -> the storage dim carrying the tensor's dim 0 (None: the inner
+        tensor is replicated across dim-0 shards, e.g. a per-tensor amax)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} declares no storage layout (shard_dims), so it cannot be "
+            "sharded; keep this parameter out of fully_shard (ignored_params)."
+        )
 
-    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        from qtensor.distributed.fsdp import post_all_gather
+    def block_size(self, dim: int) -> int:
+        """Elements one scale covers along logical `dim` (1 where no block runs along it): a
+        slice or shard along `dim` must start and end at multiples of it."""
+        parts = self.parts()
+        if not parts:
+            raise NotImplementedError(f"{type(self).__name__} declares no block_size.")
+        return math.lcm(*(p.block_size(dim) for p in parts.values()))
 
-        return post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
+    def flat(self) -> "QuantizedTensor | None":
+        """The 1-D tensor `view(-1)` returns where blocks stay whole in row-major order, or
+        None where the bytes have no 1-D reading (columnwise, row-scaled, composite)."""
+        return None
+
+    @classmethod
+    def inner_layout(cls, shape: torch.Size, attrs: dict) -> dict[str, Any]:
+        """{inner name: (shape, dtype)} a tensor of this class, logical shape and attributes
+        holds; for a part of a composite, the axis that part must have. Raises ValueError when
+        no tensor of the class has that shape."""
+        raise NotImplementedError(f"{type(cls).__name__} declares no inner layout.")
+
+    def gemm_operand(self, side: str) -> "QuantizedTensor":
+        """The operand a GEMM multiplies on `side` ("left": blocks along the last dim, "right":
+        along dim -2): self when its blocks run that way (a composite hands over its matching
+        part); anything else raises."""
+        want = _GEMM_AXIS[side]
+        if getattr(self, "axis", None) != want:
+            raise ValueError(
+                f"The {side} operand of a quantized GEMM needs its blocks along the reduction "
+                f"dim ({want}); got {self!r}. Quantize it with columnwise={side == 'right'} or "
+                "pass its transpose."
+            )
+        return self
+
+    def gemm_rows(self, logical_rows: bool) -> tuple:
+        """(data, scale, amax, bound) with rows along the reduction dim, as the GEMM ops take an
+        operand: `logical_rows` for a left operand (its rows are the tensor's rows), else a right
+        operand (its rows are the tensor's columns). amax and bound are None where the format
+        has no per-tensor factor."""
+        raise NotImplementedError(f"{type(self).__name__} has no GEMM operand of its own.")
+
+    @property
+    def spec(self):
+        """The format spec this tensor was quantized with (its direction matching `axis`)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no spec.")
+
+    def pair_problem(self, other: "QuantizedTensor | None") -> str | None:
+        """Why self cannot be multiplied with `other` (a quantized operand of the same class, or
+        None for a high-precision one), beyond the shared rule of one format per product."""
+        return None
 
     def __repr__(self):
         attrs = ", ".join(f"{n}={_fmt(getattr(self, n))}" for n in self.tensor_attribute_names)

@@ -17,13 +17,29 @@ import torch
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.tensors.common import check_hp_input, flips_last_two, require_finite
+from qtensor.tensors.common import (
+    COLUMNWISE,
+    ROWWISE,
+    check_hp_input,
+    flips_last_two,
+    require_finite,
+)
+from qtensor.tensors.layout import flat_view
 from qtensor.tensors.mxfp8 import MXFP8Tensor
 from qtensor.tensors.nvfp4 import NVFP4Tensor
 
 aten = torch.ops.aten
 Spec = NVFP4Spec | MXFP8Spec
 SOURCES = ("original", "rowwise_dequantized")
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridSpec:
+    """What a HybridTensor holds: the spec of each side and where the columnwise bytes came from."""
+
+    rowwise: Spec
+    columnwise: Spec
+    columnwise_source: str = "original"
 
 
 def tensor_class(spec: Spec) -> type[QuantizedTensor]:
@@ -111,6 +127,22 @@ class HybridTensor(QuantizedTensor):
         """The rowwise side decoded (the forward operand)."""
         return self.rowwise.dequantize(dtype or self.dtype)
 
+    # ---- layout protocol ([Note: layout protocol] in qtensor/tensors/base.py): a composite --
+
+    @property
+    def spec(self) -> HybridSpec:
+        return HybridSpec(self.rowwise.spec, self.columnwise.spec, self.columnwise_source)
+
+    @classmethod
+    def inner_layout(cls, shape: torch.Size, attrs: dict) -> dict:
+        if len(shape) != 2:
+            raise ValueError(f"a HybridTensor has 2 dims; got {list(shape)}.")
+        return {"rowwise": ROWWISE, "columnwise": COLUMNWISE}
+
+    def gemm_operand(self, side: str):
+        """The rowwise side as a left operand, the columnwise side as a right operand."""
+        return self.rowwise if side == "left" else self.columnwise
+
 
 @HybridTensor.implements([aten.t.default, aten.transpose.int])
 def _transpose(func, args, kwargs):
@@ -129,8 +161,6 @@ def _transpose(func, args, kwargs):
 def _view(func, args, kwargs):
     x = args[0]
     if len(args[1]) == 1 and x.dim() > 1:  # view(-1), as FSDP2 takes of every parameter
-        from qtensor.distributed.ops import flat_view
-
         return flat_view(x)
     if torch.Size(args[1]) != x.shape:
         raise ValueError(f"HybridTensor cannot be reshaped: {tuple(x.shape)} -> {tuple(args[1])}.")

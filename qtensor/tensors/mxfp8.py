@@ -14,6 +14,7 @@ from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.backends import resolve_gemm_backend
 from qtensor.ops import quant
 from qtensor.tensors.base import QuantizedTensor
+from qtensor.tensors.layout import flat_view
 from qtensor.tensors.common import (
     COLUMNWISE,
     ROWWISE,
@@ -30,11 +31,11 @@ BLOCK = ref.BLOCK
 
 
 class MXFP8Tensor(QuantizedTensor):
+    gemm_format = "mxfp8"
     tensor_data_names = ("qdata", "scale")
     tensor_attribute_names = (
         "axis",  # "rowwise" (1x32 blocks along the last dim) or "columnwise" (32x1 along dim -2)
         "scale_rule",  # "rceil" or "floor": how the scales were chosen (decode ignores it)
-        "scale_layout",  # "compact": unswizzled scales
         "act_spec",  # spec that F.linear uses to quantize the activation, or None (weight-only)
         "quant_backend",  # QuantBackend value that produced the bytes (bytes never depend on it)
         "gemm_backend",  # GemmBackend value its products run on
@@ -78,7 +79,6 @@ class MXFP8Tensor(QuantizedTensor):
             scale=scale,
             axis=COLUMNWISE if spec.columnwise else ROWWISE,
             scale_rule=spec.scale_rule,
-            scale_layout="compact",
             act_spec=None,
             quant_backend=backend.value,
             gemm_backend=resolve_gemm_backend(x.device).value,
@@ -95,6 +95,41 @@ class MXFP8Tensor(QuantizedTensor):
 
     def block_dim(self) -> int:
         return self.dim() - 1 if self.axis == ROWWISE else self.dim() - 2
+
+    # ---- layout protocol ([Note: layout protocol] in qtensor/tensors/base.py) ---------------
+
+    @property
+    def spec(self) -> MXFP8Spec:
+        """The spec of these bytes, `columnwise` matching `axis`."""
+        return MXFP8Spec(scale_rule=self.scale_rule, columnwise=self.axis == COLUMNWISE)
+
+    def shard_dims(self) -> dict[str, int | None]:
+        return {"qdata": 0, "scale": 0}  # both keep the logical layout (scale [R/32, C] too)
+
+    def block_size(self, dim: int) -> int:
+        return BLOCK if normalize_dim(dim, self.dim()) == self.block_dim() else 1
+
+    def flat(self) -> "MXFP8Tensor | None":
+        if self.axis != ROWWISE:
+            return None
+        return self.replace(shape=(self.numel(),), qdata=self.qdata.view(-1),
+                            scale=self.scale.view(-1))
+
+    @classmethod
+    def inner_layout(cls, shape: torch.Size, attrs: dict) -> dict:
+        col = attrs["axis"] == COLUMNWISE
+        if not shape or (col and len(shape) < 2) or (shape[-2] if col else shape[-1]) % BLOCK:
+            raise ValueError(f"{list(shape)} cannot hold {attrs['axis']} {BLOCK}-element blocks.")
+        c = shape[-1]
+        scale = [*shape[:-2], shape[-2] // BLOCK, c] if col else [*shape[:-1], c // BLOCK]
+        return {"qdata": (shape, torch.float8_e4m3fn),
+                "scale": (torch.Size(scale), torch.float8_e8m0fnu)}
+
+    def gemm_rows(self, logical_rows: bool) -> tuple:
+        # Columnwise data keeps the logical [.., K, N]: a right operand's rows are its transpose.
+        if logical_rows:
+            return self.qdata, self.scale
+        return self.qdata.transpose(-1, -2), self.scale.transpose(-1, -2)
 
 
 @MXFP8Tensor.implements([aten.t.default, aten.transpose.int])
@@ -117,8 +152,6 @@ def _view(func, args, kwargs):
     if shape == x.shape:
         return x.replace()
     if len(shape) == 1 and x.dim() > 1:  # view(-1), as FSDP2 takes of every parameter
-        from qtensor.distributed.ops import flat_view
-
         return flat_view(x)
     if x.axis != ROWWISE or len(shape) == 0 or shape[-1] != x.shape[-1]:
         raise ValueError(

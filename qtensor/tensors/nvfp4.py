@@ -3,7 +3,7 @@
 Layout [Note: NVFP4 storage]: the logical tensor is [*lead, R, C]. Rowwise (blocks along the
 last dim) stores qdata [*lead, R, C/2] and scale [*lead, R, C/16]. Columnwise (blocks along dim
 -2) stores the transpose: qdata [*lead, C, R/2], scale [*lead, C, R/16]; "rows of the storage
-are columns of the tensor", as FORMATS.md puts it. A row-scaled amax has the storage's shape
+are columns of the tensor" (docs/formats.md). A row-scaled amax has the storage's shape
 without its last dim. Transposing the last two dims flips `axis` and touches no byte.
 """
 
@@ -16,6 +16,8 @@ from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.backends import QuantBackend, resolve_gemm_backend
 from qtensor.ops import quant
 from qtensor.tensors.base import QuantizedTensor
+from qtensor.formats.fields import either
+from qtensor.tensors.layout import flat_view
 from qtensor.tensors.common import (
     COLUMNWISE,
     ROWWISE,
@@ -32,6 +34,7 @@ BLOCK = ref.BLOCK
 
 
 class NVFP4Tensor(QuantizedTensor):
+    gemm_format = "nvfp4"
     tensor_data_names = ("qdata", "scale", "amax")
     tensor_attribute_names = (
         "axis",  # "rowwise" or "columnwise": which logical dim the 16-element blocks run along
@@ -40,7 +43,6 @@ class NVFP4Tensor(QuantizedTensor):
         "fourover6",  # None, "mae" or "mse": how block scales were chosen (decode ignores it)
         "e4m3_bound",  # 448 or 256: B of the decode factor A / (6 B)
         "rht",  # values are Hadamard-transformed; only a product with another RHT operand is valid
-        "scale_layout",  # "compact": scale is [rows, cols/16], unswizzled
         "act_spec",  # spec that F.linear uses to quantize the activation, or None (weight-only)
         "quant_backend",  # QuantBackend value that produced the bytes (bytes never depend on it)
         "gemm_backend",  # GemmBackend value its products run on
@@ -109,13 +111,13 @@ class NVFP4Tensor(QuantizedTensor):
         if amax.dtype != torch.float32 or amax.numel() != 1:
             raise ValueError(f"the NVFP4 amax must be one float32 value; got {amax.dtype} "
                              f"{tuple(amax.shape)}.")
-        if e4m3_bound not in (448, 256):
-            raise ValueError(f"e4m3_bound must be 448 or 256; got {e4m3_bound}.")
+        if e4m3_bound not in ref.E4M3_BOUNDS:
+            raise ValueError(f"e4m3_bound must be {either(ref.E4M3_BOUNDS)}; got {e4m3_bound}.")
         return cls(
             (n, k), dtype, qdata.device, qdata=qdata, scale=scale,
             amax=amax.reshape(()).to(qdata.device), axis=ROWWISE, block_2d=False,
             row_scaled=False, fourover6=None, e4m3_bound=e4m3_bound, rht=False,
-            scale_layout="compact", act_spec=act_spec,
+            act_spec=act_spec,
             quant_backend=QuantBackend.REFERENCE.value,
             gemm_backend=resolve_gemm_backend(qdata.device).value,
         )
@@ -148,7 +150,6 @@ class NVFP4Tensor(QuantizedTensor):
             fourover6=spec.fourover6,
             e4m3_bound=spec.e4m3_bound,
             rht=spec.rht,
-            scale_layout="compact",
             act_spec=None,
             quant_backend=backend.value,
             gemm_backend=resolve_gemm_backend(x.device).value,
@@ -184,6 +185,73 @@ class NVFP4Tensor(QuantizedTensor):
             return self.amax
         return self.amax.unsqueeze(-1) if side == "left" else self.amax.unsqueeze(-2)
 
+    # ---- layout protocol ([Note: layout protocol] in qtensor/tensors/base.py) ---------------
+
+    @property
+    def spec(self) -> NVFP4Spec:
+        """The spec of these bytes, `columnwise` matching `axis`. A rowwise view with RHT (the
+        transpose of a columnwise RHT operand) has none: NVFP4Spec keeps RHT to columnwise
+        operands, so such a view answers with its transpose's spec (and says so)."""
+        if self.rht and self.axis == ROWWISE:
+            raise ValueError(
+                f"{self!r} is the transpose view of a columnwise RHT operand; its spec is "
+                "that operand's: use .t().spec."
+            )
+        return NVFP4Spec(block_2d=self.block_2d, row_scaled=self.row_scaled,
+                         fourover6=self.fourover6, e4m3_bound=self.e4m3_bound, rht=self.rht,
+                         columnwise=self.axis == COLUMNWISE)
+
+    def shard_dims(self) -> dict[str, int | None]:
+        sdim, _ = self.storage_dim(0)
+        # Row-scaled amax has the storage shape minus its last dim: rowwise [*lead, R] follows
+        # dim 0; columnwise [C] holds one amax per column over all rows, so every shard needs it.
+        amax = sdim if (self.row_scaled and self.axis == ROWWISE) else None
+        return {"qdata": sdim, "scale": sdim, "amax": amax}
+
+    def block_size(self, dim: int) -> int:
+        nd = self.dim()
+        _, is_block = self.storage_dim(dim)
+        in_tile = self.block_2d and normalize_dim(dim, nd) >= nd - 2
+        return BLOCK if is_block or in_tile else 1
+
+    def flat(self) -> "NVFP4Tensor | None":
+        if self.axis != ROWWISE or self.row_scaled:
+            return None
+        # Row-major order keeps each 1x16 block (and each row of a 16x16 tile, whose scale is
+        # stored on every row) contiguous, so the 1-D tensor decodes to the same values.
+        return self.replace(shape=(self.numel(),), qdata=self.qdata.view(-1),
+                            scale=self.scale.view(-1), block_2d=False)
+
+    @classmethod
+    def inner_layout(cls, shape: torch.Size, attrs: dict) -> dict:
+        col = attrs["axis"] == COLUMNWISE
+        if not shape or (col and len(shape) < 2):
+            raise ValueError(f"{list(shape)} cannot hold {attrs['axis']} {BLOCK}-element blocks.")
+        lead, c = shape[:-2], shape[-1]
+        bdim = shape[-2] if col else c
+        if bdim % BLOCK:
+            raise ValueError(f"{list(shape)} cannot hold {attrs['axis']} {BLOCK}-element blocks.")
+        rows = [*lead, c] if col else list(shape[:-1])  # storage rows (a columnwise one's columns)
+        return {
+            "qdata": (torch.Size([*rows, bdim // 2]), torch.uint8),
+            "scale": (torch.Size([*rows, bdim // BLOCK]), torch.float8_e4m3fn),
+            "amax": (torch.Size(rows if attrs["row_scaled"] else []), torch.float32),
+        }
+
+    def gemm_rows(self, logical_rows: bool) -> tuple:
+        # Rowwise storage [.., M, K/2] is a left operand's rows; columnwise storage [.., N, K/2]
+        # is a right operand's.
+        return self.qdata, self.scale, self.amax, self.e4m3_bound
+
+    def pair_problem(self, other) -> str | None:
+        if other is None:
+            return ("An RHT-transformed NVFP4 operand needs an RHT-transformed partner"
+                    if self.rht else None)
+        if self.rht != other.rht:
+            return ("NVFP4 RHT must be applied to both GEMM operands or neither (it cancels "
+                    f"only in pairs); got rht={self.rht} x rht={other.rht}")
+        return None
+
     # ---- layout helpers for the op table --------------------------------------------------------
 
     def storage_dim(self, dim: int) -> tuple[int, bool]:
@@ -218,8 +286,6 @@ def _view(func, args, kwargs):
     if shape == x.shape:
         return x.replace()
     if len(shape) == 1 and x.dim() > 1:  # view(-1), as FSDP2 takes of every parameter
-        from qtensor.distributed.ops import flat_view
-
         return flat_view(x)
     if x.axis != ROWWISE or len(shape) == 0 or shape[-1] != x.shape[-1] or x.block_2d:
         raise ValueError(
