@@ -98,7 +98,7 @@ def no_direct_launch():
 @contextlib.contextmanager
 def no_plan():
     """Without the prepared decode path ([Note: prepared linear]): the GEMM layer and the op."""
-    from qtensor.ops import gemm
+    from qtensor.gemm import dense as gemm
 
     saved = gemm._prepared_linear
     gemm._prepared_linear = lambda x, weight, bias: None

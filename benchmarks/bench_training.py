@@ -7,7 +7,7 @@ Configurations (the RL forward settings: no RHT / stochastic rounding / 2D):
   dgrad_mxfp8  hybrid dY (MXFP8 rowwise + NVFP4 columnwise), MXFP8 dgrad, NVFP4 wgrad
 The X columnwise operand (quantized in the forward) and the W columnwise operand (once per
 optimizer step) are built before timing and reported apart (quant_w_ms). Every quantized
-operand goes through the recipe's role pieces and the GEMM layer (qtensor.ops.gemm), so the
+operand goes through the recipe's role pieces and the GEMM layer (qtensor.gemm.dense), so the
 numbers are those of whatever GEMM backend the tensors resolved (printed per row). A second
 table times forward + backward of a whole TrainingLinear against nn.Linear in bf16.
 

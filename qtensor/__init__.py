@@ -7,8 +7,8 @@ import torch as _torch
 
 from qtensor.checkpoint import from_pretrained, load_file, save_file, save_pretrained
 from qtensor.formats import MXFP8Spec, NVFP4Spec
-from qtensor.ops import gemm as _gemm  # noqa: F401  registers the GEMM ops and F.linear
-from qtensor.ops.gemm import quantized_mm
+from qtensor import gemm as _gemm  # noqa: F401  registers the GEMM handlers and F.linear
+from qtensor.gemm import quantized_mm
 from qtensor.tensors import HybridTensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
 
 __version__ = "0.1.0"

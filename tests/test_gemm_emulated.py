@@ -1,4 +1,4 @@
-"""The emulated GEMM (qtensor/ops/gemm.py) against an fp64 oracle written here: the product of the
+"""The emulated GEMM (qtensor/gemm/dense.py) against an fp64 oracle written here: the product of the
 operands' exact unit values, decoded from their bytes by this file, times the epilogue factors
 of [Note: emulated GEMM] (A_a * A_b / (36 B_a B_b) for NVFP4 x NVFP4, A / (6 B) with one NVFP4
 operand, per-row / per-column amax for row-scaled operands), plus bias, in the output dtype.

@@ -19,7 +19,7 @@ import torch
 
 from qtensor import MXFP8Tensor, NVFP4Spec, NVFP4Tensor
 from qtensor.backends import GemmBackend, GemmPolicy, resolve_gemm_backend
-from qtensor.ops.gemm import emulated_mm, gemm_plan, operands, quantized_mm, with_gemm_backend
+from qtensor.gemm.dense import emulated_mm, gemm_plan, operands, quantized_mm, with_gemm_backend
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -13,8 +13,8 @@ import torch
 
 from qtensor import MXFP8Tensor, NVFP4Tensor
 from qtensor.backends import GemmBackend
-from qtensor.ops.gemm import emulated_mm, operands
-from qtensor.ops.grouped_gemm import grouped_mm, grouped_mm_reference, grouped_plan
+from qtensor.gemm.dense import emulated_mm, operands
+from qtensor.gemm.grouped import grouped_mm, grouped_mm_reference, grouped_plan
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

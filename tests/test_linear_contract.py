@@ -3,7 +3,7 @@ them, a fresh output tensor (never a view), empty batches, and a compile that wo
 first thing a process does.
 
 The gradient oracle for dynamic activations is the straight-through rule documented on
-qtensor.ops.gemm.DynamicActivationLinear: dX = dY @ W_decoded in fp64, d bias = sum dY.
+qtensor.gemm.dense.DynamicActivationLinear: dX = dY @ W_decoded in fp64, d bias = sum dY.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""[Note: prepared linear] (qtensor/ops/gemm.py): the eager decode path of a weight-only linear
+"""[Note: prepared linear] (qtensor/gemm/dense.py): the eager decode path of a weight-only linear
 launches the op's kernels with the op's arguments, so its results are the op's bit for bit; it
 is reused per weight and activation layout, follows in-place changes of the weight's bytes and
 amax, gives way to the op wherever autograd, a mode or compilation needs it, and is dropped
@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from qtensor import MXFP8Tensor, NVFP4Tensor
-from qtensor.ops import gemm, gemm_ops
+from qtensor.gemm import dense as gemm
+from qtensor.ops import gemm_ops
 from qtensor.ops.gemm_ops import MXFP8, NVFP4, Side
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -17,7 +17,7 @@ from qtensor import MXFP8Tensor, NVFP4Tensor
 from qtensor import backends
 from qtensor.backends import GemmBackend
 from qtensor.formats import mxfp8, nvfp4, scale_layout
-from qtensor.ops.scaled_mm import scaled_mm_args, scaled_mm_problem, to_swizzled
+from qtensor.gemm.scaled_mm import scaled_mm_args, scaled_mm_problem, to_swizzled
 
 SHAPES = [(128, 4), (1, 1), (200, 7), (257, 12), (64, 33)]
 

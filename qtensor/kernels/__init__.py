@@ -1,6 +1,6 @@
 """Triton GEMM kernels for quantized operands, one file per family.
 
-Nothing here is imported by `import qtensor`: the GEMM layer (qtensor/ops/gemm.py) imports a
+Nothing here is imported by `import qtensor`: the GEMM layer (qtensor/gemm/dense.py) imports a
 kernel module the first time a product runs on the `triton` backend, so Triton is loaded only
 where it is used.
 

@@ -4,7 +4,7 @@
 operand is an `Operand`: a bf16 tensor or a quantized tensor's bytes as "rows along K" (the left
 operand's rows are M, the right operand's rows are N; that is NVFP4 columnwise storage and the
 transpose view of MXFP8 columnwise data). Decode and epilogue: [Note: exact decode in registers]
-in tiles.py; the epilogue order is the emulated reference's (qtensor/ops/gemm.py).
+in tiles.py; the epilogue order is the emulated reference's (qtensor/gemm/dense.py).
 
 Small M (<= 64, decode) runs split-K: the weight is what must stream, and N / 64 tiles alone
 (128 for N = 8192) leave most of the 132 SMs of an H200 idle; the K range is split so that about

@@ -16,7 +16,7 @@
 
 Both operands come as "rows along K": a is [.., M, K*], b is [.., N, K*], and the dense ops
 compute out[.., m, n] = epilogue(sum_k A[.., m, k] * B[.., n, k]) ([Note: emulated GEMM] in
-qtensor/ops/gemm.py has the epilogue and its order). A side is quantized exactly when its scale
+qtensor/gemm/dense.py has the epilogue and its order). A side is quantized exactly when its scale
 is given:
 - NVFP4: packed E2M1 codes uint8 [.., R, K/2], E4M3 block scales [.., R, K/16], an fp32 amax
   (0-d, or [.., R] when row-scaled) and its E4M3 bound (448 or 256);

@@ -10,7 +10,7 @@ its scales, with `layout` naming the block shape and direction:
     "fb_tile" 128x128 tiles (weights)                    scale [N/128, K/128]
 `.t()` transposes the view without touching bytes (row <-> col, a tile stays a tile). A GEMM
 `mm(a, b)` = a [M, K] @ b [K, N] needs a's blocks along its last dim and b's along dim 0, the
-same convention as qtensor/ops/gemm.py.
+same convention as qtensor/gemm/dense.py.
 
 Backends, chosen once per device (`gemm_backend`): EMULATED multiplies the exact decoded values
 through the GEMM ops (`mm`; every platform, exact up to fp32 summation order); SCALED_MM, opt-in

@@ -21,7 +21,7 @@ checkpoints and the GEMM layer ask the class instead of testing which class it i
 - `inner_layout(shape, attrs)`: the inner shapes and dtypes the class derives from its logical
   shape and attributes (a checkpoint must hold exactly these);
 - `gemm_operand(side)`, `gemm_format`, `gemm_rows(...)`, `pair_problem(other)`: how it enters
-  a product (qtensor/ops/gemm.py);
+  a product (qtensor/gemm/dense.py);
 - `spec`: the format spec it was quantized with, as a value.
 qtensor/tensors/layout.py derives leaves, rebuilding, shard checks and the FSDP2 storage ops from
 these; a new format implements them once in its class.

@@ -5,7 +5,7 @@ small pieces here; a recipe only chooses the specs ([Note: roles and usages] in 
 
 A role's operand is one quantized tensor when only its rowwise usage is needed (the backward
 overrides), or a HybridTensor holding both usages, possibly in two formats. A GEMM takes the
-side it needs through the HybridTensor slots of qtensor/ops/gemm.py, so the three products are
+side it needs through the HybridTensor slots of qtensor/gemm/dense.py, so the three products are
 the same three lines for every recipe:
 
     fprop(x, w) = x @ w.t()      dgrad(dy, w) = dy @ w      wgrad(dy, x) = dy.t() @ x
@@ -20,7 +20,7 @@ import torch
 
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
-from qtensor.ops.gemm import quantized_mm
+from qtensor.gemm.dense import quantized_mm
 from qtensor.tensors import HybridTensor, QuantizedTensor, quantize_spec
 from qtensor.tensors.hybrid import gradient_cast, is_gradient_cast
 from qtensor.tensors.hybrid import SOURCES

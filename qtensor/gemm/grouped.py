@@ -14,7 +14,7 @@ import torch
 
 from qtensor.backends import GemmBackend
 from qtensor.ops import gemm_ops
-from qtensor.ops.gemm import dense_sides, operands, product_backend
+from qtensor.gemm.dense import dense_sides, operands, product_backend
 from qtensor.tensors.base import QuantizedTensor
 
 aten = torch.ops.aten

@@ -8,7 +8,7 @@ torchao's layout helper.
 
 The call returns the fp32 block-scaled product `sum_k units_a * units_b` (what the emulated
 reference's matmul computes); the per-tensor factors, row scaling, bias and cast are then the
-shared epilogue of qtensor/ops/gemm.py, in the reference's order. torch._scaled_mm's own
+shared epilogue of qtensor/gemm/dense.py, in the reference's order. torch._scaled_mm's own
 `scale_result`/bias are not used: they would reorder the epilogue.
 """
 

@@ -24,7 +24,7 @@ operand's when the right one is high precision:
   registers as it streams (split-K); above, each operand is decoded to exact bf16 once and the
   bf16 kernel runs (docs/gemm.md has the measurements behind the split). It covers NVFP4 x
   NVFP4, MXFP8 x MXFP8 and a bf16 left operand x NVFP4 / MXFP8, 2-D, 3-D and grouped.
-- `scaled_mm` (qtensor/ops/scaled_mm.py): native block-scaled torch._scaled_mm, sm_100+ only,
+- `scaled_mm` (qtensor/gemm/scaled_mm.py): native block-scaled torch._scaled_mm, sm_100+ only,
   fp32 output, then this epilogue. Untested on hardware (docs/gemm.md).
 A product a backend has no kernel for (a quantized left operand times a high-precision right
 one, an fp32 / fp16 activation, more than 3 dims, a CPU operand) runs on the reference: the
@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from qtensor.backends import GEMM_BACKENDS, GemmBackend, gemm_backend_problem
 from qtensor.ops import gemm_ops
 from qtensor.ops.gemm_ops import Side
-from qtensor.ops.scaled_mm import scaled_mm_args, scaled_mm_problem
+from qtensor.gemm.scaled_mm import scaled_mm_args, scaled_mm_problem
 from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.common import ROWWISE
 from qtensor.tensors.hybrid import quantize_spec
@@ -458,6 +458,3 @@ for _f in (torch.mm, torch.bmm, torch.matmul, torch.Tensor.mm, torch.Tensor.bmm,
     QuantizedTensor._function_table[_f] = _torch_level(_f, _product)
 for _f in (torch.addmm, torch.Tensor.addmm):
     QuantizedTensor._function_table[_f] = _torch_level(_f, _product_plus)
-
-# torch._grouped_mm's handler lives beside this layer and registers on import.
-from qtensor.ops import grouped_gemm as _grouped_gemm  # noqa: E402,F401
