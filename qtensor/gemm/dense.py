@@ -182,20 +182,24 @@ def product_backend(a_op, b_op) -> GemmBackend:
     return GEMM_BACKENDS[getattr(owner, "gemm_backend", GemmBackend.EMULATED.value)]
 
 
-def plan(a_op, b_op, bias, out_dtype, sides=None) -> GemmBackend:
-    """The backend that runs this product: the requested one if it has a kernel for it, else the
-    next one down (scaled_mm -> triton -> emulated). `sides`: dense_sides(a_op, b_op) when the
-    caller has them already."""
+def plan(a_op, b_op, bias, out_dtype, sides=None, *, grouped: bool = False) -> GemmBackend:
+    """The backend that runs this product, dense or grouped (the one planner of the layer): the
+    requested one if it has a kernel for it, else the next one down (scaled_mm -> triton ->
+    emulated; no native grouped call is wired, so a grouped product asking for scaled_mm runs
+    on triton). `sides`: the operands as the ops take them when the caller has them already
+    (dense_sides(a_op, b_op); the grouped layer's own for a grouped product, which must pass
+    them)."""
     backend = product_backend(a_op, b_op)
     if backend is GemmBackend.SCALED_MM:
-        if scaled_mm_problem(a_op, b_op, bias) is None:
+        if not grouped and scaled_mm_problem(a_op, b_op, bias) is None:
             return backend
-        if gemm_backend_problem(GemmBackend.TRITON, b_op.device) is not None:
+        if not grouped and gemm_backend_problem(GemmBackend.TRITON, b_op.device) is not None:
             return GemmBackend.EMULATED
         backend = GemmBackend.TRITON
     if backend is GemmBackend.TRITON:
-        _, a, b, _ = sides or dense_sides(a_op, b_op)
-        if gemm_ops.triton_problem(a, b, bias, out_dtype) is None:
+        _, a, b, *_ = sides or dense_sides(a_op, b_op)
+        if gemm_ops.triton_problem(a, b, None if grouped else bias, out_dtype,
+                                   grouped=grouped) is None:
             return backend
     return GemmBackend.EMULATED
 

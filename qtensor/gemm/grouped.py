@@ -14,7 +14,7 @@ import torch
 
 from qtensor.backends import GemmBackend
 from qtensor.ops import gemm_ops
-from qtensor.gemm.dense import dense_sides, operands, product_backend
+from qtensor.gemm.dense import dense_sides, operands, plan
 from qtensor.tensors.base import QuantizedTensor
 
 aten = torch.ops.aten
@@ -53,14 +53,8 @@ def grouped_mm_reference(a_op, b_op, offs, bias, out_dtype) -> torch.Tensor:
 
 
 def grouped_plan(a_op, b_op, bias, out_dtype) -> GemmBackend:
-    """Triton when the operands ask for triton or scaled_mm (no native grouped call is wired)
-    and the kernel takes them; the reference otherwise."""
-    if product_backend(a_op, b_op) is GemmBackend.EMULATED:
-        return GemmBackend.EMULATED
-    fmt, a, b = _grouped_sides(a_op, b_op)
-    if gemm_ops.triton_problem(a, b, None, out_dtype, grouped=True) is None:
-        return GemmBackend.TRITON
-    return GemmBackend.EMULATED
+    """The backend of a grouped product: the layer's planner on the grouped sides."""
+    return plan(a_op, b_op, bias, out_dtype, _grouped_sides(a_op, b_op), grouped=True)
 
 
 def grouped_mm(a, b, offs, bias=None, out_dtype=None) -> torch.Tensor:
