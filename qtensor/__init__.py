@@ -11,7 +11,7 @@ from qtensor import gemm as _gemm  # noqa: F401  registers the GEMM handlers and
 from qtensor.gemm import quantized_mm
 from qtensor.tensors import HybridTensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
 
-__version__ = "0.1.0"
+from qtensor.version import __version__  # noqa: E402
 
 # Quantized tensors and their specs load with torch.load(weights_only=True).
 _torch.serialization.add_safe_globals(

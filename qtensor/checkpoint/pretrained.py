@@ -427,7 +427,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> None:
         raise TypeError(f"save_pretrained takes a transformers model (with a .config); got "
                         f"{type(model).__name__}. For any other module use qtensor.save_file("
                         "model.state_dict(), path).")
-    from qtensor import __version__
+    from qtensor.version import __version__
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
