@@ -67,10 +67,6 @@ _QAT = "MXFP4QATConfig.from_env (qtensor/qat/config.py)"
 _POLICY = "BackendPolicy.from_env (qtensor/backends/policy.py), once per process"
 
 
-def _recipe_flag(suffix: str, effect: str) -> Variable:
-    return Variable(f"QTENSOR_NVFP4_{suffix}", Kind.BOOL, effect, _RECIPE)
-
-
 VARIABLES: tuple[Variable, ...] = (
     Variable("QTENSOR_QUANT_BACKEND", Kind.CHOICE,
              "reference: quantize with the pure-torch reference even where the C++/CUDA "
@@ -80,17 +76,20 @@ VARIABLES: tuple[Variable, ...] = (
              "the GEMM backend of every tensor made from then on; unset: the fastest one the "
              "device runs (an override the device cannot run raises)",
              _POLICY, choices=("emulated", "triton", "scaled_mm")),
-    _recipe_flag("DISABLE_2D_QUANTIZATION", "true sets weight_2d=False (1x16 weight blocks)"),
-    _recipe_flag("DISABLE_RHT", "true sets rht=False"),
-    _recipe_flag("DISABLE_STOCHASTIC_ROUNDING", "true sets stochastic_rounding=False"),
-    _recipe_flag("ROW_SCALED_ACTIVATION", "sets row_scaled_activation"),
+    Variable("QTENSOR_NVFP4_DISABLE_2D_QUANTIZATION", Kind.BOOL,
+             "true sets weight_2d=False (1x16 weight blocks)", _RECIPE),
+    Variable("QTENSOR_NVFP4_DISABLE_RHT", Kind.BOOL, "true sets rht=False", _RECIPE),
+    Variable("QTENSOR_NVFP4_DISABLE_STOCHASTIC_ROUNDING", Kind.BOOL,
+             "true sets stochastic_rounding=False", _RECIPE),
+    Variable("QTENSOR_NVFP4_ROW_SCALED_ACTIVATION", Kind.BOOL, "sets row_scaled_activation",
+             _RECIPE),
     Variable("QTENSOR_NVFP4_4OVER6", Kind.CHOICE, "sets fourover6", _RECIPE, choices=_SCOPES),
     Variable("QTENSOR_NVFP4_4OVER6_ERR_MODE", Kind.CHOICE, "sets fourover6_err", _RECIPE,
              choices=("mae", "mse")),
     Variable("QTENSOR_NVFP4_4OVER6_E4M3_USE_256", Kind.CHOICE, "sets fourover6_e4m3_256",
              _RECIPE, choices=_SCOPES),
-    _recipe_flag("4OVER6_GRAD", "sets fourover6_grad"),
-    _recipe_flag("DGRAD_MXFP8", "sets dgrad_mxfp8"),
+    Variable("QTENSOR_NVFP4_4OVER6_GRAD", Kind.BOOL, "sets fourover6_grad", _RECIPE),
+    Variable("QTENSOR_NVFP4_DGRAD_MXFP8", Kind.BOOL, "sets dgrad_mxfp8", _RECIPE),
     Variable("QTENSOR_BACKWARD_OVERRIDE", Kind.CHOICE,
              "sets backward_override (none: the quantized backward)", _RECIPE,
              choices=_OVERRIDES, none_as_none=True),
@@ -103,10 +102,10 @@ VARIABLES: tuple[Variable, ...] = (
              choices=_OVERRIDES, none_as_none=True),
     Variable("QTENSOR_NO_EXTENSION", Kind.TEXT,
              "1 builds no C++/CUDA extension (every op then runs the reference)",
-             "setup.py", build_time=True),
+             "setup.py, when the extension is built", build_time=True),
     Variable("QTENSOR_CUDA_ARCHS", Kind.TEXT,
              "the CUDA targets to build, ';'-separated (e.g. 90a;100a)",
-             "setup.py", build_time=True),
+             "setup.py, when the extension is built", build_time=True),
 )
 BY_NAME: dict[str, Variable] = {v.name: v for v in VARIABLES}
 
@@ -174,7 +173,7 @@ def read(names: Iterable[str], environ: Mapping[str, str] | None = None) -> dict
     values = {}
     for name in names:
         if name not in BY_NAME:
-            raise KeyError(f"{name} is not a qtensor environment variable (qtensor/backends/env.py)")
+            raise KeyError(f"{name} is not declared in qtensor/backends/env.py VARIABLES")
         raw = source.get(name)
         if raw is not None and raw.strip():
             values[name] = parse(name, raw)

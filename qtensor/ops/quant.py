@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-# docs/kernels.md names quant.quant_backend, quant.EXTENSION_ERROR and quant.extension_status.
-from qtensor.backends import EXTENSION_ERROR, QuantBackend, extension_status, quant_backend  # noqa: F401
+from qtensor.backends import EXTENSION_ERROR, QuantBackend, quant_backend
+from qtensor.backends import extension_status  # noqa: F401  (docs/kernels.md names it here)
 from qtensor.formats import mxfp4, mxfp8, nvfp4
 from qtensor.formats.mxfp8 import MXFP8Data, MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Data, NVFP4Spec, SRSeed, check_sr_state, sr_state_tensor
