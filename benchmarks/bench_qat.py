@@ -83,10 +83,10 @@ def main():
     parser.add_argument("--k", type=int, default=8192)
     parser.add_argument("--tokens", type=int, default=8192)
     args = parser.parse_args()
-    from qtensor.qat import kernels
+    from qtensor.backends import qat_quant_backend
 
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, conversion backend "
-          f"{kernels.quant_backend('cuda').value}")
+          f"{qat_quant_backend('cuda').value}")
     print(f"{'case':76s} {'ms':>9s} {'GB/s':>8s} {'ratio':>7s}")
     print("ratio: conversions over copy bandwidth; training steps bf16 time over this time")
     for name, ms, bw, ratio in conversion_rows(args.n, args.k) + training_rows(

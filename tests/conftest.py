@@ -64,15 +64,27 @@ def kernel_devices() -> list:
     """Devices of the compiled-kernel tests (csrc/): cpu, and cuda marked `cuda` and skipped
     unless the extension holds CUDA kernels. A function, so that collecting other test files
     does not load the extension."""
-    from qtensor.ops import quant as Q
+    from qtensor.backends import has_kernel
 
-    has_cuda_kernels = (
-        Q.EXTENSION_ERROR is None
-        and torch.cuda.is_available()
-        and torch._C._dispatch_has_kernel_for_dispatch_key("qtensor::nvfp4_quantize", "CUDA")
-    )
+    has_cuda_kernels = torch.cuda.is_available() and has_kernel("nvfp4_quantize", "CUDA")
     skip = pytest.mark.skipif(not has_cuda_kernels, reason="no CUDA kernels")
     return ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, skip])]
+
+
+@pytest.fixture
+def setenv(monkeypatch):
+    """setenv(name, value) for QTENSOR_* variables: qtensor reads the process environment once
+    (qtensor/backends/env.py), so each change makes the next use read it again, and the end of
+    the test restores the variables and reads them again too."""
+    from qtensor.backends import set_policy
+
+    def set_variable(name: str, value: str) -> None:
+        monkeypatch.setenv(name, value)
+        set_policy(None)  # forgets the policy and the environment read so far
+
+    yield set_variable
+    monkeypatch.undo()
+    set_policy(None)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from qtensor import MXFP8Tensor, NVFP4Spec, NVFP4Tensor
-from qtensor.backends import GemmBackend, GemmPolicy, resolve_gemm_backend
+from qtensor.backends import BackendPolicy, GemmBackend, resolve_gemm_backend
 from qtensor.gemm.dense import emulated_mm, gemm_plan, operands, quantized_mm, with_gemm_backend
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -148,12 +148,11 @@ def test_override_that_cannot_run_raises():
         with_gemm_backend(w, "cublas")
 
 
-def test_env_policy_is_validated(monkeypatch):
-    monkeypatch.setenv("QTENSOR_GEMM_BACKEND", "emulated")
-    assert GemmPolicy.from_env().override is GemmBackend.EMULATED
-    monkeypatch.setenv("QTENSOR_GEMM_BACKEND", "fast")
+def test_env_policy_is_validated():
+    policy = BackendPolicy.from_env({"QTENSOR_GEMM_BACKEND": "emulated"})
+    assert policy.gemm_override is GemmBackend.EMULATED
     with pytest.raises(ValueError, match="QTENSOR_GEMM_BACKEND must be one of"):
-        GemmPolicy.from_env()
+        BackendPolicy.from_env({"QTENSOR_GEMM_BACKEND": "fast"})
 
 
 def test_mixed_formats_raise():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qtensor import HybridTensor, MXFP8Spec, MXFP8Tensor, NVFP4Spec, NVFP4Tensor
-from qtensor.ops import quant
+from qtensor import backends
 
 COLUMN_SPECS = [
     NVFP4Spec(),
@@ -30,9 +30,9 @@ def _bytes(t):
 def backend(request):
     """Run once with the compiled kernels (when built) and once with the reference forced."""
     if request.param == "reference":
-        quant.set_policy(quant.QuantPolicy(force_reference=True))
+        backends.set_policy(backends.BackendPolicy(force_quant_reference=True))
     yield request.param
-    quant.set_policy(None)
+    backends.set_policy(None)
 
 
 @pytest.mark.parametrize("col", COLUMN_SPECS, ids=str)
@@ -50,7 +50,7 @@ def test_gradient_cast_equals_two_casts(col, rule, backend):
     for got, want in zip(_bytes(h.rowwise) + _bytes(h.columnwise), _bytes(mx) + _bytes(nv)):
         assert torch.equal(got, want)
     assert h.columnwise.axis == "columnwise" and h.rowwise.axis == "rowwise"
-    expected = "reference" if backend == "reference" else quant.quant_backend("cpu").value
+    expected = "reference" if backend == "reference" else backends.quant_backend("cpu").value
     assert h.rowwise.quant_backend == h.columnwise.quant_backend == expected
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import kernel_devices
 
-from qtensor.backends import QuantBackend
+from qtensor import backends
+from qtensor.backends import BackendPolicy, QuantBackend
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec, SRSeed
 from qtensor.ops import quant as Q
@@ -66,20 +67,18 @@ def test_backend_chosen_once_and_shown():
     assert t.quant_backend == "cpu" and "quant_backend=cpu" in repr(t)
     assert MXFP8Tensor.from_hp(torch.randn(32, 64)).quant_backend == "cpu"
     try:
-        Q.set_policy(Q.QuantPolicy(force_reference=True))
+        backends.set_policy(BackendPolicy(force_quant_reference=True))
         r = NVFP4Tensor.from_hp(torch.randn(32, 64))
         assert r.quant_backend == "reference"
     finally:
-        Q.set_policy(None)
+        backends.set_policy(None)
     assert Q.quant_backend("cpu") is QuantBackend.CPU
 
 
-def test_policy_from_env_rejects_unknown(monkeypatch):
-    monkeypatch.setenv(Q.QUANT_BACKEND_ENV, "fastest")
-    with pytest.raises(ValueError, match="must be 'auto' or 'reference'"):
-        Q.QuantPolicy.from_env()
-    monkeypatch.setenv(Q.QUANT_BACKEND_ENV, "reference")
-    assert Q.QuantPolicy.from_env().force_reference
+def test_policy_from_env_rejects_unknown():
+    with pytest.raises(ValueError, match="QTENSOR_QUANT_BACKEND must be one of auto, reference"):
+        BackendPolicy.from_env({"QTENSOR_QUANT_BACKEND": "fastest"})
+    assert BackendPolicy.from_env({"QTENSOR_QUANT_BACKEND": "reference"}).force_quant_reference
 
 
 def test_missing_extension_falls_back_to_reference():
@@ -103,10 +102,10 @@ def test_kernel_tensors_equal_reference_tensors():
     for spec in (NVFP4Spec(), NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)):
         k = NVFP4Tensor.from_spec(x, spec, generator=SRSeed(3, 0))
         try:
-            Q.set_policy(Q.QuantPolicy(force_reference=True))
+            backends.set_policy(BackendPolicy(force_quant_reference=True))
             r = NVFP4Tensor.from_spec(x, spec, generator=SRSeed(3, 0))
         finally:
-            Q.set_policy(None)
+            backends.set_policy(None)
         assert torch.equal(k.qdata, r.qdata) and torch.equal(k.dequantize(), r.dequantize())
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from qtensor.backends import GemmBackend, QuantBackend
+from qtensor.backends import GemmBackend, QuantBackend, qat_quant_backend
 from qtensor.qat import convert, hosts, kernels
 
 ON_CUDA = torch.cuda.is_available()
@@ -19,7 +19,7 @@ needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA GPU")
 
 
 def _has_kernel(device_type: str) -> bool:
-    return kernels.quant_backend(device_type) is not QuantBackend.REFERENCE
+    return qat_quant_backend(device_type) is not QuantBackend.REFERENCE
 
 
 def corpus() -> list[torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 
 from qtensor import MXFP8Tensor, NVFP4Tensor
 from qtensor import backends
-from qtensor.backends import GemmBackend
+from qtensor.backends import GemmBackend, choice
 from qtensor.formats import mxfp8, nvfp4, scale_layout
 from qtensor.gemm.scaled_mm import scaled_mm_args, scaled_mm_problem, to_swizzled
 
@@ -101,8 +101,8 @@ def test_scaled_mm_is_never_chosen_on_hopper(monkeypatch, capability, expected):
     """Resolution with a faked device capability (no GPU needed): Hopper gets triton (or the
     emulated path where Triton is not installed, as on CI's CPU-only torch), never scaled_mm."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(backends.GemmPolicy, "_current", backends.GemmPolicy(None))
-    backends._fastest_cuda_backend.cache_clear()
+    backends.set_policy(backends.BackendPolicy())  # no QTENSOR_GEMM_BACKEND override
+    choice._fastest_cuda_backend.cache_clear()
     try:
         if expected is GemmBackend.SCALED_MM and not hasattr(torch, "float4_e2m1fn_x2"):
             expected = GemmBackend.TRITON
@@ -112,4 +112,5 @@ def test_scaled_mm_is_never_chosen_on_hopper(monkeypatch, capability, expected):
         problem = backends.gemm_backend_problem(GemmBackend.SCALED_MM, "cuda:0")
         assert (problem is None) == (capability >= (10, 0))
     finally:
-        backends._fastest_cuda_backend.cache_clear()
+        backends.set_policy(None)
+        choice._fastest_cuda_backend.cache_clear()

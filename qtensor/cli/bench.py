@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from qtensor.backends.env import child_environment
 from qtensor.cli import UsageError
 
 
@@ -71,7 +72,7 @@ def device_note() -> str:
 
 def run_script(script: Path, args: list[str], timeout: float, capture: bool) -> dict:
     """Run one script; stdout streams through (or is captured for --json), stderr is kept."""
-    env = dict(os.environ)
+    env = child_environment()
     root = str(script.resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     env.setdefault("PYTHONUNBUFFERED", "1")

@@ -1,10 +1,9 @@
 """Quantization ops: the kernels of csrc/ (torch.ops.qtensor.*), their fake implementations for
 torch.compile, and the one dispatch point the tensor subclasses call.
 
-[Note: quantization backends] The backend is chosen once per device type: the CUDA kernels on a
-GPU, the C++ kernels on the CPU, the pure-torch reference of qtensor/formats when the extension
-is not built (or `QTENSOR_QUANT_BACKEND=reference`, read once by `QuantPolicy.from_env`). Every
-backend produces the same bytes: the kernels are tested bit for bit against the reference.
+The backend is chosen once per device type by qtensor/backends/choice.py ([Note: quantization
+backends] there): the CUDA kernels on a GPU, the C++ kernels on the CPU, the pure-torch
+reference of qtensor/formats when the extension is not built (or QTENSOR_QUANT_BACKEND=reference).
 Stochastic rounding draws its bits from a counter hash of (seed, offset) (`SRSeed`), which the
 ops take as an int64 tensor [2] on the data's device (`sr_state`): a training module passes its
 buffer (compiled graphs advance it in place, no host sync), a generator is turned into one by a
@@ -13,102 +12,17 @@ single draw here (eager only), and every backend rounds the same way.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import os
-
 import torch
 
-from qtensor.backends import QUANT_BACKENDS, QuantBackend, compile_time_constant
+from qtensor.backends import EXTENSION_ERROR, QuantBackend, quant_backend
+from qtensor.backends import extension_status  # noqa: F401  (docs/kernels.md names it here)
 from qtensor.formats import mxfp4, mxfp8, nvfp4
 from qtensor.formats.mxfp8 import MXFP8Data, MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Data, NVFP4Spec, SRSeed, check_sr_state, sr_state_tensor
 
-QUANT_BACKEND_ENV = "QTENSOR_QUANT_BACKEND"
 _FOUROVERSIX = {None: 0, "mae": 1, "mse": 2}
 _SCALE_RULE = {"rceil": 0, "floor": 1}
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # decode outputs of the ops
-
-
-def _load_extension() -> str | None:
-    """Import qtensor._C, which registers torch.ops.qtensor.*; why it failed, or None."""
-    try:
-        import qtensor._C  # noqa: F401
-    except ImportError as e:
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-# Why the compiled kernels are unavailable (None when they loaded); shown by `extension_status`.
-EXTENSION_ERROR = _load_extension()
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantPolicy:
-    """Process-wide choice between the kernels and the reference, read from the env once."""
-
-    # Run the pure-torch reference even where kernels exist (debugging, cross-checks).
-    force_reference: bool = False
-
-    @classmethod
-    def from_env(cls) -> "QuantPolicy":
-        value = os.environ.get(QUANT_BACKEND_ENV, "").strip().lower()
-        if value not in ("", "auto", "reference"):
-            raise ValueError(
-                f"{QUANT_BACKEND_ENV} must be 'auto' or 'reference'; got {value!r}. Unset it to "
-                "use the compiled kernels where they exist."
-            )
-        return cls(force_reference=value == "reference")
-
-    @classmethod
-    def current(cls) -> "QuantPolicy":
-        global _POLICY
-        if _POLICY is None:
-            _POLICY = cls.from_env()
-        return _POLICY
-
-
-_POLICY: QuantPolicy | None = None
-
-
-def set_policy(policy: QuantPolicy | None) -> None:
-    """Replace the process-wide policy (None: read the environment again at next use)."""
-    global _POLICY
-    _POLICY = policy
-    _backend_for.cache_clear()
-
-
-@functools.cache
-def _backend_for(device_type: str, force_reference: bool) -> QuantBackend:
-    if force_reference or EXTENSION_ERROR is not None:
-        return QuantBackend.REFERENCE
-    if device_type == "cpu":
-        return QuantBackend.CPU
-    if device_type == "cuda" and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "qtensor::nvfp4_quantize", "CUDA"
-    ):
-        return QuantBackend.CUDA
-    return QuantBackend.REFERENCE
-
-
-def quant_backend(device: torch.device | str) -> QuantBackend:
-    """The backend that quantizes tensors on `device` (chosen once per device type)."""
-    return QUANT_BACKENDS[_backend_name(torch.device(device).type)]
-
-
-# Chosen once: torch.compile calls it at trace time and keeps the result as a constant (a str:
-# an Enum returned from here would become an opaque object in the graph).
-@compile_time_constant
-def _backend_name(device_type: str) -> str:
-    return _backend_for(device_type, QuantPolicy.current().force_reference).value
-
-
-def extension_status() -> str:
-    """One line: which kernels are built, or why none are."""
-    if EXTENSION_ERROR is not None:
-        return f"qtensor._C not loaded ({EXTENSION_ERROR}); every op runs the reference"
-    cuda = torch._C._dispatch_has_kernel_for_dispatch_key("qtensor::nvfp4_quantize", "CUDA")
-    return "qtensor._C loaded: CPU kernels" + (" and CUDA kernels" if cuda else " (no CUDA)")
 
 
 # ---- typed wrappers over the ops -----------------------------------------------------------------

@@ -10,7 +10,6 @@ This module imports torchao; `import qtensor` does not load it.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Mapping
 
 import torch
@@ -19,12 +18,18 @@ import qtensor._torchao  # noqa: F401  (torchao without its import-time noise)
 from torchao.core.config import AOBaseConfig
 from torchao.quantization.transform_module import register_quantize_module_handler
 
+from qtensor.backends import env
 from qtensor.formats.fields import check_field_types
 from qtensor.qat.hosts import Host
 from qtensor.qat.linear import MXFP4QATLinear, check_weight
 from qtensor.training.recipe import OVERRIDES
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+# QTENSOR_* variable -> config field; qtensor/backends/env.py declares their types and values.
+ENV_VARS = {
+    "QTENSOR_MXFP4_QAT_HOST": "host",
+    "QTENSOR_MXFP4_QAT_DIRECT": "direct",
+    "QTENSOR_MXFP4_QAT_BACKWARD_OVERRIDE": "backward_override",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,27 +75,11 @@ class MXFP4QATConfig(AOBaseConfig):
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "MXFP4QATConfig":
-        """Read QTENSOR_MXFP4_QAT_HOST / _DIRECT / _BACKWARD_OVERRIDE once (docs/qat.md)."""
-        env = os.environ if environ is None else environ
-        fields: dict = {}
-        if "QTENSOR_MXFP4_QAT_HOST" in env:
-            fields["host"] = env["QTENSOR_MXFP4_QAT_HOST"].strip().lower()
-        if "QTENSOR_MXFP4_QAT_DIRECT" in env:
-            fields["direct"] = _parse_bool("QTENSOR_MXFP4_QAT_DIRECT", env)
-        if "QTENSOR_MXFP4_QAT_BACKWARD_OVERRIDE" in env:
-            raw = env["QTENSOR_MXFP4_QAT_BACKWARD_OVERRIDE"].strip().lower()
-            fields["backward_override"] = None if raw in ("", "none") else raw
+        """Read QTENSOR_MXFP4_QAT_HOST / _DIRECT / _BACKWARD_OVERRIDE (docs/qat.md), parsed by
+        qtensor/backends/env.py, from `environ` or the process environment as first read."""
+        fields = {ENV_VARS[var]: value for var, value in env.read(ENV_VARS, environ).items()}
         fields.update(overrides)
         return cls(**fields)
-
-
-def _parse_bool(name: str, env: Mapping[str, str]) -> bool:
-    raw = env[name].strip().lower()
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(f"{name} must be one of {_TRUE + _FALSE}; got {env[name]!r}.")
 
 
 def shape_error(module: nn.Linear, config: MXFP4QATConfig) -> str | None:

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 
 import torch
 
-from qtensor.backends import GEMM_BACKENDS, GemmBackend, compile_time_constant
+from qtensor.backends import GemmBackend, ScaledMMFormat, qat_gemm_backend
 from qtensor.formats import fp8_block, mxfp8
 from qtensor.formats.fp8_block import FP8BlockSpec
 from qtensor.formats.mxfp8 import MXFP8Spec
@@ -82,26 +81,17 @@ def token_multiple(host: Host) -> int:
     return mxfp8.BLOCK if host is Host.MXFP8 else fp8_block.BLOCK
 
 
+# The native GEMM of each host: the FP8 block host's runs torch._scaled_mm on fp32 block scales
+# (sm_90+); the MXFP8 host has none wired here (block-scaled MX would need sm_100).
+_NATIVE_FORMAT = {Host.MXFP8: None, Host.FP8_BLOCK128: ScaledMMFormat.FP8_BLOCK128}
+
+
 def gemm_backend(host: Host, device: torch.device, native: bool = False) -> GemmBackend:
     """Chosen once per (host, device, native): the native FP8 block GEMM when asked for on
-    sm_90+, else exact emulation. `native` is opt-in (MXFP4QATConfig.native_gemm) until the
-    torch._scaled_mm scale layouts are verified on the GPU machine (docs/qat.md, status)."""
-    return GEMM_BACKENDS[_gemm_backend_name(host.value, device.type, device.index, native)]
-
-
-# Chosen once: torch.compile calls it at trace time and keeps the result (a str) as a constant.
-@compile_time_constant
-def _gemm_backend_name(host: str, device_type: str, index: int | None, native: bool) -> str:
-    return _choose_gemm_backend(host, device_type, index, native).value
-
-
-@functools.lru_cache(maxsize=None)
-def _choose_gemm_backend(host: str, device_type: str, index: int | None,
-                         native: bool) -> GemmBackend:
-    if native and host == Host.FP8_BLOCK128.value and device_type == "cuda":
-        if torch.cuda.get_device_capability(index) >= (9, 0):
-            return GemmBackend.SCALED_MM
-    return GemmBackend.EMULATED
+    sm_90+, else exact emulation (qtensor.backends.qat_gemm_backend). `native` is opt-in
+    (MXFP4QATConfig.native_gemm) until the torch._scaled_mm scale layouts are verified on the
+    GPU machine (docs/qat.md, status)."""
+    return qat_gemm_backend(_NATIVE_FORMAT[host], device, native)
 
 
 def mm(a: Operand, b: Operand, out_dtype: torch.dtype, backend: GemmBackend,

@@ -6,44 +6,19 @@ Schemas (csrc/qat/mxfp4_qat.cpp; CPU kernel there, CUDA kernel in csrc/qat/mxfp4
     qtensor::mxfp4_qat_fp8_block(Tensor w, bool direct) -> (Tensor qdata, Tensor scale)
 An output not asked for comes back empty. The bytes are those of qtensor/qat/convert.py (the
 composite-torch reference) bit for bit, in both modes; tests/test_qat_kernels.py checks it.
-The implementation is chosen once per device type (`quant_backend`), following the project's
-choice (qtensor.ops.quant: QTENSOR_QUANT_BACKEND, extension built), else the reference.
+The implementation is chosen once per device type (qtensor.backends.qat_quant_backend),
+following the project's choice (extension built, QTENSOR_QUANT_BACKEND), narrowed to the
+reference where the loaded extension lacks these ops.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from qtensor.backends import QuantBackend, compile_time_constant
+from qtensor.backends import QAT_OPS, QuantBackend, has_ops, qat_quant_backend
 from qtensor.formats.fp8_block import FP8BlockData
 from qtensor.formats.mxfp8 import MXFP8Data
-from qtensor.ops import quant
 from qtensor.qat import convert
-
-_OPS = ("mxfp4_qat_mxfp8", "mxfp4_qat_fp8_block")
-_DISPATCH_KEY = {"cpu": "CPU", "cuda": "CUDA"}
-
-
-@compile_time_constant  # chosen once: torch.compile reads it at trace time
-def quant_backend(device_type: str) -> QuantBackend:
-    """The project's choice for this device type (qtensor.ops.quant: extension built, policy),
-    narrowed to REFERENCE when the loaded extension lacks these two ops for the device."""
-    return _backend_for(device_type, quant.quant_backend(device_type))
-
-
-@functools.lru_cache(maxsize=None)
-def _backend_for(device_type: str, project_choice: QuantBackend) -> QuantBackend:
-    if project_choice is QuantBackend.REFERENCE:
-        return QuantBackend.REFERENCE
-    key = _DISPATCH_KEY[device_type]
-    for name in _OPS:  # an extension built from an older tree may lack them
-        if not hasattr(torch.ops.qtensor, name) or not torch._C._dispatch_has_kernel_for_dispatch_key(
-            f"qtensor::{name}", key
-        ):
-            return QuantBackend.REFERENCE
-    return project_choice
 
 
 def _register_fakes() -> None:
@@ -64,7 +39,7 @@ def _register_fakes() -> None:
                 w.new_empty((n // 128, k // 128), dtype=torch.float32))
 
 
-if quant.EXTENSION_ERROR is None and all(hasattr(torch.ops.qtensor, n) for n in _OPS):
+if has_ops(*QAT_OPS):
     _register_fakes()
 
 
@@ -86,7 +61,7 @@ def mxfp4_qat_mxfp8(w: torch.Tensor, direct: bool, *, rowwise: bool = True,
                     columnwise: bool = True) -> tuple[MXFP8Data | None, MXFP8Data | None]:
     """(rowwise, columnwise) MXFP8 operands of the MXFP4 projection of w [N, K]."""
     _check(w, 32 if columnwise else 1, 32)
-    if quant_backend(w.device.type) is QuantBackend.REFERENCE:
+    if qat_quant_backend(w.device.type) is QuantBackend.REFERENCE:
         row = convert.mxfp8_rowwise(w, direct) if rowwise else None
         col = convert.mxfp8_columnwise(w, direct) if columnwise else None
         return row, col
@@ -97,7 +72,7 @@ def mxfp4_qat_mxfp8(w: torch.Tensor, direct: bool, *, rowwise: bool = True,
 def mxfp4_qat_fp8_block(w: torch.Tensor, direct: bool) -> FP8BlockData:
     """FP8 128x128 operand of the MXFP4 projection of w [N, K]."""
     _check(w, 128, 128)
-    if quant_backend(w.device.type) is QuantBackend.REFERENCE:
+    if qat_quant_backend(w.device.type) is QuantBackend.REFERENCE:
         return convert.fp8_block_weight(w, direct)
     return FP8BlockData(*torch.ops.qtensor.mxfp4_qat_fp8_block(w, direct))
 

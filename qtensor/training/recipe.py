@@ -19,9 +19,9 @@ QTENSOR_* variables and Transformer Engine's names for them.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Literal, Mapping
 
+from qtensor.backends import env
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.training.roles import OperandSpecs, RoleSpec
@@ -159,13 +159,12 @@ class NVFP4TrainingRecipe:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None,
                  **overrides) -> "NVFP4TrainingRecipe":
-        """Build a recipe from QTENSOR_* variables (read once, here); keyword args win."""
-        env = os.environ if environ is None else environ
+        """Build a recipe from QTENSOR_* variables (parsed by qtensor/backends/env.py, from
+        `environ` or the process environment as first read); keyword args win."""
         fields: dict = {}
-        for var, (name, parse) in ENV_VARS.items():
-            raw = env.get(var)
-            if raw is not None and raw.strip() != "":
-                fields[name] = parse(var, raw.strip())
+        for var, value in env.read(ENV_VARS, environ).items():
+            name, negate = ENV_VARS[var]
+            fields[name] = not value if negate else value
         fields.update(overrides)
         return cls(**fields)
 
@@ -181,43 +180,20 @@ def _check_choice(name, value, choices) -> None:
         raise ValueError(f"{name} must be one of {choices}; got {value!r}.")
 
 
-def _flag(var: str, raw: str) -> bool:
-    if raw not in ("0", "1"):
-        raise ValueError(f"{var} must be 0 or 1; got {raw!r}.")
-    return raw == "1"
-
-
-def _not_flag(var: str, raw: str) -> bool:
-    return not _flag(var, raw)
-
-
-def _lower(var: str, raw: str) -> str:
-    return raw.lower()
-
-
-def _override(var: str, raw: str) -> str | None:
-    return None if raw.lower() == "none" else raw.lower()
-
-
-def _int(var: str, raw: str) -> int:
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{var} must be an integer; got {raw!r}.") from None
-
-
-# QTENSOR_* variable -> (recipe field, parser). Each mirrors the NVTE_* variable of the same
-# suffix in Transformer Engine (docs/training.md lists both), so one setting maps to the other.
+# QTENSOR_* variable -> (recipe field, negated). Each mirrors the NVTE_* variable of the same
+# suffix in Transformer Engine (docs/training.md lists both), so one setting maps to the other;
+# qtensor/backends/env.py declares each one's type and allowed values. The DISABLE_* flags set
+# the negation of their field.
 ENV_VARS = {
-    "QTENSOR_NVFP4_DISABLE_2D_QUANTIZATION": ("weight_2d", _not_flag),
-    "QTENSOR_NVFP4_DISABLE_RHT": ("rht", _not_flag),
-    "QTENSOR_NVFP4_DISABLE_STOCHASTIC_ROUNDING": ("stochastic_rounding", _not_flag),
-    "QTENSOR_NVFP4_ROW_SCALED_ACTIVATION": ("row_scaled_activation", _flag),
-    "QTENSOR_NVFP4_4OVER6": ("fourover6", _lower),
-    "QTENSOR_NVFP4_4OVER6_ERR_MODE": ("fourover6_err", _lower),
-    "QTENSOR_NVFP4_4OVER6_E4M3_USE_256": ("fourover6_e4m3_256", _lower),
-    "QTENSOR_NVFP4_4OVER6_GRAD": ("fourover6_grad", _flag),
-    "QTENSOR_NVFP4_DGRAD_MXFP8": ("dgrad_mxfp8", _flag),
-    "QTENSOR_BACKWARD_OVERRIDE": ("backward_override", _override),
-    "QTENSOR_NVFP4_SEED": ("seed", _int),
+    "QTENSOR_NVFP4_DISABLE_2D_QUANTIZATION": ("weight_2d", True),
+    "QTENSOR_NVFP4_DISABLE_RHT": ("rht", True),
+    "QTENSOR_NVFP4_DISABLE_STOCHASTIC_ROUNDING": ("stochastic_rounding", True),
+    "QTENSOR_NVFP4_ROW_SCALED_ACTIVATION": ("row_scaled_activation", False),
+    "QTENSOR_NVFP4_4OVER6": ("fourover6", False),
+    "QTENSOR_NVFP4_4OVER6_ERR_MODE": ("fourover6_err", False),
+    "QTENSOR_NVFP4_4OVER6_E4M3_USE_256": ("fourover6_e4m3_256", False),
+    "QTENSOR_NVFP4_4OVER6_GRAD": ("fourover6_grad", False),
+    "QTENSOR_NVFP4_DGRAD_MXFP8": ("dgrad_mxfp8", False),
+    "QTENSOR_BACKWARD_OVERRIDE": ("backward_override", False),
+    "QTENSOR_NVFP4_SEED": ("seed", False),
 }
