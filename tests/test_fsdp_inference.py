@@ -18,8 +18,8 @@ from torch import nn
 
 from qtensor import HybridTensor, MXFP8Spec, MXFP8Tensor, NVFP4Spec, NVFP4Tensor
 from qtensor.distributed import fsdp, shard_problems
-from qtensor.distributed.launch import run_local
 from qtensor.distributed.ops import QuantizedStorageView
+from qtensor.testing.launch import run_local
 
 WORLD = 2
 

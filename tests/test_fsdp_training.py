@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 from qtensor import NVFP4Tensor
-from qtensor.distributed.launch import run_local
 from qtensor.distributed.master import columnwise_from_2d
 from qtensor.formats.nvfp4 import NVFP4Spec
+from qtensor.testing.launch import run_local
 
 RECIPES = {
     "nvfp4_2d": {},  # default: 2D weight tiles, RHT and stochastic rounding on gradients

@@ -22,7 +22,7 @@ from qtensor import (
     NVFP4Tensor,
     NVFP4WeightOnlyConfig,
 )
-from qtensor.models import DemoConfig, build_demo_model, demo_tokens
+from qtensor.cli.models import DemoConfig, build_demo_model, demo_tokens
 
 SMALL = DemoConfig(vocab_size=256, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=160)
 
