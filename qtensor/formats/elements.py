@@ -26,9 +26,10 @@ def f32_from_bits(bits: int) -> torch.Tensor:
     return torch.tensor(bits, dtype=torch.int32).view(torch.float32)
 
 
-# r(1/6) in fp32, bits 0x3E2AAAAB (FORMATS.md step 4). A Python float holding that exact fp32
-# value (a module-level tensor would be a real tensor inside torch.compile's fake-tensor tracing,
-# which refuses it; `fp32 tensor * float` rounds the float to fp32 first, exactly).
+# r(1/6) in fp32, bits 0x3E2AAAAB (docs/formats.md, NVFP4 step 4). A Python float holding that
+# exact fp32 value (a module-level tensor would be a real tensor inside torch.compile's
+# fake-tensor tracing, which refuses it; `fp32 tensor * float` rounds the float to fp32 first,
+# exactly).
 RECIP_6 = f32_from_bits(0x3E2AAAAB).item()
 
 
