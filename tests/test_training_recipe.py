@@ -244,7 +244,7 @@ def test_default_recipe_operands():
     assert s.backward_override is None
 
 
-def test_dgrad_mxfp8_operands_are_the_seed_hybrids():
+def test_dgrad_mxfp8_operands_are_nvfp4_mxfp8_hybrids():
     s = NVFP4TrainingRecipe(dgrad_mxfp8=True).operand_specs()
     assert s.weight == RoleSpec(NVFP4Spec(block_2d=True), MXFP8Spec(columnwise=True),
                                 "rowwise_dequantized")

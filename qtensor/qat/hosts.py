@@ -143,7 +143,7 @@ def _scaled_mm_block(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Te
     b column-major. A 128x128 b = W.t() takes W's tile scales (N/128, K/128) in column-major
     strides (1, N/128), the layout reported to run on the H200 at full speed; a 1x128 b takes its
     (K/128, N) scales row-major, the same memory as (N, K/128) column-major. On the H200 with
-    torch 2.11 (2026-11-30, two layouts tried) the products still differ from the emulation
+    torch 2.11 (two scale layouts tried) the products still differ from the emulation
     (tests/test_qat_kernels.py, xfail), so this path stays opt-in (native_gemm=True).
     """
     scale_b = _col_major(b.scale.t()) if b.layout == "fb_tile" else b.scale.contiguous()
