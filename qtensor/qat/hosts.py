@@ -33,6 +33,7 @@ from qtensor.formats import fp8_block, mxfp8
 from qtensor.formats.fp8_block import FP8BlockSpec
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.ops import gemm_ops, quant
+from qtensor.ops.gemm_operands import MXFP8, Side, apply_epilogue
 
 
 class Host(str, enum.Enum):
@@ -122,11 +123,11 @@ def mm(a: Operand, b: Operand, out_dtype: torch.dtype, backend: GemmBackend,
         )
     if backend is GemmBackend.SCALED_MM:
         acc = _scaled_mm_block(a, b, torch.float32 if bias is not None else out_dtype)
-        return gemm_ops.apply_epilogue(acc, None, None, bias, out_dtype)
+        return apply_epilogue(acc, None, None, bias, out_dtype)
     rows = b.t()
     if mx:
-        args = gemm_ops.dense_args(gemm_ops.MXFP8, gemm_ops.Side(a.qdata, a.scale),
-                                   gemm_ops.Side(rows.qdata, rows.scale), bias, out_dtype)
+        args = gemm_ops.dense_args(MXFP8, Side(a.qdata, a.scale), Side(rows.qdata, rows.scale),
+                                   bias, out_dtype)
         return gemm_ops.call("mxfp8_mm", *args)
     return gemm_ops.call("fp8_block_mm", a.qdata, a.scale, rows.qdata, rows.scale,
                          rows.layout == "fb_tile", bias, out_dtype)
