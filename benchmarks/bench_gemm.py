@@ -22,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from qtensor import MXFP8Tensor, NVFP4Tensor  # noqa: E402
-from qtensor.analyze import stored_bytes  # noqa: E402
+from qtensor.cli.analyze import stored_bytes  # noqa: E402
 from qtensor.gemm.dense import emulated_mm, gemm_plan, operands, triton_mm  # noqa: E402
 
 L2_BYTES = 50 * 2**20

@@ -114,7 +114,7 @@ CONFIGS = {
     "dgrad_mxfp8": dict(dgrad_mxfp8=True),
     "NVFP4 dgrad + wgrad": dict(),
     "NVFP4, fourover6_grad (256)": dict(fourover6_grad=True),
-    "NVFP4, fourover6_grad (448)": dict(fourover6_grad=True, fourover6_e4m3_256="none"),
+    "NVFP4, fourover6_grad (448)": dict(fourover6_grad=True, fourover6_e4m3_256_roles="none"),
     "dgrad_mxfp8, fourover6_grad": dict(dgrad_mxfp8=True, fourover6_grad=True),
 }
 

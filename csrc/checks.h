@@ -12,7 +12,7 @@ namespace qtensor {
 
 // Integers enter error messages as strings: on the GPU machine's toolchain, streaming an int64
 // into c10::str from this extension crashed in libstdc++ (std::ostream::_M_insert<long>, seen
-// 2026-11-30 under cuda-gdb), while strings stream fine.
+// under cuda-gdb), while strings stream fine.
 inline std::string num(int64_t v) { return std::to_string(v); }
 
 // "[a, b, c]" built by hand, for the same reason.

@@ -1,6 +1,7 @@
 // MXFP4 weight QAT: the per-block math of the fused projection + quantize ops, shared by the CPU
 // (mxfp4_qat.cpp) and CUDA (mxfp4_qat_cuda.cu) kernels. It composes quant_math.h's codecs in the
-// order of the reference qtensor/qat/convert.py (FORMATS.md "MXFP4"), bit for bit.
+// order of the reference qtensor/qat/convert.py (docs/formats.md, "MXFP4 fake quantization"),
+// bit for bit.
 #pragma once
 
 #include "quant_math.h"

@@ -162,7 +162,8 @@ struct NvOpts {
   uint32_t key, offset;
 };
 
-// Input-domain error of one candidate scale on one 16-element row block (FORMATS.md 4over6).
+// Input-domain error of one candidate scale on one 16-element row block (docs/formats.md,
+// "Variants", 4over6).
 float candidate_error(const float* x, uint8_t s, const NvScale& ts, float six_b, bool mse) {
   const float enc = nv_block_enc(s, ts.s_dec);
   const float sf = e4m3_value(s);

@@ -1,4 +1,4 @@
-// The per-element and per-block math of the formats (docs FORMATS.md), shared by the CPU and the
+// The per-element and per-block math of the formats (docs/formats.md), shared by the CPU and the
 // CUDA kernels so both are the same code. Every function reproduces the reference in
 // qtensor/formats bit for bit: fp32 operations in the reference's order, no contraction into FMA
 // (the build passes -ffp-contract=off / --fmad=false), NaN handled the way torch handles it.
@@ -48,7 +48,7 @@ QT_HD float clamp_max(float v, float m) { return v > m ? m : v; }
 // torch.amax: once a NaN is seen the max is NaN.
 QT_HD float nan_max(float m, float a) { return (a > m || a != a) ? a : m; }
 
-// r(1/6) (0x3E2AAAAB) and r(1/448) (0x3B124925), FORMATS.md steps 4 and MXFP8.
+// r(1/6) (0x3E2AAAAB) and r(1/448) (0x3B124925), docs/formats.md, NVFP4 step 4 and "MXFP8".
 QT_HD float recip6() { return u2f(0x3E2AAAABu); }
 QT_HD float recip448() { return u2f(0x3B124925u); }
 
@@ -280,8 +280,8 @@ QT_HD float mxfp4_project(float w, int e) {
 
 // ---- scale layout -----------------------------------------------------------------------------
 
-// Byte offset of compact scale (row, col) in the swizzled layout of FORMATS.md "Scale layouts":
-// 512-byte tiles over (row / 128, col / 4) in row-major order, padded columns `pcols`.
+// Byte offset of compact scale (row, col) in the swizzled layout (docs/formats.md, "Scale
+// layouts"): 512-byte tiles over (row / 128, col / 4) in row-major order, padded columns `pcols`.
 QT_HD int64_t swizzle_offset(int64_t row, int64_t col, int64_t pcols) {
   const int64_t tile = (row / 128) * (pcols / 4) + col / 4;
   return tile * 512 + (row % 32) * 16 + ((row % 128) / 32) * 4 + col % 4;

@@ -1,6 +1,6 @@
 """FSDP2 training with the NVFP4 `dgrad_mxfp8` recipe: a small Llama-style model on N processes.
 
-The model is qtensor's built-in transformer (qtensor/models.py) with seeded fp32 master weights.
+The model is qtensor's built-in transformer (qtensor/cli/models.py) with seeded fp32 master weights.
 torchao's `quantize_` with `TrainingConfig(NVFP4TrainingRecipe(dgrad_mxfp8=True))` turns every
 block linear into a TrainingLinear (NVFP4 fprop and wgrad; dgrad with an MXFP8 grad_output and
 the NVFP4 weight requantized to MXFP8); the LM head stays high precision. The model is sharded
@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 from torchao.quantization import quantize_
 
+from qtensor.cli.models import DemoConfig, build_demo_model
 from qtensor.distributed import fully_shard, precompute_amaxes, quantize_on_gather
-from qtensor.distributed.launch import drain, free_port
-from qtensor.models import DemoConfig, build_demo_model
+from qtensor.testing.launch import drain, free_port
 from qtensor.training import NVFP4TrainingRecipe, TrainingConfig
 
 RECIPE = NVFP4TrainingRecipe(dgrad_mxfp8=True)  # 2D weight tiles, RHT and SR on gradients

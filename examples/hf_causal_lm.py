@@ -34,7 +34,7 @@ import transformers
 from torchao.quantization import quantize_
 
 from qtensor import NVFP4DynamicActivationNVFP4WeightConfig, NVFP4Spec
-from qtensor.analyze import sqnr_db
+from qtensor.cli.analyze import sqnr_db
 
 CONFIG = NVFP4DynamicActivationNVFP4WeightConfig(
     weight=NVFP4Spec(fourover6="mae", e4m3_bound=256),

@@ -14,8 +14,8 @@ from torch.utils._pytree import tree_map
 
 from qtensor.checkpoint import CheckpointError
 from qtensor.checkpoint import dcp as qdcp
-from qtensor.distributed.launch import run_local
 from qtensor.tensors import QuantizedTensor
+from qtensor.testing.launch import run_local
 
 NAMES = ["nvfp4_4o6_b256", "nvfp4_dyn_rowscaled", "nvfp4_2d", "mxfp8", "hybrid"]
 

@@ -27,8 +27,8 @@ from torch import nn
 import qtensor
 from qtensor import HybridTensor, MXFP8Spec, NVFP4Spec, NVFP4Tensor
 from qtensor.checkpoint import dcp as qdcp
-from qtensor.distributed.launch import run_local
 from qtensor.tensors import QuantizedTensor
+from qtensor.testing.launch import run_local
 
 # Weight formats of the inference model; each Linear pair is 64 -> 64 -> 128, so every shard of
 # 2 ranks keeps whole blocks (16x16 tiles: 32 rows; the hybrid's MXFP8 columnwise side: 32 rows).

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qtensor.analyze import ZERO_SCALE, scale_exponent_histogram, sqnr_db, stored_bytes
 from qtensor.cli import main
+from qtensor.cli.analyze import ZERO_SCALE, scale_exponent_histogram, sqnr_db, stored_bytes
 from qtensor.formats import nvfp4
 from qtensor.formats.nvfp4 import NVFP4Spec
 
@@ -176,7 +176,7 @@ def llama_dir(tmp_path):
 
 
 def test_analyze_hugging_face_directory(capsys, llama_dir, tmp_path):
-    from qtensor.analyze import load_hf_causal_lm
+    from qtensor.cli.analyze import load_hf_causal_lm
 
     path, saved = llama_dir
     loaded = load_hf_causal_lm(path)

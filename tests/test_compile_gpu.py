@@ -18,7 +18,7 @@ import torch._inductor.config as inductor_config
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
-from qtensor.models import DemoConfig, build_demo_model, demo_tokens
+from qtensor.cli.models import DemoConfig, build_demo_model, demo_tokens
 from test_compile_inference import BASE_CONFIGS, CONFIG_NAMES, quantized, small_mlp
 from test_compile_training import QAT, RECIPES, assert_bitwise, sr_model, step, training_model
 

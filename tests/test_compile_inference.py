@@ -20,7 +20,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 from qtensor import MXFP8Spec, NVFP4Spec
-from qtensor.models import DemoConfig, build_demo_model, demo_tokens
+from qtensor.cli.models import DemoConfig, build_demo_model, demo_tokens
 
 torch.set_num_threads(1)  # the runner's 2 cores are shared; Inductor's C++ build uses them
 

@@ -105,10 +105,11 @@ def test_nvfp4_row_scaled_poisons_only_the_rows_holding_non_finite(columnwise):
 
 
 def test_nvfp4_decode_range():
-    """FORMATS.md step 7 computes r(s_b * A) first: with s_b up to B = 448 it overflows fp32 once
-    A > FLT_MAX / 448 (about 2**119.2). Such a tensor's largest blocks decode to +-Inf (NaN where
-    a code is 0); the bytes are still right, and a GEMM (which applies A * r(1/(36 B_a B_b)) to
-    the fp32 sum) is not affected the same way. docs/formats.md states the range."""
+    """docs/formats.md, NVFP4 step 7, computes r(s_b * A) first: with s_b up to B = 448 it
+    overflows fp32 once A > FLT_MAX / 448 (about 2**119.2). Such a tensor's largest blocks decode
+    to +-Inf (NaN where a code is 0); the bytes are still right, and a GEMM (which applies
+    A * r(1/(36 B_a B_b)) to the fp32 sum) is not affected the same way. docs/formats.md,
+    "Decode range of NVFP4", states the range."""
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3)) * 1e-3
     x[0, 0] = 3.0  # A = 3 * 2**125: blocks with s_b > 2.7 overflow, these small ones (~0.4) don't
     ok = NVFP4Tensor.from_hp(x * 2.0**117).dequantize(torch.float32)
@@ -125,7 +126,8 @@ def test_nvfp4_inf_without_nan_decodes_non_finite_everywhere():
     x[5, 3] = -INF
     for kw in ({}, {"block_2d": True}, {"fourover6": "mae"}, {"stochastic_rounding": True}):
         t = NVFP4Tensor.from_hp(x, check_finite=False, **kw)
-        assert t.amax.item() == INF  # S_enc = r(6B / Inf) = 0 -> 1, as FORMATS.md step 2 says
+        # S_enc = r(6B / Inf) = 0 -> 1, as docs/formats.md, NVFP4 step 2, says
+        assert t.amax.item() == INF
         dq = t.dequantize(torch.float32)
         assert not bool(torch.isfinite(dq).any()), kw
         assert dq[5, 3].item() == -INF and bool(dq[0, :16].isnan().all())
@@ -372,9 +374,9 @@ def test_zero_tensor_gemm_is_zero():
 
 
 def test_nvfp4_tiny_amax_keeps_the_clamp():
-    """FORMATS.md step 2 clamps S_enc at FLT_MAX: below amax 6B / FLT_MAX (~7.9e-36) the block
-    scales fall short of B and the round trip degrades toward a relative error of 1 (kept as
-    Transformer Engine's reference does; docs/formats.md, "Tiny tensors")."""
+    """docs/formats.md, NVFP4 step 2, clamps S_enc at FLT_MAX: below amax 6B / FLT_MAX
+    (~7.9e-36) the block scales fall short of B and the round trip degrades toward a relative
+    error of 1 (kept as Transformer Engine's reference does; docs/formats.md, "Tiny tensors")."""
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
     x = x / x.abs().max()
 

@@ -1,6 +1,7 @@
 """MXFP4 fake quantization on all 65,536 bf16 bit patterns against an fp64 oracle written here,
-from the definition (FORMATS.md, MXFP4), not from the bit tricks the reference uses. Both the
-reference and the dispatching entry point (a C++/CUDA kernel where one is built) are checked."""
+from the definition (docs/formats.md, "MXFP4 fake quantization"), not from the bit tricks the
+reference uses. Both the reference and the dispatching entry point (a C++/CUDA kernel where one
+is built) are checked."""
 
 from __future__ import annotations
 

@@ -154,9 +154,9 @@ def test_three_d_rowwise_blocks_run_along_the_last_dim():
 # torchao's eager RCEIL divides amax by 448 and takes the exponent through float math, and both of
 # its modes clamp the fp32 scale to the smallest normal 2**-126 when encoding the data. Where the
 # scale value is subnormal (block amax below about 448 * 2**-126 = 2**-117.2) it therefore
-# disagrees with FORMATS.md and the golden vectors (code 0 / data at 2**-126 instead of code 1, or
-# code 0 with data at 2**-127): those blocks are left out of the comparison, and the subnormal
-# rule is tested against the golden vectors and by hand above.
+# disagrees with docs/formats.md ("MXFP8", subnormal scales) and the golden vectors (code 0 / data
+# at 2**-126 instead of code 1, or code 0 with data at 2**-127): those blocks are left out of the
+# comparison, and the subnormal rule is tested against the golden vectors and by hand above.
 SUBNORMAL_SCALE_AMAX = 2.0**-117
 
 

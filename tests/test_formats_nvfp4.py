@@ -71,7 +71,7 @@ def test_golden_bytes(golden, name, config):
 )
 @pytest.mark.parametrize("name", ["normal_rowspread", "outlier", "fp32_wide"])
 def test_golden_decode(golden, name, config):
-    """dequantize() is step 7 of FORMATS.md applied to the golden bytes, in the logical layout."""
+    """dequantize() is docs/formats.md's NVFP4 step 7 on the golden bytes, logical layout."""
     x = golden[f"{name}/input"]
     spec = NVFP4_GOLDEN_SPECS[config]
     q, s, a = (golden[f"{name}/{config}/{f}"] for f in ("qdata", "scale", "amax"))
@@ -90,7 +90,8 @@ def test_golden_decode(golden, name, config):
 
 # ---- E2M1 ties and signs -------------------------------------------------------------------------
 
-# Every midpoint of the E2M1 grid and where round-to-nearest-even sends it (FORMATS.md, E2M1).
+# Every midpoint of the E2M1 grid and where round-to-nearest-even sends it (docs/formats.md,
+# "E2M1, the FP4 element").
 TIES = {0.25: 0, 0.75: 2, 1.25: 2, 1.75: 4, 2.5: 4, 3.5: 6, 5.0: 6}
 
 
@@ -317,7 +318,7 @@ def test_rht_cancels_in_the_wgrad_product():
     with_rht = quantized_mm(a, b, out_dtype=torch.float32)
     plain = quantized_mm(NVFP4Tensor.from_hp(dy, columnwise=True).t(),
                          NVFP4Tensor.from_hp(x, columnwise=True), out_dtype=torch.float32)
-    # Measured 2026-11-30 (CPU, this seed): 18.1 dB with RHT, 17.7 dB without.
+    # Measured on the CPU with this seed: 18.1 dB with RHT, 17.7 dB without.
     assert sqnr_db(exact, with_rht) > 16.0
     assert sqnr_db(exact, plain) > 15.0
     # The transformed operand alone is unrelated to dY (measured -3.4 dB): only a pair cancels.
@@ -347,11 +348,11 @@ def test_matches_torchao_nvfp4_decoded_values(dtype, scale, seed):
     a = theirs.dequantize(torch.float32).double().reshape(256, 32, 16)
     b = ours.dequantize(torch.float32).double().reshape(256, 32, 16)
     # torchao computes the block scale as (b_amax / 6) / (A / 2688): where that lands on the
-    # other side of an E4M3 midpoint than FORMATS.md step 4 (the documented tie difference),
-    # the block scale is the adjacent E4M3 value. Its decode factor A/2688 * s_b and its code
-    # scaling x * (r(1/S) / s_b) round differently too (an fp32 ulp; an element on an E2M1
-    # midpoint after scaling may go the other way). Measured 2026-11-30: 0.7% of the scales
-    # differ on the bf16 input, none on the fp32 one.
+    # other side of an E4M3 midpoint than docs/formats.md's NVFP4 step 4 (the documented tie
+    # difference), the block scale is the adjacent E4M3 value. Its decode factor A/2688 * s_b and
+    # its code scaling x * (r(1/S) / s_b) round differently too (an fp32 ulp; an element on an
+    # E2M1 midpoint after scaling may go the other way). On this seeded bf16 input 0.7% of the
+    # scales differ (none on the fp32 one), hence the 98% floor below.
     sa, sb = as_bytes(theirs.scale).int(), as_bytes(ours.scale).int()
     assert (sa == sb).double().mean() > 0.98
     assert bool(((sa - sb).abs() <= 1).all())

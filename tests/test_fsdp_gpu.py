@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtensor.distributed.launch import run_local
+from qtensor.testing.launch import run_local
 from test_fsdp_inference import KINDS, fsdp_worker
 from test_fsdp_training import RECIPES, training_worker
 

@@ -19,8 +19,8 @@ from torch import nn
 from qtensor import HybridTensor, MXFP8Spec, MXFP8Tensor, NVFP4Spec, NVFP4Tensor
 from qtensor.distributed import shard_problems
 from qtensor.tensors import layout
-from qtensor.distributed.launch import run_local
 from qtensor.tensors.layout import QuantizedStorageView
+from qtensor.testing.launch import run_local
 
 WORLD = 2
 
@@ -290,7 +290,7 @@ def test_fsdp_all_gather_moves_quantized_bytes(fsdp_results, kind):
     assert [dtype for dtype, _ in first] == ["torch.uint8", "torch.uint8"]
     moved = sum(n for _, n in first)
     assert moved == res["weight_shard_bytes"] + res["bias_shard_bytes"]
-    # Bytes per weight element, from the formats (FORMATS.md), for K = 64 input features:
+    # Bytes per weight element, from the formats (docs/formats.md), for K = 64 input features:
     # NVFP4 codes 1/2 + E4M3 scales 1/16 (+ a 4-byte amax per row); MXFP8 1 + 1/32.
     nvfp4, mxfp8 = 0.5 + 1 / 16, 1 + 1 / 32
     per_element = {"nvfp4": nvfp4, "nvfp4_2d": nvfp4, "nvfp4_rowscaled": nvfp4 + 4 / 64,

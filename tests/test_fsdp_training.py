@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 from qtensor import NVFP4Tensor
-from qtensor.distributed.launch import run_local
 from qtensor.distributed.master import columnwise_from_2d
 from qtensor.formats.nvfp4 import NVFP4Spec
+from qtensor.testing.launch import run_local
 
 RECIPES = {
     "nvfp4_2d": {},  # default: 2D weight tiles, RHT and stochastic rounding on gradients
@@ -152,7 +152,7 @@ def test_all_gather_moves_quantized_weights(runs, recipe):
     rows = (32, 64)  # each rank's rows of the [64, 64] and [128, 64] weights
     bias = sum(4 * r for r in rows)  # fp32 bias shards ride along
     bf16 = sum(2 * r * 64 for r in rows)
-    nvfp4 = sum(r * 64 * (0.5 + 1 / 16) for r in rows)  # codes + E4M3 scales (FORMATS.md)
+    nvfp4 = sum(r * 64 * (0.5 + 1 / 16) for r in rows)  # codes + E4M3 scales (docs/formats.md)
     expected = 2 * nvfp4 if recipe == "nvfp4_1d" else nvfp4  # 1x16: both sides move
     assert sum(gathered) == expected + bias
     if recipe != "nvfp4_1d":

@@ -14,7 +14,7 @@ import torch
 
 from qtensor import HybridTensor, MXFP8Spec, MXFP8Tensor, NVFP4Tensor
 from qtensor.ops import gemm_ops
-from qtensor.ops.gemm_ops import Side
+from qtensor.ops.gemm_operands import Side
 
 devices = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU")])]

@@ -1,4 +1,4 @@
-"""The local multi-process harness (qtensor.distributed.launch): results in rank order, and a
+"""The local multi-process harness (qtensor.testing.launch): results in rank order, and a
 rank's exception is the one raised, not the drain barrier's error on the rank that waited."""
 
 import datetime
@@ -6,7 +6,7 @@ import datetime
 import pytest
 import torch
 
-from qtensor.distributed import launch
+from qtensor.testing import launch
 
 
 def rank_sum(rank: int, world: int, base: int) -> int:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from qtensor import MXFP8Tensor, NVFP4Tensor
 from qtensor.gemm import dense as gemm
 from qtensor.ops import gemm_ops
-from qtensor.ops.gemm_ops import MXFP8, NVFP4, Side
+from qtensor.ops.gemm_operands import MXFP8, NVFP4, Side
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 FORMATS = {"nvfp4": NVFP4Tensor, "mxfp8": MXFP8Tensor}

@@ -75,7 +75,7 @@ def test_cpu_kernel_opcheck():
 
 def test_wrapper_rejects_before_any_kernel():
     # The Python wrappers validate first: a C++ TORCH_CHECK on a shape crashed the process on
-    # the GPU machine (torch 2.11, 2026-11-30), so no user error should depend on it.
+    # the GPU machine (torch 2.11), so no user error should depend on it.
     with pytest.raises(TypeError, match="bf16 or fp32"):
         kernels.mxfp4_qat_mxfp8(torch.zeros(32, 32, dtype=torch.float16), False)
     with pytest.raises(ValueError, match="divisible by 128"):
@@ -95,7 +95,7 @@ def test_cuda_kernels_match_reference():
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.xfail(strict=False, reason="H200, torch 2.11, 2026-11-30: native block-scaled "
+@pytest.mark.xfail(strict=False, reason="H200, torch 2.11: native block-scaled "
                    "products differ from the emulation (scale memory order still open; "
                    "docs/qat.md Status). native_gemm stays opt-in until this passes.")
 def test_cuda_scaled_mm_block_gemms_match_emulation():

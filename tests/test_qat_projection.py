@@ -1,9 +1,9 @@
-"""MXFP4 projection against an independent fp64 oracle, raw bits (issue 6, first test item).
+"""MXFP4 projection against an independent fp64 oracle, raw bits.
 
-The oracle below is written from FORMATS.md "MXFP4" in float64 arithmetic without the
-project's code: block exponent as the smallest e with amax <= 6 * 2**e (clamped to
-[-126, 125], -126 for amax below 2**-126), then round-to-nearest-even onto the E2M1 grid by
-distances, ties to the even code, saturating at 6. Non-finite blocks become NaN.
+The oracle below is written from docs/formats.md, "MXFP4 fake quantization", in float64
+arithmetic without the project's code: block exponent as the smallest e with amax <= 6 * 2**e
+(clamped to [-126, 125], -126 for amax below 2**-126), then round-to-nearest-even onto the E2M1
+grid by distances, ties to the even code, saturating at 6. Non-finite blocks become NaN.
 """
 
 from __future__ import annotations

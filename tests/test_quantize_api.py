@@ -22,12 +22,12 @@ from qtensor import (
     NVFP4Tensor,
     NVFP4WeightOnlyConfig,
 )
-from qtensor.models import DemoConfig, build_demo_model, demo_tokens
+from qtensor.cli.models import DemoConfig, build_demo_model, demo_tokens
 
 SMALL = DemoConfig(vocab_size=256, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=160)
 
 # config -> (config object, SQNR floor in dB of the logits vs the bf16 model). Floors are the
-# values measured on 2026-11-30 (CPU, this model and seed) minus about 2 dB:
+# values measured on the CPU (this model and seed) minus about 2 dB:
 # 18.2, 16.7, 14.8, 14.9, 15.7, 28.7, 25.4, 24.7.
 CONFIGS = {
     "nvfp4_weight_only": (NVFP4WeightOnlyConfig(), 16.0),

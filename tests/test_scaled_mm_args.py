@@ -2,8 +2,9 @@
 
 The native call itself needs sm_100+ and is untested on hardware (docs/gemm.md); what can be
 checked here is that its arguments carry exactly the reference's operands: the swizzled layout
-against FORMATS.md's offset formula (written out independently below) and against torchao's
-layout helper, and the operands decoded back from the arguments against the unit values.
+against the offset formula of docs/formats.md, "Scale layouts" (written out independently
+below), and against torchao's layout helper, and the operands decoded back from the arguments
+against the unit values.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ SHAPES = [(128, 4), (1, 1), (200, 7), (257, 12), (64, 33)]
 
 
 def _formula_swizzle(scale: torch.Tensor) -> torch.Tensor:
-    """FORMATS.md: 512-byte tiles row-major over (row/128, col/4), then the in-tile offset."""
+    """docs/formats.md, "Scale layouts": 512-byte tiles row-major over (row/128, col/4), then
+    the in-tile offset."""
     rows, cols = scale.shape
     prow, pcol = -(-rows // 128) * 128, -(-cols // 4) * 4
     out = torch.zeros(prow * pcol, dtype=torch.uint8)

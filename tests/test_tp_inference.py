@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 
 from qtensor import MXFP8Tensor, NVFP4Spec, NVFP4Tensor
-from qtensor.distributed.launch import run_local
 from qtensor.distributed.tp import plan_problems
+from qtensor.testing.launch import run_local
 
 KINDS = {
     "nvfp4_2d": lambda w: NVFP4Tensor.from_hp(w, block_2d=True),

@@ -15,7 +15,8 @@ RL_ROW = dict(rht=False, stochastic_rounding=False, weight_2d=False, row_scaled_
 RECIPES = {
     "rl_row": NVFP4TrainingRecipe(**RL_ROW),
     "rl_row_dgrad_mxfp8": NVFP4TrainingRecipe(dgrad_mxfp8=True, **RL_ROW),
-    "rl_row_grad_4over6": NVFP4TrainingRecipe(fourover6_grad=True, fourover6="all", **RL_ROW),
+    "rl_row_grad_4over6": NVFP4TrainingRecipe(fourover6_grad=True, fourover6_roles="all",
+                                              **RL_ROW),
     "nvfp4_2d_rht": NVFP4TrainingRecipe(stochastic_rounding=False),
     "dequantized": NVFP4TrainingRecipe(backward_override="dequantized", **RL_ROW),
     "high_precision": NVFP4TrainingRecipe(backward_override="high_precision"),

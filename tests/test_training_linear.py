@@ -105,7 +105,7 @@ def test_dgrad_mxfp8_gemms_and_negative_controls(row_scaled):
 
 @pytest.mark.parametrize("scope, bound", [("all", 256), ("none", 448)])
 def test_gradient_fourover6_gemms(scope, bound):
-    r = NVFP4TrainingRecipe(fourover6_grad=True, fourover6_e4m3_256=scope, **RL)
+    r = NVFP4TrainingRecipe(fourover6_grad=True, fourover6_e4m3_256_roles=scope, **RL)
     m, x, g = make(r)
     _, dx, dw = run(m, x, g)
     w = m.weight.detach()
@@ -120,7 +120,7 @@ def test_gradient_fourover6_gemms(scope, bound):
 
 
 def test_forward_fourover6_scopes():
-    r = NVFP4TrainingRecipe(fourover6="all", fourover6_err="mse", **RL)
+    r = NVFP4TrainingRecipe(fourover6_roles="all", fourover6_error="mse", **RL)
     m, x, g = make(r)
     y, _, _ = run(m, x, g)
     X = NVFP4Tensor.from_hp(x, fourover6="mse", e4m3_bound=256)
@@ -195,7 +195,7 @@ RECIPES = {
     "nvfp4": NVFP4TrainingRecipe(),
     "dgrad_mxfp8": NVFP4TrainingRecipe(dgrad_mxfp8=True),
     "rl_row_dgrad_mxfp8": NVFP4TrainingRecipe(dgrad_mxfp8=True, **RL_ROW),
-    "grad_4over6": NVFP4TrainingRecipe(fourover6_grad=True, fourover6="weights", **RL),
+    "grad_4over6": NVFP4TrainingRecipe(fourover6_grad=True, fourover6_roles="weights", **RL),
     "dequantized": NVFP4TrainingRecipe(backward_override="dequantized", **RL_ROW),
 }
 

@@ -47,7 +47,7 @@ def resolve_device(name: str) -> torch.device:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Sizes of the built-in Llama-style model and of the input batch (demo and analyze)."""
-    from qtensor.models import DemoConfig
+    from qtensor.cli.models import DemoConfig
 
     d = DemoConfig()
     g = p.add_argument_group("built-in model")
@@ -70,7 +70,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def demo_config(args):
-    from qtensor.models import DemoConfig
+    from qtensor.cli.models import DemoConfig
 
     try:
         return DemoConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers,
@@ -82,7 +82,7 @@ def demo_config(args):
 
 def configs_from_args(args):
     """The NamedConfigs of --configs; `list` prints the names and descriptions instead."""
-    from qtensor.analyze import builtin_configs, select_configs
+    from qtensor.cli.analyze import builtin_configs, select_configs
 
     if args.configs == "list":
         for c in builtin_configs():

@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
 
 def _model_and_run(args, device):
     """(model, run function, name, input shape) for the built-in model or --model DIR."""
-    from qtensor.models import build_demo_model, demo_tokens
+    from qtensor.cli.models import build_demo_model, demo_tokens
 
     if args.model is None:
         cfg = demo_config(args)
@@ -41,7 +41,7 @@ def _model_and_run(args, device):
         tokens = demo_tokens(cfg, args.batch, args.seq, seed=args.seed, device=device)
         name = f"built-in Llama-style ({cfg.layers} layers, hidden {cfg.hidden})"
         return model, (lambda m: m(tokens)), name, tuple(tokens.shape)
-    from qtensor.analyze import load_hf_causal_lm
+    from qtensor.cli.analyze import load_hf_causal_lm
 
     try:
         model = load_hf_causal_lm(args.model, seed=args.seed).to(device)
@@ -64,7 +64,7 @@ def _progress_bar(args, total: int):
 
 
 def run(args) -> int:
-    from qtensor.analyze import analyze, progress_steps
+    from qtensor.cli.analyze import analyze, progress_steps
     from qtensor.cli.report import model_table, write_report
 
     device = resolve_device(args.device)

@@ -1,9 +1,9 @@
 """`qtensor demo`: the built-in transformer under every config, in one table.
 
-Builds the seeded Llama-style model of qtensor.models in bf16, quantizes a deep copy with each
-config of qtensor.quantize, runs one batch through each, and prints per config: the stored bytes
-of the quantized Linear weights (codes + scales + amax) against the same weights in bf16, the
-SQNR of the logits against the bf16 model, and the time to quantize and to run. On a CPU the
+Builds the seeded Llama-style model of qtensor.cli.models in bf16, quantizes a deep copy with
+each config of qtensor.quantize, runs one batch through each, and prints per config: the stored
+bytes of the quantized Linear weights (codes + scales + amax) against the same weights in bf16,
+the SQNR of the logits against the bf16 model, and the time to quantize and to run. On a CPU the
 products run on the exact emulated GEMM, so the times say what the reference costs, not what a
 GPU kernel does.
 """
@@ -55,7 +55,7 @@ def _forward(model, tokens):
 
 
 def demo_rows(model, tokens, configs, skip_incompatible=False) -> list[DemoRow]:
-    from qtensor.analyze import linear_layers, quantized_copy, quantized_weight_bytes, sqnr_db
+    from qtensor.cli.analyze import linear_layers, quantized_copy, quantized_weight_bytes, sqnr_db
 
     ref, ref_s = _forward(model, tokens)
     hp_bytes = sum(m.weight.numel() * 2 for _, m in linear_layers(model))
@@ -76,7 +76,7 @@ def demo_rows(model, tokens, configs, skip_incompatible=False) -> list[DemoRow]:
 def _layer_count(model) -> str:
     """'quantized/all' nn.Linear layers: with --skip-incompatible some stay in bf16, and the
     weight bytes cover only the quantized ones."""
-    from qtensor.analyze import linear_layers
+    from qtensor.cli.analyze import linear_layers
     from qtensor.tensors import QuantizedTensor
 
     layers = [m for _, m in linear_layers(model)]
@@ -86,7 +86,7 @@ def _layer_count(model) -> str:
 
 def _backends(model) -> str:
     """'quant/gemm' backend names of the quantized weights (several joined by ',')."""
-    from qtensor.analyze import linear_layers
+    from qtensor.cli.analyze import linear_layers
 
     found = sorted({f"{m.weight.quant_backend}/{m.weight.gemm_backend}"
                     for _, m in linear_layers(model) if hasattr(m.weight, "gemm_backend")})
@@ -113,7 +113,7 @@ def run(args) -> int:
     configs = configs_from_args(args)
     if configs is None:
         return 0
-    from qtensor.models import build_demo_model, demo_tokens
+    from qtensor.cli.models import build_demo_model, demo_tokens
 
     start = time.perf_counter()
     model = build_demo_model(cfg, seed=args.seed, device=device)

@@ -1,4 +1,4 @@
-"""Writing a numerics report (qtensor.analyze.Report): markdown, JSON and PNG plots."""
+"""Writing a numerics report (qtensor.cli.analyze.Report): markdown, JSON and PNG plots."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from qtensor.analyze import ZERO_SCALE, ConfigReport, Report
+from qtensor.cli.analyze import ZERO_SCALE, ConfigReport, Report
 
 
 def _db(v: float) -> str:

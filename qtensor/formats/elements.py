@@ -10,12 +10,10 @@ import torch
 
 FLT_MAX = torch.finfo(torch.float32).max
 E4M3_MAX = 448.0
-E2M1_MAX = 6.0
 
 # Values of the 16 E2M1 codes; bit 3 is the sign, so code 8 is -0.
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_SIGNED = _E2M1_VALUES + tuple(-v for v in _E2M1_VALUES)
-E2M1_TABLE = torch.tensor(_E2M1_SIGNED, dtype=torch.float32)
 
 # Round-to-nearest-even decision points for |v|: '>' where the tie goes down to the even code,
 # '>=' where it goes up (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4).
@@ -28,9 +26,10 @@ def f32_from_bits(bits: int) -> torch.Tensor:
     return torch.tensor(bits, dtype=torch.int32).view(torch.float32)
 
 
-# r(1/6) in fp32, bits 0x3E2AAAAB (FORMATS.md step 4). A Python float holding that exact fp32
-# value (a module-level tensor would be a real tensor inside torch.compile's fake-tensor tracing,
-# which refuses it; `fp32 tensor * float` rounds the float to fp32 first, exactly).
+# r(1/6) in fp32, bits 0x3E2AAAAB (docs/formats.md, NVFP4 step 4). A Python float holding that
+# exact fp32 value (a module-level tensor would be a real tensor inside torch.compile's
+# fake-tensor tracing, which refuses it; `fp32 tensor * float` rounds the float to fp32 first,
+# exactly).
 RECIP_6 = f32_from_bits(0x3E2AAAAB).item()
 
 
@@ -53,8 +52,8 @@ def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """fp32 values of E2M1 codes (uint8 in 0..15)."""
-    # Built per call (on codes' device) rather than read from E2M1_TABLE: under torch.compile a
-    # module-level tensor is a real tensor among fake ones; this one becomes a graph constant.
+    # Built per call (on codes' device) rather than kept as a module-level tensor: under
+    # torch.compile such a tensor is a real one among fake ones; this one becomes a graph constant.
     table = torch.tensor(_E2M1_SIGNED, dtype=torch.float32, device=codes.device)
     return table[codes.long()]
 

@@ -9,8 +9,8 @@ The pure-torch reference and single source of truth for these bytes. Two block s
   tensor, so one encoding serves fprop and dgrad.
 
 Scale rule [Note: FP8 block scale]: the decode scale is amax/448 rounded up to a power of two,
-computed exactly as the MXFP8 RCEIL scale code (FORMATS.md, MXFP8) and stored as its fp32 value
-2**(code - 127). Power-of-two scales are the Transformer Engine default for this recipe
+computed exactly as the MXFP8 RCEIL scale code (docs/formats.md, "MXFP8") and stored as its fp32
+value 2**(code - 127). Power-of-two scales are the Transformer Engine default for this recipe
 (power_2_scale) and what makes an MXFP4 weight land on E4M3 exactly (docs/qat.md). An all-zero
 block gets 2**-127 (code 0); a non-finite block gets a NaN scale. Data `e4m3(x * 2**(127-code))`.
 """

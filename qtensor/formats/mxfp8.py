@@ -113,7 +113,7 @@ def e8m0(codes: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, spec: MXFP8Spec) -> MXFP8Data:
-    """Quantize x (any float dtype) to MXFP8 bytes per FORMATS.md."""
+    """Quantize x (any float dtype) to MXFP8 bytes per docs/formats.md."""
     check_shape(x.shape, spec)
     xf = x.to(torch.float32)
     if not spec.columnwise:

@@ -254,7 +254,8 @@ def _global_amax(xf: torch.Tensor, spec: NVFP4Spec) -> tuple[torch.Tensor, torch
 
 
 def _candidate_error(xf, s_b, s_dec, amax_b, spec: NVFP4Spec) -> torch.Tensor:
-    """Input-domain error of one candidate scale, summed in the order FORMATS.md fixes."""
+    """Input-domain error of one candidate scale, summed in the order docs/formats.md fixes
+    ("Variants", 4over6)."""
     xb = _blocks(xf)
     q = e2m1_encode(xb * block_encode_scale(s_b, s_dec)[..., None])
     sf = s_b.float()[..., None]
@@ -279,7 +280,7 @@ def quantize(
     generator: torch.Generator | SRSeed | torch.Tensor | None = None,
     amax: torch.Tensor | None = None,
 ) -> NVFP4Data:
-    """Quantize x (any float dtype, [..., K]) to NVFP4 bytes per FORMATS.md.
+    """Quantize x (any float dtype, [..., K]) to NVFP4 bytes per docs/formats.md.
 
     `amax` replaces x's own global amax (step 1), e.g. the whole weight's amax when x is one
     FSDP shard of it: the shard's bytes are then the whole tensor's bytes for those rows.

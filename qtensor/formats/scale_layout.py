@@ -1,7 +1,7 @@
 """Scale layouts: compact [rows, cols] block scales <-> the swizzled layout of block-scaled GEMMs.
 
-The pure-torch reference of FORMATS.md "Scale layouts": rows padded to 128 and columns to 4 with
-zeros, then 512-byte tiles in row-major order over (row / 128, col / 4), the byte of (row, col)
+The pure-torch reference of docs/formats.md, "Scale layouts": rows padded to 128 and columns to 4
+with zeros, then 512-byte tiles in row-major order over (row / 128, col / 4), the byte of (row, col)
 at offset `(row % 32) * 16 + ((row % 128) / 32) * 4 + col % 4` inside its tile. The swizzled
 tensor keeps the padded 2-D shape [ceil128(rows), ceil4(cols)] with its bytes in that order, so a
 GEMM can hand `.view(-1)` to a kernel. Works for any 1-byte scale dtype (E4M3, UE8M0).

@@ -3,7 +3,7 @@
 UNTESTED ON HARDWARE: the project's GPU machine is an H200 (sm_90), which has no block-scaled
 FP4/MX tensor cores, and this backend is never selected there (qtensor.backends). What is tested
 (on CPU) is the argument construction below: operand views, column-major right operand,
-swizzled scales (FORMATS.md "Scale layouts", qtensor/formats/scale_layout.py) checked against
+swizzled scales (docs/formats.md, "Scale layouts"; qtensor/formats/scale_layout.py) checked against
 torchao's layout helper.
 
 The call returns the fp32 block-scaled product `sum_k units_a * units_b` (what the emulated

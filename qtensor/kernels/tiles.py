@@ -66,7 +66,7 @@ def load_nvfp4(q_ptr, s_ptr, rows, rmask, kb0, k_end, s_r, s_k, ss_r, ss_k,
 
 @triton.jit
 def ue8m0_value(code):
-    """fp32 2**(code - 127) of int32 UE8M0 codes: 0 is 2**-127, 255 is NaN (FORMATS.md)."""
+    """fp32 2**(code - 127) of int32 UE8M0 codes: 0 is 2**-127, 255 is NaN (docs/formats.md)."""
     v = (code << 23).to(tl.float32, bitcast=True)
     tiny = tl.full(code.shape, 0x00400000, tl.int32).to(tl.float32, bitcast=True)
     v = tl.where(code == 0, tiny, v)

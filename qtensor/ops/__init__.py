@@ -1,5 +1,10 @@
-"""The torch.library ops over plain tensors that everything quantized runs on: quantization
-(`quant`), the GEMMs (`gemm_ops`), each with its CPU kernel, CUDA kernel, fake and autograd.
-They sit below the tensor classes; products of quantized tensors are the GEMM layer's
-(qtensor/gemm).
+"""The torch.library ops over plain tensors that everything quantized runs on; they sit below
+the tensor classes (products of quantized tensors are the GEMM layer's, qtensor/gemm).
+
+- `quant`: the quantization ops (the csrc/ kernels as torch.ops.qtensor.*, with their fakes)
+  and the one dispatch point the tensor classes call; it runs the pure-torch reference of
+  qtensor/formats where no kernel is built.
+- `gemm_ops`: the GEMM torch.library ops (qtensor::nvfp4_mm and family): their CPU and CUDA
+  kernels (the reference, the Triton kernels of qtensor/kernels), fakes and autograd.
+- `gemm_operands`: the operands as those ops take them, their argument checks and the epilogue.
 """

@@ -107,19 +107,6 @@ def quantize_mxfp8(x, spec: MXFP8Spec) -> tuple[MXFP8Data, QuantBackend]:
     return (MXFP8Data(cq, cs) if spec.columnwise else MXFP8Data(rq, rs)), backend
 
 
-def quantize_mxfp8_both(x, scale_rule: str = "rceil"):
-    """(rowwise MXFP8Data, columnwise MXFP8Data, backend) of a 2-D x from one read of it."""
-    backend = quant_backend(x.device)
-    if not _mx_kernel_ok(x, backend, True):
-        return (
-            mxfp8.quantize(x, MXFP8Spec(scale_rule)),
-            mxfp8.quantize(x, MXFP8Spec(scale_rule, columnwise=True)),
-            QuantBackend.REFERENCE,
-        )
-    rq, rs, cq, cs = mxfp8_both(x, scale_rule, True, True)
-    return MXFP8Data(rq, rs), MXFP8Data(cq, cs), backend
-
-
 def quantize_hybrid_grad(x, scale_rule: str, spec: NVFP4Spec, generator=None):
     """(MXFP8 rowwise, NVFP4 columnwise, backend) of a 2-D gradient from one read of it: the
     dgrad-in-MXFP8 recipe's grad_output cast. `spec` is the columnwise NVFP4 spec (RHT, SR, 4over6

@@ -11,8 +11,8 @@ at them. Three paths:
   buffers. With `skip_update` (a 0-d bool tensor) the copy is gated on the device,
   `buf = where(skip_update, buf, new)`, and always taken: inside a graph the Python branch is
   frozen at capture, so only a device-side gate can keep a replay from overwriting the first
-  micro-batch's weight. The gate covers both conversion modes alike (the seed's direct path
-  dropped it).
+  micro-batch's weight. The gate covers both conversion modes alike: a direct conversion
+  without it would overwrite that weight on every replay.
 """
 
 from __future__ import annotations

@@ -50,8 +50,8 @@ class MXFP4QATConfig(AOBaseConfig):
     # Add the weight gradient into `weight.main_grad` (fp32, Megatron-style) instead of .grad.
     fuse_wgrad_accumulation: bool = False
     # Run the FP8 block host's GEMMs natively (torch._scaled_mm, sm_90+) instead of the exact
-    # emulation. Off by default: on 2026-11-30 the native products did not yet match the
-    # emulation on the H200 (docs/qat.md, "Status").
+    # emulation. Off by default: on the H200 (torch 2.11) the native products do not yet match
+    # the emulation (docs/qat.md, "Status").
     native_gemm: bool = False
     # Leave layers whose shapes the host cannot take in high precision instead of raising.
     skip_incompatible: bool = False

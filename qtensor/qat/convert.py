@@ -2,8 +2,8 @@
 
 [Note: two conversion modes]
 The weight a QAT step trains with is the MXFP4 projection w^ = value(q) * 2**e of the master
-weight (qtensor/formats/mxfp4.py, FORMATS.md "MXFP4"). The host recipe then needs that weight in
-its own bytes, and there are two ways to get them:
+weight (qtensor/formats/mxfp4.py; docs/formats.md, "MXFP4 fake quantization"). The host recipe
+then needs that weight in its own bytes, and there are two ways to get them:
 - projection: w^ materialized in the weight's dtype, then the host's ordinary quantizer
   (MXFP8 1x32 RCEIL, or FP8 128x128 power-of-two tiles). Every w^ is a grid point, so both
   encodings are decoded-value exact (MXFP8 always; 128x128 while the tile's block-exponent

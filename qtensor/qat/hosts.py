@@ -32,6 +32,7 @@ from qtensor.formats import fp8_block, mxfp8
 from qtensor.formats.fp8_block import FP8BlockSpec
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.ops import gemm_ops, quant
+from qtensor.ops.gemm_operands import MXFP8, Side, apply_epilogue
 
 
 class Host(str, enum.Enum):
@@ -112,11 +113,11 @@ def mm(a: Operand, b: Operand, out_dtype: torch.dtype, backend: GemmBackend,
         )
     if backend is GemmBackend.SCALED_MM:
         acc = _scaled_mm_block(a, b, torch.float32 if bias is not None else out_dtype)
-        return gemm_ops.apply_epilogue(acc, None, None, bias, out_dtype)
+        return apply_epilogue(acc, None, None, bias, out_dtype)
     rows = b.t()
     if mx:
-        args = gemm_ops.dense_args(gemm_ops.MXFP8, gemm_ops.Side(a.qdata, a.scale),
-                                   gemm_ops.Side(rows.qdata, rows.scale), bias, out_dtype)
+        args = gemm_ops.dense_args(MXFP8, Side(a.qdata, a.scale), Side(rows.qdata, rows.scale),
+                                   bias, out_dtype)
         return gemm_ops.call("mxfp8_mm", *args)
     return gemm_ops.call("fp8_block_mm", a.qdata, a.scale, rows.qdata, rows.scale,
                          rows.layout == "fb_tile", bias, out_dtype)
@@ -133,7 +134,7 @@ def _scaled_mm_block(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Te
     b column-major. A 128x128 b = W.t() takes W's tile scales (N/128, K/128) in column-major
     strides (1, N/128), the layout reported to run on the H200 at full speed; a 1x128 b takes its
     (K/128, N) scales row-major, the same memory as (N, K/128) column-major. On the H200 with
-    torch 2.11 (2026-11-30, two layouts tried) the products still differ from the emulation
+    torch 2.11 (two scale layouts tried) the products still differ from the emulation
     (tests/test_qat_kernels.py, xfail), so this path stays opt-in (native_gemm=True).
     """
     scale_b = _col_major(b.scale.t()) if b.layout == "fb_tile" else b.scale.contiguous()

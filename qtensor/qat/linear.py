@@ -22,7 +22,7 @@ import contextlib
 import torch
 from torch import nn
 
-from qtensor.ops.gemm_ops import fresh_reshape
+from qtensor.ops.gemm_operands import fresh_reshape
 from qtensor.qat import hosts
 from qtensor.qat.cache import WeightCache, WeightOperands
 from qtensor.qat.hosts import Host

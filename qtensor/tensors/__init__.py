@@ -1,10 +1,10 @@
 """The quantized tensor classes and their op tables."""
 
 from qtensor.tensors import gather as _gather  # noqa: F401  (FSDP2's all-gather hooks)
-from qtensor.tensors.base import QuantizedTensor, is_quantized
+from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.hybrid import HybridSpec, HybridTensor, quantize_spec
 from qtensor.tensors.mxfp8 import MXFP8Tensor
 from qtensor.tensors.nvfp4 import NVFP4Tensor
 
-__all__ = ["HybridSpec", "HybridTensor", "MXFP8Tensor", "NVFP4Tensor", "QuantizedTensor", "is_quantized",
+__all__ = ["HybridSpec", "HybridTensor", "MXFP8Tensor", "NVFP4Tensor", "QuantizedTensor",
            "quantize_spec"]

@@ -279,7 +279,3 @@ def _fmt(v):
         )
         return f"{type(v).__name__}({inner})"
     return repr(v)
-
-
-def is_quantized(x) -> bool:
-    return isinstance(x, QuantizedTensor)

@@ -2,9 +2,10 @@
 
 Layout [Note: NVFP4 storage]: the logical tensor is [*lead, R, C]. Rowwise (blocks along the
 last dim) stores qdata [*lead, R, C/2] and scale [*lead, R, C/16]. Columnwise (blocks along dim
--2) stores the transpose: qdata [*lead, C, R/2], scale [*lead, C, R/16]; "rows of the storage
-are columns of the tensor" (docs/formats.md). A row-scaled amax has the storage's shape
-without its last dim. Transposing the last two dims flips `axis` and touches no byte.
+-2) stores the transpose: qdata [*lead, C, R/2], scale [*lead, C, R/16], so the rows of the
+storage are the columns of the tensor (docs/formats.md, "Variants": columnwise). A row-scaled
+amax has the storage's shape without its last dim. Transposing the last two dims flips `axis`
+and touches no byte.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ class NVFP4Tensor(QuantizedTensor):
         return v.transpose(-1, -2) if self.axis == COLUMNWISE else v
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The decoded tensor (FORMATS.md step 7) in the logical layout."""
+        """The decoded tensor (docs/formats.md, NVFP4 step 7) in the logical layout."""
         q, s = self._storage_2d()
         amax = self.amax.reshape(-1) if self.row_scaled else self.amax
         out = quant.dequantize_nvfp4(q, s, amax, self.e4m3_bound, dtype or self.dtype)

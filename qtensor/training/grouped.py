@@ -6,12 +6,12 @@ the same role pieces as TrainingLinear, so expert e is bitwise a TrainingLinear 
 (tests/test_training_grouped.py checks it). Experts with zero tokens take no GEMM and get an
 exactly zero weight and bias gradient.
 
-Row-scaled activations (seed 003) are what make the input side grouped: a per-token amax
-depends on nothing outside the token's row, so the input's rowwise (fprop) operand is quantized
-once for all T tokens and sliced per expert without touching a byte. Its columnwise (wgrad)
-operand has one amax per column of x_e, so it is quantized per expert. Without row scaling
-each expert's input has its own per-tensor amax and is quantized per expert, as Transformer
-Engine's GroupedLinear does.
+Row-scaled activations (`row_scaled_activation`) are what make the input side grouped: a
+per-token amax depends on nothing outside the token's row, so the input's rowwise (fprop)
+operand is quantized once for all T tokens and sliced per expert without touching a byte. Its
+columnwise (wgrad) operand has one amax per column of x_e, so it is quantized per expert.
+Without row scaling each expert's input has its own per-tensor amax and is quantized per
+expert, as Transformer Engine's GroupedLinear does.
 
 Every NVFP4 columnwise operand blocks along tokens, so each expert's token count must be a
 multiple of 16 (32 with MXFP8 columnwise usages) for a quantized backward: pad per expert.

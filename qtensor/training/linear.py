@@ -19,7 +19,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from qtensor.ops.gemm_ops import fresh_reshape
+from qtensor.ops.gemm_operands import fresh_reshape
 from qtensor.tensors import QuantizedTensor
 from qtensor.training.recipe import NVFP4TrainingRecipe
 from qtensor.training.roles import (

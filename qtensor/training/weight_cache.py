@@ -14,9 +14,9 @@ to rebuild in one of three ways:
   writes into the same buffers, each byte chosen on the device by `torch.where(skip_update,
   old, new)`. A CUDA graph captured with this path reuses the first micro-batch's weight on
   every replay where the flag tensor holds True, and the Python side never reads the flag
-  (no sync). Seed 001's review found the bug this avoids: a cache-hit branch that rewrote the
-  weight unconditionally, so a replay that had to reuse the first micro-batch's weight got a
-  fresh one.
+  (no sync). Gating on the device is what keeps a replay correct: a cache-hit branch that
+  rewrote the weight unconditionally would hand a replay that has to reuse the first
+  micro-batch's weight a fresh one.
 
 An eager rebuild makes new tensors (never in place), so a backward still holding the previous
 operand (saved by an earlier micro-batch) keeps the bytes its forward used.
