@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from qtensor.cli import (UsageError, add_model_args, check_batch, configs_from_args,
+from qtensor.cli.common import (UsageError, add_model_args, check_batch, configs_from_args,
                          demo_config, resolve_device)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from qtensor.backends.env import child_environment
-from qtensor.cli import UsageError
+from qtensor.cli.common import UsageError
 
 
 def add_parser(sub) -> None:
