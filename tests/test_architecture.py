@@ -166,12 +166,44 @@ def test_spec_is_the_spec_quantized_with(spec):
         assert torch.equal(getattr(again, name), getattr(t, name))
 
 
-def test_spec_follows_a_transpose():
+def test_spec_is_kept_by_a_transpose_and_drops_stochastic_rounding():
+    """`spec` is how the bytes were made, `axis` the way the blocks run in this view."""
     t = MXFP8Tensor.from_spec(_x(64, 96), MXFP8Spec())
-    assert t.t().spec == MXFP8Spec(columnwise=True)
-    rht = NVFP4Tensor.from_spec(_x(64, 96), NVFP4Spec(rht=True, columnwise=True))
-    with pytest.raises(ValueError, match="transpose view of a columnwise RHT operand"):
-        rht.t().spec
+    assert t.t().spec == MXFP8Spec() and t.t().axis == "columnwise"
+    spec = NVFP4Spec(rht=True, columnwise=True)
+    rht = NVFP4Tensor.from_spec(_x(64, 96), spec)
+    assert rht.t().spec == spec and rht.t().axis == "rowwise" and rht.t().rht
+    sr = NVFP4Tensor.from_spec(_x(64, 96), NVFP4Spec(stochastic_rounding=True))
+    assert sr.spec == NVFP4Spec()
+
+
+def test_spec_fields_are_tensor_attributes():
+    t = NVFP4Tensor.from_spec(_x(64, 96), NVFP4Spec(block_2d=True, e4m3_bound=256))
+    assert (t.block_2d, t.row_scaled, t.e4m3_bound, t.rht, t.fourover6) == (True, False, 256,
+                                                                          False, None)
+    with pytest.raises(TypeError, match="has no fields"):
+        t.replace(block_2d=False)
+
+
+def test_a_tensor_pickled_before_the_spec_moved_loads():
+    """torch.load of a tensor whose pickled state holds the spec unpacked (and scale_layout)."""
+    for t in (NVFP4Tensor.from_spec(_x(64, 96), NVFP4Spec(row_scaled=True)),
+              NVFP4Tensor.from_spec(_x(64, 96), NVFP4Spec(rht=True, columnwise=True)).t(),
+              MXFP8Tensor.from_spec(_x(64, 96), MXFP8Spec(scale_rule="floor", columnwise=True))):
+        rebuild, (func, cls, args, state) = t.__reduce_ex__(2)
+        legacy = {k: v for k, v in state.items() if k != "spec"}
+        spec = state["spec"]
+        if isinstance(spec, NVFP4Spec):
+            legacy.update(block_2d=spec.block_2d, row_scaled=spec.row_scaled,
+                          fourover6=spec.fourover6, e4m3_bound=spec.e4m3_bound, rht=spec.rht)
+        else:
+            legacy.update(scale_rule=spec.scale_rule)
+        legacy["scale_layout"] = "compact"
+        old = rebuild(func, cls, args, legacy)
+        assert old.spec == t.spec and old.axis == t.axis and "scale_layout" not in vars(old)
+        for name in t.tensor_data_names:
+            a, b = getattr(old, name), getattr(t, name)
+            assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def test_hybrid_spec():

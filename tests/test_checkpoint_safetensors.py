@@ -41,7 +41,8 @@ def test_file_is_plain_safetensors(tmp_path):
         head = json.loads(f.metadata()["qtensor"])
     assert head["version"] == 2
     attrs = head["tensors"]["0.weight"]["attributes"]
-    assert attrs["row_scaled"] is True and attrs["act_spec"]["spec"] == "NVFP4Spec"
+    assert attrs["spec"]["spec"] == "NVFP4Spec" and attrs["spec"]["fields"]["row_scaled"] is True
+    assert attrs["act_spec"]["spec"] == "NVFP4Spec"
 
 
 def test_fresh_process_reproduces_outputs(tmp_path):
@@ -91,22 +92,37 @@ def _entry(meta):
     return meta["tensors"]["0.weight"]
 
 
+def _version_1_entry(meta, **changes):
+    """Rewrite 0.weight's attributes as a version 1 file held them, with `changes`."""
+    attrs = _entry(meta)["attributes"]
+    fields = attrs.pop("spec")["fields"]
+    attrs.update({k: fields[k] for k in ("block_2d", "row_scaled", "fourover6", "e4m3_bound",
+                                         "rht")}, scale_layout="compact")
+    attrs.update(changes)
+
+
 BAD = {
     "unknown class": (lambda h, m: _entry(m).update({"class": "os.system"}), "'class' must be"),
     "wrong version": (lambda h, m: m.update({"version": 3}), "version 3 is not readable"),
     "version as text": (lambda h, m: m.update({"version": "2"}), "version '2' is not readable"),
-    "legacy attribute, other value": (
-        lambda h, m: _entry(m)["attributes"].update({"scale_layout": "swizzled"}),
-        "'scale_layout' must be 'compact'"),
+    "version 1 entry, bad scale_layout": (lambda h, m: _version_1_entry(
+        m, scale_layout="swizzled"), "'scale_layout' must be one of \\('compact',\\)"),
+    "version 1 entry, invalid spec": (lambda h, m: _version_1_entry(
+        m, row_scaled=True, block_2d=True), "do not form a valid NVFP4Spec: row_scaled excludes"),
     "wrong format tag": (lambda h, m: m.update({"format": "x"}), "metadata format is 'x'"),
     "extra header key": (lambda h, m: m.update({"code": "print(1)"}), "exactly the keys"),
     "extra entry key": (lambda h, m: _entry(m).update({"loader": "x"}), "exactly the fields"),
     "shape mismatch": (lambda h, m: _entry(m).update({"shape": [64, 32]}),
                        r"'0.weight::qdata': the file holds U8 \[64, 32\]"),
-    "bad attribute": (lambda h, m: _entry(m)["attributes"].update({"e4m3_bound": 300}),
-                      "'e4m3_bound' must be one of"),
-    "bool as int": (lambda h, m: _entry(m)["attributes"].update({"block_2d": 0}),
-                    "'block_2d' must be one of"),
+    "bad attribute": (lambda h, m: _entry(m)["attributes"]["spec"]["fields"].update(
+        {"e4m3_bound": 300}), "'spec' is not a valid NVFP4Spec: e4m3_bound must be 448 or 256"),
+    "bool as int": (lambda h, m: _entry(m)["attributes"]["spec"]["fields"].update(
+        {"block_2d": 0}), "'spec' is not a valid NVFP4Spec: NVFP4Spec.block_2d must be a bool"),
+    "spec of another format": (lambda h, m: _entry(m)["attributes"].update(
+        {"spec": {"spec": "MXFP8Spec", "fields": {"scale_rule": "rceil", "columnwise": False}}}),
+        "'spec' must be a NVFP4Spec"),
+    "spec missing": (lambda h, m: _entry(m)["attributes"].update({"spec": None}),
+                     "'spec' must be a NVFP4Spec"),
     "unknown attribute": (lambda h, m: _entry(m)["attributes"].update({"evil": 1}),
                           "'attributes' needs exactly"),
     "bad spec": (lambda h, m: _entry(m)["attributes"].update(
@@ -129,8 +145,8 @@ BAD = {
 
 
 def test_version_1_file_loads(tmp_path):
-    """A file written before tensors dropped `scale_layout` (version 1: every quantized entry
-    carries "scale_layout": "compact") loads to the same tensors."""
+    """A file written before the spec moved onto the tensor (version 1: each field of the spec
+    an attribute of its own, plus "scale_layout": "compact") loads to the same tensors."""
     src = make_model("nvfp4_dyn_rowscaled", 0)
     path = tmp_path / "model.safetensors"
     qtensor.save_file(src.state_dict(), path)
@@ -138,7 +154,10 @@ def test_version_1_file_loads(tmp_path):
     def to_version_1(head, meta):
         meta["version"] = 1
         for entry in meta["tensors"].values():
-            entry["attributes"]["scale_layout"] = "compact"
+            attrs = entry["attributes"]
+            fields = attrs.pop("spec")["fields"]
+            keep = ("block_2d", "row_scaled", "fourover6", "e4m3_bound", "rht", "scale_rule")
+            attrs.update({k: v for k, v in fields.items() if k in keep}, scale_layout="compact")
 
     _rewrite(path, to_version_1)
     loaded = qtensor.load_file(path)

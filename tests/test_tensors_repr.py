@@ -16,28 +16,28 @@ def _x(*shape):
 
 class TestRepr(expecttest.TestCase):
     def test_nvfp4_default(self):
-        self.assertExpectedInline(repr(NVFP4Tensor.from_hp(_x(32, 64))), """NVFP4Tensor(shape=(32, 64), dtype=torch.bfloat16, axis=rowwise, block_2d=False, row_scaled=False, fourover6=None, e4m3_bound=448, rht=False, act_spec=None, quant_backend=cpu, gemm_backend=emulated, device=cpu)""")
+        self.assertExpectedInline(repr(NVFP4Tensor.from_hp(_x(32, 64))), """NVFP4Tensor(shape=(32, 64), dtype=torch.bfloat16, axis=rowwise, spec=NVFP4Spec(), act_spec=None, quant_backend=cpu, gemm_backend=emulated, device=cpu)""")
 
     def test_nvfp4_options_and_act_spec(self):
         t = NVFP4Tensor.from_hp(_x(32, 64), block_2d=True, fourover6="mse", e4m3_bound=256)
         t = t.replace(act_spec=NVFP4Spec(row_scaled=True, fourover6="mae"))
-        self.assertExpectedInline(repr(t), """NVFP4Tensor(shape=(32, 64), dtype=torch.bfloat16, axis=rowwise, block_2d=True, row_scaled=False, fourover6=mse, e4m3_bound=256, rht=False, act_spec=NVFP4Spec(row_scaled=True, fourover6=mae), quant_backend=cpu, gemm_backend=emulated, device=cpu)""")
+        self.assertExpectedInline(repr(t), """NVFP4Tensor(shape=(32, 64), dtype=torch.bfloat16, axis=rowwise, spec=NVFP4Spec(block_2d=True, fourover6=mse, e4m3_bound=256), act_spec=NVFP4Spec(row_scaled=True, fourover6=mae), quant_backend=cpu, gemm_backend=emulated, device=cpu)""")
 
     def test_nvfp4_transposed_columnwise(self):
         t = NVFP4Tensor.from_hp(_x(32, 64), columnwise=True, rht=True).t()
-        self.assertExpectedInline(repr(t), """NVFP4Tensor(shape=(64, 32), dtype=torch.bfloat16, axis=rowwise, block_2d=False, row_scaled=False, fourover6=None, e4m3_bound=448, rht=True, act_spec=None, quant_backend=cpu, gemm_backend=emulated, device=cpu)""")
+        self.assertExpectedInline(repr(t), """NVFP4Tensor(shape=(64, 32), dtype=torch.bfloat16, axis=rowwise, spec=NVFP4Spec(rht=True, columnwise=True), act_spec=None, quant_backend=cpu, gemm_backend=emulated, device=cpu)""")
 
     def test_mxfp8(self):
         t = MXFP8Tensor.from_hp(_x(2, 32, 64), scale_rule="floor").to(torch.float32)
-        self.assertExpectedInline(repr(t), """MXFP8Tensor(shape=(2, 32, 64), dtype=torch.float32, axis=rowwise, scale_rule=floor, act_spec=None, quant_backend=cpu, gemm_backend=emulated, device=cpu)""")
+        self.assertExpectedInline(repr(t), """MXFP8Tensor(shape=(2, 32, 64), dtype=torch.float32, axis=rowwise, spec=MXFP8Spec(scale_rule=floor), act_spec=None, quant_backend=cpu, gemm_backend=emulated, device=cpu)""")
 
     def test_hybrid(self):
         t = HybridTensor.from_hp(_x(32, 64), rowwise=NVFP4Spec(), columnwise=MXFP8Spec(),
                                  columnwise_source="rowwise_dequantized")
         self.assertExpectedInline(repr(t), """\
 HybridTensor(shape=(32, 64), dtype=torch.bfloat16, columnwise_source=rowwise_dequantized,
-  rowwise=NVFP4Tensor(shape=(32, 64), dtype=torch.bfloat16, axis=rowwise, block_2d=False, row_scaled=False, fourover6=None, e4m3_bound=448, rht=False, act_spec=None, quant_backend=cpu, gemm_backend=emulated, device=cpu),
-  columnwise=MXFP8Tensor(shape=(32, 64), dtype=torch.bfloat16, axis=columnwise, scale_rule=rceil, act_spec=None, quant_backend=cpu, gemm_backend=emulated, device=cpu))""")
+  rowwise=NVFP4Tensor(shape=(32, 64), dtype=torch.bfloat16, axis=rowwise, spec=NVFP4Spec(), act_spec=None, quant_backend=cpu, gemm_backend=emulated, device=cpu),
+  columnwise=MXFP8Tensor(shape=(32, 64), dtype=torch.bfloat16, axis=columnwise, spec=MXFP8Spec(columnwise=True), act_spec=None, quant_backend=cpu, gemm_backend=emulated, device=cpu))""")
 
     def test_quantized_linear_module(self):
         from qtensor import NVFP4DynamicActivationNVFP4WeightConfig, quantize_
@@ -46,7 +46,7 @@ HybridTensor(shape=(32, 64), dtype=torch.bfloat16, columnwise_source=rowwise_deq
         quantize_(m, NVFP4DynamicActivationNVFP4WeightConfig(activation=NVFP4Spec(row_scaled=True)))
         self.assertExpectedInline(repr(m), """\
 Sequential(
-  (0): Linear(in_features=64, out_features=32, weight=NVFP4Tensor(shape=(32, 64), dtype=torch.bfloat16, axis=rowwise, block_2d=False, row_scaled=False, fourover6=None, e4m3_bound=448, rht=False, act_spec=NVFP4Spec(row_scaled=True), quant_backend=cpu, gemm_backend=emulated, device=cpu))
+  (0): Linear(in_features=64, out_features=32, weight=NVFP4Tensor(shape=(32, 64), dtype=torch.bfloat16, axis=rowwise, spec=NVFP4Spec(), act_spec=NVFP4Spec(row_scaled=True), quant_backend=cpu, gemm_backend=emulated, device=cpu))
 )""")
 
 

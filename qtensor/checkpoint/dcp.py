@@ -36,7 +36,7 @@ from qtensor.checkpoint.schema import SEP, CheckpointError, decode, encode, expe
 from qtensor.checkpoint.schema import parse_header
 from qtensor.distributed.master import QuantizeOnGatherWeight
 from qtensor.tensors import QuantizedTensor
-from qtensor.tensors.common import INFORMATIONAL_ATTRIBUTES
+from qtensor.tensors.common import metadata_mismatch
 
 META = "__qtensor__"
 MARKER = ".qtensor_complete"
@@ -214,24 +214,26 @@ def _check(key: str, entry: dict, want: dict, md) -> None:
                                   f"{list(item.size)}, its metadata implies {dtype} {list(shape)}.")
         return torch.empty(shape, dtype=dtype, device="meta")
 
-    decode(key, entry, fetch)
-    differ = _entry_mismatch(want, entry)
+    got = decode(key, entry, fetch)
+    differ = _mismatch(decode(key, want, _meta), got)
     if differ:
         raise CheckpointError(f"{key!r}: the target and the checkpoint differ (target != "
                               f"checkpoint): {', '.join(differ)}.")
 
 
-def _entry_mismatch(want: dict, got: dict, side: str = "") -> list[str]:
-    out = [f"{side}{f}: {want[f]!r} != {got[f]!r}" for f in ("class", "shape")
-           if want[f] != got[f]]
-    if out:
-        return out
-    a, b = want["attributes"], got["attributes"]
-    out = [f"{side}{n}: {a[n]!r} != {b.get(n)!r}" for n in a
-           if n not in INFORMATIONAL_ATTRIBUTES and a[n] != b.get(n)]
-    for name, sub in want["data"].items():
-        if isinstance(sub, dict):
-            out += _entry_mismatch(sub, got["data"][name], f"{side}{name}.")
+def _meta(name, shape, dtype):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _mismatch(want: QuantizedTensor, got: QuantizedTensor, side: str = "") -> list[str]:
+    """What differs between two tensors' class, shape and metadata (field by field)."""
+    if type(want) is not type(got):
+        return [f"{side}class: {type(want).__name__!r} != {type(got).__name__!r}"]
+    if want.shape != got.shape:
+        return [f"{side}shape: {list(want.shape)} != {list(got.shape)}"]
+    out = [f"{side}{d}" for d in metadata_mismatch(want, got)]
+    for name, part in want.parts().items():
+        out += _mismatch(part, getattr(got, name), f"{side}{name}.")
     return out
 
 

@@ -32,13 +32,12 @@ from qtensor.tensors.common import COLUMNWISE, ROWWISE
 from qtensor.tensors.hybrid import SOURCES
 
 FORMAT = "qtensor.checkpoint"
-# 2: tensors no longer carry `scale_layout` (it only ever held "compact"); version 1 files,
-# which do, are read too.
+# 2: a single-format tensor stores its spec as one attribute ([Note: spec on the tensor] in
+# qtensor/tensors/base.py). Version 1 files, which unpack it (and carry a `scale_layout` that
+# only ever held "compact"), are read too.
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
 SEP = "::"  # joins a state_dict key and an inner tensor's name
-# Attributes version 1 wrote that tensors no longer have, with the one value they could hold.
-LEGACY_ATTRIBUTES = {"scale_layout": "compact"}
 
 # qtensor's own classes by name: a file names a class, never a module to import.
 CLASSES: dict[str, type[QuantizedTensor]] = QuantizedTensor.classes
@@ -77,6 +76,7 @@ ATTRIBUTE_RULES: dict[str, Callable[[Any], bool]] = {
        if f.type == "bool"},
     **{name: _one_of(*values) for name, values in _SPEC_CHOICES.items()},
     "axis": _one_of(ROWWISE, COLUMNWISE),
+    "scale_layout": _one_of("compact"),  # version 1 only
     "columnwise_source": _one_of(*SOURCES),
     "quant_backend": _one_of(*(b.value for b in QuantBackend)),
     "gemm_backend": _one_of(*(b.value for b in GemmBackend)),
@@ -174,7 +174,7 @@ def _decode_value(key, name, v):
                              f"scalar values; got {v['fields']!r}.")
         try:
             return cls(**v["fields"])
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             _fail(key, name, f"is not a valid {cls.__name__}: {e}")
     rule = ATTRIBUTE_RULES.get(name, _scalar)
     if not rule(v):
@@ -208,14 +208,24 @@ def decode(key: str, entry: Any, fetch: Callable[[str, torch.Size, torch.dtype],
     ):
         _fail(key, "dtype", f"must be float32, bfloat16 or float16; got {entry['dtype']!r}.")
     shape = torch.Size(_shape(key, "shape", entry["shape"]))
-    attrs, data = _without_legacy(key, entry["attributes"], cls), entry["data"]
-    if not isinstance(attrs, dict) or set(attrs) != set(cls.tensor_attribute_names):
+    attrs, data = entry["attributes"], entry["data"]
+    names = cls.tensor_attribute_names
+    if isinstance(attrs, dict) and cls.legacy_attribute_names and "spec" not in attrs:
+        names = cls.legacy_attribute_names  # a version 1 entry: the spec unpacked
+    if not isinstance(attrs, dict) or set(attrs) != set(names):
         _fail(key, "attributes", f"needs exactly {list(cls.tensor_attribute_names)}; got "
                                  f"{sorted(attrs) if isinstance(attrs, dict) else attrs!r}.")
     if not isinstance(data, dict) or set(data) != set(cls.tensor_data_names):
         _fail(key, "data", f"needs exactly {list(cls.tensor_data_names)}; got "
                            f"{sorted(data) if isinstance(data, dict) else data!r}.")
-    fields = {n: _decode_value(key, n, attrs[n]) for n in cls.tensor_attribute_names}
+    fields = {n: _decode_value(key, n, attrs[n]) for n in names}
+    if names is not cls.tensor_attribute_names:
+        try:
+            fields = cls.upgrade_attributes(fields)
+        except ValueError as e:
+            _fail(key, "attributes", f"do not form a valid {cls.spec_type.__name__}: {e}")
+    if cls.spec_type is not None and type(fields["spec"]) is not cls.spec_type:
+        _fail(key, "spec", f"must be a {cls.spec_type.__name__}; got {fields['spec']!r}.")
     layout = expected_layout(key, cls, shape, fields)
     for name in cls.tensor_data_names:
         sub, want = f"{key}{SEP}{name}", layout[name]
@@ -232,19 +242,6 @@ def decode(key: str, entry: Any, fetch: Callable[[str, torch.Size, torch.dtype],
             fields[name] = fetch(sub, *want)
     device = next(iter(fields[n] for n in cls.tensor_data_names)).device
     return cls(shape, DTYPES[entry["dtype"]], device, **fields)
-
-
-def _without_legacy(key: str, attrs: Any, cls) -> Any:
-    """attrs less the attributes a version 1 file wrote that the class no longer has."""
-    if not isinstance(attrs, dict):
-        return attrs
-    out = dict(attrs)
-    for name, only in LEGACY_ATTRIBUTES.items():
-        if name in out and name not in cls.tensor_attribute_names:
-            if out.pop(name) != only:
-                _fail(key, name, f"must be {only!r} (the only value it ever held); got "
-                                 f"{attrs[name]!r}.")
-    return out
 
 
 def expected_layout(key: str, cls, shape: torch.Size, attrs: dict) -> dict:

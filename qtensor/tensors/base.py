@@ -23,6 +23,15 @@ checkpoints and the GEMM layer ask the class instead of testing which class it i
 - `gemm_operand(side)`, `gemm_format`, `gemm_rows(...)`, `pair_problem(other)`: how it enters
   a product (qtensor/gemm/dense.py);
 - `spec`: the format spec it was quantized with, as a value.
+
+[Note: spec on the tensor]
+A single-format tensor stores the spec it was quantized with as one attribute, `spec`, next to
+`axis`: `spec` says how the bytes were made (block_2d, row_scaled, 4over6, E4M3 bound, RHT; its
+`columnwise` is the direction at quantization), `axis` says which way the blocks run in this
+view (a transpose flips `axis` and keeps `spec`). Stochastic rounding is not kept: it is how
+the codes were rounded, not what they mean. The fields the layout reads are also
+attributes of the tensor (`t.block_2d` is `t.spec.block_2d`). Checkpoints store the spec as one
+value; their reader takes the unpacked attributes of version 1 files too.
 qtensor/tensors/layout.py derives leaves, rebuilding, shard checks and the FSDP2 storage ops from
 these; a new format implements them once in its class.
 """
@@ -50,6 +59,11 @@ class QuantizedTensor(torch.Tensor):
     # The format name the GEMM ops take for this class ("nvfp4", "mxfp8"); None for a composite,
     # whose parts enter products instead.
     gemm_format: ClassVar[str | None] = None
+    # The spec dataclass a single-format class stores as its `spec` attribute.
+    spec_type: ClassVar[type | None] = None
+    # The attributes the class stored before its spec moved onto it (version 1 checkpoints,
+    # earlier pickles); `upgrade_attributes` turns them into today's.
+    legacy_attribute_names: ClassVar[tuple[str, ...]] = ()
 
     @staticmethod
     def __new__(cls, shape, dtype, device, **fields):
@@ -133,6 +147,21 @@ class QuantizedTensor(torch.Tensor):
                    tuple((a, repr(getattr(self, a))) for a in self.tensor_attribute_names), inner)
         return hashlib.blake2b(pickle.dumps(payload), digest_size=16).hexdigest()
 
+    @classmethod
+    def upgrade_attributes(cls, attrs: dict) -> dict:
+        """Attributes stored under `legacy_attribute_names`, as the class holds them now."""
+        return dict(attrs)
+
+    def __setstate__(self, state):
+        """Unpickling (torch.load): a tensor pickled before the spec moved onto it comes back
+        with today's attributes."""
+        if isinstance(state, dict) and self.legacy_attribute_names and "spec" not in state and \
+                set(self.legacy_attribute_names) <= set(state):
+            legacy = {n: state[n] for n in self.legacy_attribute_names}
+            rest = {k: v for k, v in state.items() if k not in legacy}
+            state = {**rest, **self.upgrade_attributes(legacy)}
+        torch._utils._set_obj_state(self, state)
+
     # ---- layout protocol ([Note: layout protocol]) --------------------------------------------
 
     def parts(self) -> dict[str, "QuantizedTensor"]:
@@ -188,11 +217,6 @@ class QuantizedTensor(torch.Tensor):
         operand (its rows are the tensor's columns). amax and bound are None where the format
         has no per-tensor factor."""
         raise NotImplementedError(f"{type(self).__name__} has no GEMM operand of its own.")
-
-    @property
-    def spec(self):
-        """The format spec this tensor was quantized with (its direction matching `axis`)."""
-        raise NotImplementedError(f"{type(self).__name__} declares no spec.")
 
     def pair_problem(self, other: "QuantizedTensor | None") -> str | None:
         """Why self cannot be multiplied with `other` (a quantized operand of the same class, or

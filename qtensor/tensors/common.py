@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from qtensor.backends import resolve_gemm_backend
@@ -12,6 +14,15 @@ aten = torch.ops.aten
 ROWWISE = "rowwise"
 COLUMNWISE = "columnwise"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def bytes_spec(spec):
+    """The spec a tensor stores: the one it was quantized with, less stochastic rounding, which
+    is how the codes were rounded, not part of what they mean (a tensor rounded stochastically
+    and one rounded to nearest hold bytes of one format and copy into each other)."""
+    if getattr(spec, "stochastic_rounding", False):
+        return dataclasses.replace(spec, stochastic_rounding=False)
+    return spec
 
 
 def check_hp_input(x: torch.Tensor, fmt: str) -> None:
@@ -151,13 +162,20 @@ INFORMATIONAL_ATTRIBUTES = ("quant_backend", "gemm_backend")
 
 
 def metadata_mismatch(dst: QuantizedTensor, src: QuantizedTensor) -> list[str]:
-    """Names of the attributes (informational ones aside) whose values differ, e.g.
-    ['e4m3_bound: 448 != 256']; [] when the two tensors mean their bytes the same way."""
-    return [
-        f"{n}: {getattr(dst, n)!r} != {getattr(src, n)!r}"
-        for n in dst.tensor_attribute_names
-        if n not in INFORMATIONAL_ATTRIBUTES and getattr(dst, n) != getattr(src, n)
-    ]
+    """The attributes (informational ones aside) whose values differ, a spec field by field,
+    e.g. ['spec.e4m3_bound: 448 != 256']; [] when the two tensors mean their bytes the same
+    way."""
+    out = []
+    for n in dst.tensor_attribute_names:
+        a, b = getattr(dst, n), getattr(src, n)
+        if n in INFORMATIONAL_ATTRIBUTES or a == b:
+            continue
+        if dataclasses.is_dataclass(a) and type(a) is type(b):
+            out += [f"{n}.{f.name}: {getattr(a, f.name)!r} != {getattr(b, f.name)!r}"
+                    for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
+        else:
+            out.append(f"{n}: {a!r} != {b!r}")
+    return out
 
 
 def normalize_dim(dim: int, ndim: int) -> int:

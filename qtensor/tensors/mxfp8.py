@@ -33,13 +33,18 @@ BLOCK = ref.BLOCK
 class MXFP8Tensor(QuantizedTensor):
     gemm_format = "mxfp8"
     tensor_data_names = ("qdata", "scale")
+    spec_type = MXFP8Spec
     tensor_attribute_names = (
         "axis",  # "rowwise" (1x32 blocks along the last dim) or "columnwise" (32x1 along dim -2)
-        "scale_rule",  # "rceil" or "floor": how the scales were chosen (decode ignores it)
+        "spec",  # the MXFP8Spec the bytes were quantized with ([Note: spec on the tensor])
         "act_spec",  # spec that F.linear uses to quantize the activation, or None (weight-only)
         "quant_backend",  # QuantBackend value that produced the bytes (bytes never depend on it)
         "gemm_backend",  # GemmBackend value its products run on
     )
+    # How version 1 checkpoints and earlier pickles stored the spec (see NVFP4Tensor).
+    legacy_attribute_names = ("axis", "scale_rule", "scale_layout", "act_spec", "quant_backend",
+                              "gemm_backend")
+    scale_rule = property(lambda self: self.spec.scale_rule)  # how the scales were chosen
 
     @classmethod
     def from_hp(
@@ -78,7 +83,7 @@ class MXFP8Tensor(QuantizedTensor):
             qdata=qdata,
             scale=scale,
             axis=COLUMNWISE if spec.columnwise else ROWWISE,
-            scale_rule=spec.scale_rule,
+            spec=spec,
             act_spec=None,
             quant_backend=backend.value,
             gemm_backend=resolve_gemm_backend(x.device).value,
@@ -98,10 +103,14 @@ class MXFP8Tensor(QuantizedTensor):
 
     # ---- layout protocol ([Note: layout protocol] in qtensor/tensors/base.py) ---------------
 
-    @property
-    def spec(self) -> MXFP8Spec:
-        """The spec of these bytes, `columnwise` matching `axis`."""
-        return MXFP8Spec(scale_rule=self.scale_rule, columnwise=self.axis == COLUMNWISE)
+    @classmethod
+    def upgrade_attributes(cls, attrs: dict) -> dict:
+        """The attributes of a tensor stored before the spec moved onto it, as held now."""
+        attrs = dict(attrs)
+        attrs.pop("scale_layout", None)
+        attrs["spec"] = MXFP8Spec(scale_rule=attrs.pop("scale_rule"),
+                                  columnwise=attrs["axis"] == COLUMNWISE)
+        return attrs
 
     def shard_dims(self) -> dict[str, int | None]:
         return {"qdata": 0, "scale": 0}  # both keep the logical layout (scale [R/32, C] too)

@@ -10,18 +10,20 @@ and touches no byte.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from qtensor.formats import nvfp4 as ref
-from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.backends import QuantBackend, resolve_gemm_backend
+from qtensor.formats import nvfp4 as ref
+from qtensor.formats.fields import either
+from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.ops import quant
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.formats.fields import either
-from qtensor.tensors.layout import flat_view
 from qtensor.tensors.common import (
     COLUMNWISE,
     ROWWISE,
+    bytes_spec,
     check_hp_input,
     flips_last_two,
     infer_shape,
@@ -29,6 +31,7 @@ from qtensor.tensors.common import (
     require_finite,
     slice_bounds,
 )
+from qtensor.tensors.layout import flat_view
 
 aten = torch.ops.aten
 BLOCK = ref.BLOCK
@@ -37,17 +40,25 @@ BLOCK = ref.BLOCK
 class NVFP4Tensor(QuantizedTensor):
     gemm_format = "nvfp4"
     tensor_data_names = ("qdata", "scale", "amax")
+    spec_type = NVFP4Spec
     tensor_attribute_names = (
         "axis",  # "rowwise" or "columnwise": which logical dim the 16-element blocks run along
-        "block_2d",  # scales shared by 16x16 tiles
-        "row_scaled",  # amax is one value per storage row
-        "fourover6",  # None, "mae" or "mse": how block scales were chosen (decode ignores it)
-        "e4m3_bound",  # 448 or 256: B of the decode factor A / (6 B)
-        "rht",  # values are Hadamard-transformed; only a product with another RHT operand is valid
+        "spec",  # the NVFP4Spec the bytes were quantized with ([Note: spec on the tensor])
         "act_spec",  # spec that F.linear uses to quantize the activation, or None (weight-only)
         "quant_backend",  # QuantBackend value that produced the bytes (bytes never depend on it)
         "gemm_backend",  # GemmBackend value its products run on
     )
+    # How version 1 checkpoints and earlier pickles stored the spec: unpacked, one attribute
+    # per field, plus a `scale_layout` that only ever held "compact".
+    legacy_attribute_names = ("axis", "block_2d", "row_scaled", "fourover6", "e4m3_bound", "rht",
+                              "scale_layout", "act_spec", "quant_backend", "gemm_backend")
+
+    # The spec's fields the layout and the GEMMs read, as attributes of the tensor.
+    block_2d = property(lambda self: self.spec.block_2d)  # scales shared by 16x16 tiles
+    row_scaled = property(lambda self: self.spec.row_scaled)  # one amax per storage row
+    fourover6 = property(lambda self: self.spec.fourover6)  # how block scales were chosen
+    e4m3_bound = property(lambda self: self.spec.e4m3_bound)  # B of the decode factor A / (6 B)
+    rht = property(lambda self: self.spec.rht)  # Hadamard-transformed values (RHT pairs only)
 
     @classmethod
     def from_hp(
@@ -116,9 +127,8 @@ class NVFP4Tensor(QuantizedTensor):
             raise ValueError(f"e4m3_bound must be {either(ref.E4M3_BOUNDS)}; got {e4m3_bound}.")
         return cls(
             (n, k), dtype, qdata.device, qdata=qdata, scale=scale,
-            amax=amax.reshape(()).to(qdata.device), axis=ROWWISE, block_2d=False,
-            row_scaled=False, fourover6=None, e4m3_bound=e4m3_bound, rht=False,
-            act_spec=act_spec,
+            amax=amax.reshape(()).to(qdata.device), axis=ROWWISE,
+            spec=NVFP4Spec(e4m3_bound=e4m3_bound), act_spec=act_spec,
             quant_backend=QuantBackend.REFERENCE.value,
             gemm_backend=resolve_gemm_backend(qdata.device).value,
         )
@@ -146,11 +156,7 @@ class NVFP4Tensor(QuantizedTensor):
             scale=scale,
             amax=amax,
             axis=COLUMNWISE if spec.columnwise else ROWWISE,
-            block_2d=spec.block_2d,
-            row_scaled=spec.row_scaled,
-            fourover6=spec.fourover6,
-            e4m3_bound=spec.e4m3_bound,
-            rht=spec.rht,
+            spec=bytes_spec(spec),
             act_spec=None,
             quant_backend=backend.value,
             gemm_backend=resolve_gemm_backend(x.device).value,
@@ -188,19 +194,19 @@ class NVFP4Tensor(QuantizedTensor):
 
     # ---- layout protocol ([Note: layout protocol] in qtensor/tensors/base.py) ---------------
 
-    @property
-    def spec(self) -> NVFP4Spec:
-        """The spec of these bytes, `columnwise` matching `axis`. A rowwise view with RHT (the
-        transpose of a columnwise RHT operand) has none: NVFP4Spec keeps RHT to columnwise
-        operands, so such a view answers with its transpose's spec (and says so)."""
-        if self.rht and self.axis == ROWWISE:
-            raise ValueError(
-                f"{self!r} is the transpose view of a columnwise RHT operand; its spec is "
-                "that operand's: use .t().spec."
-            )
-        return NVFP4Spec(block_2d=self.block_2d, row_scaled=self.row_scaled,
-                         fourover6=self.fourover6, e4m3_bound=self.e4m3_bound, rht=self.rht,
-                         columnwise=self.axis == COLUMNWISE)
+    @classmethod
+    def upgrade_attributes(cls, attrs: dict) -> dict:
+        """The attributes of a tensor stored before the spec moved onto it (see
+        `legacy_attribute_names`) as the class holds them now."""
+        attrs = dict(attrs)
+        fields = {n: attrs.pop(n) for n in ("block_2d", "row_scaled", "fourover6", "e4m3_bound",
+                                            "rht")}
+        attrs.pop("scale_layout", None)
+        # A rowwise RHT tensor is the transpose view of a columnwise RHT operand: its spec is
+        # that operand's (NVFP4Spec keeps RHT to columnwise operands).
+        columnwise = attrs["axis"] == COLUMNWISE or fields["rht"]
+        attrs["spec"] = NVFP4Spec(**fields, columnwise=columnwise)
+        return attrs
 
     def shard_dims(self) -> dict[str, int | None]:
         sdim, _ = self.storage_dim(0)
@@ -221,7 +227,8 @@ class NVFP4Tensor(QuantizedTensor):
         # Row-major order keeps each 1x16 block (and each row of a 16x16 tile, whose scale is
         # stored on every row) contiguous, so the 1-D tensor decodes to the same values.
         return self.replace(shape=(self.numel(),), qdata=self.qdata.view(-1),
-                            scale=self.scale.view(-1), block_2d=False)
+                            scale=self.scale.view(-1),
+                            spec=dataclasses.replace(self.spec, block_2d=False))
 
     @classmethod
     def inner_layout(cls, shape: torch.Size, attrs: dict) -> dict:
@@ -236,7 +243,7 @@ class NVFP4Tensor(QuantizedTensor):
         return {
             "qdata": (torch.Size([*rows, bdim // 2]), torch.uint8),
             "scale": (torch.Size([*rows, bdim // BLOCK]), torch.float8_e4m3fn),
-            "amax": (torch.Size(rows if attrs["row_scaled"] else []), torch.float32),
+            "amax": (torch.Size(rows if attrs["spec"].row_scaled else []), torch.float32),
         }
 
     def gemm_rows(self, logical_rows: bool) -> tuple:
@@ -355,5 +362,5 @@ def _select(func, args, kwargs):
         scale=x.scale.select(sdim, index),
         amax=x.amax.select(sdim, index) if x.row_scaled else x.amax,
         axis=axis,
-        block_2d=x.block_2d and sdim != x.qdata.dim() - 2,
+        spec=dataclasses.replace(x.spec, block_2d=x.block_2d and sdim != x.qdata.dim() - 2),
     )
