@@ -12,7 +12,7 @@ the decode factor A / (6 B): for bound B = 256 it is 1536 / A instead of 2688 / 
 is absorbed and a reader that knows nothing of 4over6 or B = 256 decodes the same values. The
 codes and block scales are exactly qtensor's bytes. The decoded fp32 values can differ from
 qtensor's `dequantize` in the last bit, because qtensor rounds r(r(s_b A) r(1/(6B))) and the
-reader r(s_b / S_enc) (FORMATS.md step 7); the test measures how often.
+reader r(s_b / S_enc) (docs/formats.md, NVFP4 step 7); the test measures how often.
 
 [Note: MXFP4 export]
 gpt-oss checkpoints store a weight NAME as NAME_blocks uint8 [..., K/32, 16] (32 E2M1 codes per

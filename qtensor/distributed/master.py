@@ -15,7 +15,7 @@ A TrainingLinear's master weight stays high precision (fp32 or bf16) and sharded
    per element, 0.28x bf16 and 0.14x an fp32 master;
 4. `fsdp_post_all_gather` completes the operand the recipe needs for dgrad:
    - 2D tiles (`weight_2d`, the default): the columnwise NVFP4 bytes are the rowwise ones
-     transposed (FORMATS.md, "2D"), rebuilt without requantizing;
+     transposed (docs/formats.md, "Variants": 2D), rebuilt without requantizing;
    - `dgrad_mxfp8`: the MXFP8 columnwise weight is quantized from the gathered NVFP4 weight
      dequantized to the master dtype, exactly as the recipe defines it;
    - 1x16 NVFP4 dgrad (no 2D tiles): the columnwise side cannot be derived, so each rank also
@@ -159,11 +159,14 @@ def complete_operand(gathered: QuantizedTensor, role, master_dtype) -> Quantized
 
 def columnwise_from_2d(row: NVFP4Tensor) -> NVFP4Tensor:
     """The columnwise bytes of a 16x16-tiled rowwise NVFP4 matrix [N, K]: codes transposed;
-    tile (j, t)'s scale, stored on each of its rows, becomes storage [K, N/16] (FORMATS.md)."""
+    tile (j, t)'s scale, stored on each of its rows, becomes storage [K, N/16] (docs/formats.md,
+    "Variants": 2D). The result is the tensor quantizing the matrix columnwise gives, its spec
+    included."""
     codes = unpack_fp4(row.qdata)  # [N, K]
     qdata = pack_fp4(codes.t().contiguous())  # [K, N/2]
     scale = row.scale[::16].t().repeat_interleave(16, dim=0).contiguous()  # [K, N/16]
-    return row.replace(qdata=qdata, scale=scale, axis=COLUMNWISE)
+    return row.replace(qdata=qdata, scale=scale, axis=COLUMNWISE,
+                       spec=dataclasses.replace(row.spec, columnwise=True))
 
 
 def _derived_leaves(full: QuantizedTensor, gathered: QuantizedTensor) -> list[torch.Tensor]:
