@@ -16,15 +16,17 @@ from qtensor.formats import fp8_block as fp8_block_ref
 from qtensor.formats import mxfp8 as mxfp8_ref
 from qtensor.formats import nvfp4 as nvfp4_ref
 from qtensor.formats.elements import fdiv
+from qtensor.formats.fields import either
 
 NVFP4, MXFP8 = "nvfp4", "mxfp8"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # r(1 / denom) in fp32 for every epilogue denominator (36 B_a B_b, or 6 B with one NVFP4
-# operand, B in {448, 256}), computed once at import as Python floats holding exact fp32
-# values: no product builds a device tensor for them, and torch.compile sees constants. A fp32
-# tensor times such a float rounds once, exactly as a tensor-tensor multiply does.
-BOUNDS = (448, 256)
+# operand, B one of the NVFP4 E4M3 bounds), computed once at import as Python floats holding
+# exact fp32 values: no product builds a device tensor for them, and torch.compile sees
+# constants. A fp32 tensor times such a float rounds once, exactly as a tensor-tensor multiply
+# does.
+BOUNDS = nvfp4_ref.E4M3_BOUNDS
 INV = {
     d: fdiv(1.0, torch.tensor(d)).item()
     for d in {6.0 * a * 6.0 * b for a in BOUNDS for b in BOUNDS} | {6.0 * b for b in BOUNDS}
@@ -162,7 +164,7 @@ def _check_side(op: str, fmt: str, name: str, s: Side) -> None:
             _fail(op, f"{name}_amax must be 0-d or one value per row {tuple(d.shape[:-1])}; "
                       f"got {tuple(amax.shape)}.")
         if s.bound not in BOUNDS:
-            _fail(op, f"{name}_bound must be 448 or 256; got {s.bound}.")
+            _fail(op, f"{name}_bound must be {either(BOUNDS)}; got {s.bound}.")
 
 
 def _check_pair(op: str, fmt: str, a: Side, b: Side, out_dtype) -> None:
