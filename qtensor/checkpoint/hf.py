@@ -46,6 +46,7 @@ overridden (5.17 builds converters there; 5.24 derives them from `serialized_nam
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -258,8 +259,10 @@ class QTensorHfQuantizer(HfQuantizer):
         """Every header entry, checked against the files and the model before a byte is read."""
         files = [str(f) for f in checkpoint_files or ()]
         if not files or not all(f.endswith(".safetensors") for f in files):
-            raise CheckpointError(f"a qtensor checkpoint is stored in safetensors files; got "
-                                  f"{[f.rsplit('/', 1)[-1] for f in files]}.")
+            raise CheckpointError(
+                f"a qtensor checkpoint is stored in safetensors files; got "
+                f"{[os.path.basename(f) for f in files]}. Write it with model.save_pretrained or "
+                "qtensor.save_pretrained, which write safetensors.")
         with Files(files) as stored:
             stored.check()
             entries = stored.entries
@@ -300,10 +303,10 @@ class QTensorHfQuantizer(HfQuantizer):
         return model
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
-        if self.pre_quantized or not should_convert_module(param_name, self.modules_to_not_convert):
+        module_name, _, tensor_name = param_name.rpartition(".")
+        if self.pre_quantized or not should_convert_module(module_name, self.modules_to_not_convert):
             return False
-        module, tensor_name = get_module_from_name(model, param_name)
-        return isinstance(module, nn.Linear) and tensor_name == "weight"
+        return isinstance(model.get_submodule(module_name), nn.Linear) and tensor_name == "weight"
 
     def get_quantize_ops(self):
         return QTensorQuantize(self)
@@ -369,10 +372,10 @@ class TorchAoWithQTensorHfQuantizer(TorchAoHfQuantizer):
                   if type(t) is not torch.Tensor and not isinstance(t, QuantizedTensor)]
         if others:
             raise CheckpointError(
-                f"{others[0]!r}: a {type(state_dict[others[0]]).__name__} in a model that also "
-                "holds qtensor tensors; one checkpoint stores either torchao's tensors (torchao's "
-                "layout) or qtensor's (qtensor's layout). Quantize every layer with qtensor "
-                "configs, or every layer with torchao's.")
+                f"{others[0]!r}: {type(state_dict[others[0]]).__name__} is not a qtensor tensor, "
+                "and the model also holds qtensor tensors; one checkpoint stores either torchao's "
+                "tensors (torchao's layout) or qtensor's (qtensor's layout). Quantize every layer "
+                "with qtensor configs, or every layer with torchao's.")
         flat_and_metadata = qtensor_layout(state_dict)
         model.config.quantization_config = QTensorConfig(
             quant_type if _inference_config(quant_type) else None,
