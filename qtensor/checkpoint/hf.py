@@ -118,9 +118,10 @@ class QTensorConfig(QuantizationConfigMixin):
         where = "config.json quantization_config"
         allowed = set(quantization_config())
         if not isinstance(config_dict, dict) or not set(config_dict) <= allowed:
-            got = sorted(config_dict) if isinstance(config_dict, dict) else type(config_dict).__name__
-            raise CheckpointError(f"{where}: a qtensor checkpoint's has the keys {sorted(allowed)}; "
-                                  f"got {got}.")
+            got = (sorted(config_dict) if isinstance(config_dict, dict)
+                   else type(config_dict).__name__)
+            raise CheckpointError(f"{where} of a qtensor checkpoint takes the keys "
+                                  f"{sorted(allowed)}; got {got}.")
         if config_dict.get("quant_method") != QTENSOR:
             raise CheckpointError(f"{where}: quant_method must be {QTENSOR!r}; got "
                                   f"{config_dict.get('quant_method')!r}.")
@@ -286,13 +287,14 @@ class QTensorHfQuantizer(HfQuantizer):
         if config.skip_incompatible:
             return
         for name, module in model.named_modules():
-            if isinstance(module, nn.Linear) and self.param_needs_quantization(model, f"{name}.weight"):
-                why = linear_shape_error(module, config)
-                if why:
-                    raise ValueError(
-                        f"{why} at layer {name!r}. Keep it in high precision with "
-                        f"QTensorConfig(..., modules_to_not_convert=[{name!r}]), or pass "
-                        f"skip_incompatible=True to {type(config).__name__}.")
+            if not self.param_needs_quantization(model, f"{name}.weight"):
+                continue
+            why = linear_shape_error(module, config)
+            if why:
+                raise ValueError(
+                    f"{why} at layer {name!r}. Keep it in high precision with "
+                    f"QTensorConfig(..., modules_to_not_convert=[{name!r}]), or pass "
+                    f"skip_incompatible=True to {type(config).__name__}.")
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         # transformers keeps the converters that matched for saving, where it reverses them;
@@ -304,9 +306,11 @@ class QTensorHfQuantizer(HfQuantizer):
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         module_name, _, tensor_name = param_name.rpartition(".")
-        if self.pre_quantized or not should_convert_module(module_name, self.modules_to_not_convert):
+        if self.pre_quantized or tensor_name != "weight":
             return False
-        return isinstance(model.get_submodule(module_name), nn.Linear) and tensor_name == "weight"
+        if not should_convert_module(module_name, self.modules_to_not_convert):
+            return False
+        return isinstance(model.get_submodule(module_name), nn.Linear)
 
     def get_quantize_ops(self):
         return QTensorQuantize(self)

@@ -142,7 +142,8 @@ class Files:
             f = self._stack.enter_context(_open(path))
             for name in f.keys():
                 if name in self.file_of:
-                    raise CheckpointError(f"{name!r}: stored in both {origin[name]!r} and {path!r}.")
+                    raise CheckpointError(f"{name!r}: stored in both {origin[name]!r} and "
+                                          f"{path!r}.")
                 self.file_of[name], origin[name] = f, path
             meta = f.metadata() or {}
             if META_KEY not in meta:
@@ -167,7 +168,8 @@ class Files:
 
         def check(name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
             if name not in self.file_of:
-                raise CheckpointError(f"{name!r}: missing from {self.where} (named by the metadata).")
+                raise CheckpointError(f"{name!r}: missing from {self.where} (named by the "
+                                      "metadata).")
             view = self.file_of[name].get_slice(name)
             got_dtype, got_shape = ST_NAMES.get(view.get_dtype()), torch.Size(view.get_shape())
             if got_dtype != dtype or got_shape != shape:
@@ -187,10 +189,12 @@ class Files:
     def get(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
         return self.file_of[name].get_tensor(name).to(device)
 
-    def load(self, device: str | torch.device = "cpu", progress: bool = False) -> dict[str, torch.Tensor]:
+    def load(self, device: str | torch.device = "cpu",
+             progress: bool = False) -> dict[str, torch.Tensor]:
         """The whole state_dict, checked first (`check`), quantized tensors rebuilt."""
         inner = self.check()
-        label = os.path.basename(self.paths[0]) if len(self.paths) == 1 else f"{len(self.paths)} files"
+        label = (os.path.basename(self.paths[0]) if len(self.paths) == 1
+                 else f"{len(self.paths)} files")
         bar = Progress(f"loading {label}", len(self.file_of), progress)
 
         def fetch(name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -216,7 +220,8 @@ def load_file(
 
 
 def load_files(
-    paths: Iterable[str | os.PathLike], *, device: str | torch.device = "cpu", progress: bool = False
+    paths: Iterable[str | os.PathLike], *, device: str | torch.device = "cpu",
+    progress: bool = False,
 ) -> dict[str, torch.Tensor]:
     """load_file over the shards of one state_dict (see `Files`)."""
     with Files(paths) as f:
