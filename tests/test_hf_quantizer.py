@@ -114,6 +114,7 @@ def test_save_pretrained_round_trips_bitwise(base_dir, tmp_path, name, route):
     model.save_pretrained(tmp_path / "q")
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     assert config["quantization_config"] == quantization_config()
+    assert isinstance(model.config.quantization_config, hf.QTensorConfig)  # what it wrote
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
     assert type(again.hf_quantizer) is hf.QTensorHfQuantizer
     assert isinstance(again.config.quantization_config, hf.QTensorConfig)
@@ -221,6 +222,21 @@ def test_malformed_checkpoint_is_refused_naming_the_tensor(saved_dir, tmp_path, 
         AutoModelForCausalLM.from_pretrained(d)
     with pytest.raises(CheckpointError, match=match):
         qtensor.from_pretrained(d)
+
+
+def test_rebuild_checks_each_inner_tensor_again(saved_dir):
+    """QTensorDeserialize decodes through the schema, whatever reached it."""
+    model = AutoModelForCausalLM.from_pretrained(saved_dir)
+    op, key = hf.QTensorDeserialize(model.hf_quantizer), f"{LAYER}.weight"
+    w = model.get_submodule(LAYER).weight
+    good = {"::qdata": [w.qdata], "::scale": [w.scale], "::amax": [w.amax]}
+    rebuilt = op.convert(good, full_layer_name=key)[key]
+    assert type(rebuilt) is qtensor.NVFP4Tensor and not rebuilt.requires_grad
+    assert torch.equal(rebuilt.qdata, w.qdata) and rebuilt.fields().keys() == w.fields().keys()
+    with pytest.raises(CheckpointError, match=rf"'{key}::amax': missing from the checkpoint"):
+        op.convert({k: v for k, v in good.items() if k != "::amax"}, full_layer_name=key)
+    with pytest.raises(CheckpointError, match=rf"'{key}::scale': the checkpoint holds torch.uint8"):
+        op.convert({**good, "::scale": [w.scale.view(torch.uint8)]}, full_layer_name=key)
 
 
 def test_checkpoint_shape_must_match_the_model(saved_dir, tmp_path):
@@ -399,3 +415,27 @@ def test_upstream_keeps_matched_converters_for_saving(saved_dir, tmp_path, monke
     assert any(hf._is_qtensor_converter(c) for c in kept._weight_conversions)
     with pytest.raises(NotImplementedError):
         kept.save_pretrained(tmp_path / "fails")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_checkpoint_loads_onto_cuda_through_transformers(saved_dir, base_dir):
+    """device_map="cuda": the inner tensors are read onto the GPU and rebuilt there with the
+    stored bytes; quantizing on load on the GPU gives the CPU's bytes; the logits agree with the
+    CPU model up to fp32 summation order."""
+    cpu = AutoModelForCausalLM.from_pretrained(saved_dir)
+    gpu = AutoModelForCausalLM.from_pretrained(saved_dir, device_map="cuda")
+    w_cpu, w_gpu = cpu.get_submodule(LAYER).weight, gpu.get_submodule(LAYER).weight
+    assert type(w_gpu) is qtensor.NVFP4Tensor and w_gpu.qdata.device.type == "cuda"
+    assert torch.equal(w_gpu.qdata.cpu(), w_cpu.qdata)
+    assert torch.equal(w_gpu.amax.cpu(), w_cpu.amax)
+    fresh = AutoModelForCausalLM.from_pretrained(
+        base_dir, dtype=torch.bfloat16, device_map="cuda",
+        quantization_config=hf.QTensorConfig(qtensor.NVFP4WeightOnlyConfig()))
+    assert torch.equal(fresh.get_submodule(LAYER).weight.qdata.cpu(), w_cpu.qdata)
+    with torch.no_grad():
+        a = cpu(tokens()).logits.float()
+        b = gpu(tokens().cuda()).logits.float().cpu()
+        c = fresh(tokens().cuda()).logits.float().cpu()
+    assert ((a - b).norm() / a.norm()).item() < 1e-2
+    assert ((a - c).norm() / a.norm()).item() < 1e-2
