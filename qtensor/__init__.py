@@ -1,11 +1,12 @@
 """qtensor: NVFP4, MXFP8 and hybrid quantized tensors for PyTorch.
 
-`import qtensor` neither initialises CUDA nor imports Triton.
+`import qtensor` neither initialises CUDA nor imports Triton or transformers.
 """
 
 import torch as _torch
 
 from qtensor.checkpoint import from_pretrained, load_file, save_file, save_pretrained
+from qtensor.checkpoint import hf_hook as _hf_hook
 from qtensor.formats import MXFP8Spec, NVFP4Spec
 from qtensor import gemm as _gemm  # noqa: F401  registers the GEMM handlers and F.linear
 from qtensor.gemm import quantized_mm
@@ -18,20 +19,21 @@ _torch.serialization.add_safe_globals(
     [NVFP4Tensor, MXFP8Tensor, HybridTensor, NVFP4Spec, MXFP8Spec]
 )
 
-_LAZY = {  # these import torchao, so they load on first use
-    "MXFP8DynamicActivationMXFP8WeightConfig",
-    "MXFP8WeightOnlyConfig",
-    "NVFP4DynamicActivationNVFP4WeightConfig",
-    "NVFP4WeightOnlyConfig",
-    "quantize_",
+_LAZY = {  # these import torchao or transformers, so they load on first use
+    "MXFP8DynamicActivationMXFP8WeightConfig": "qtensor.quantize",
+    "MXFP8WeightOnlyConfig": "qtensor.quantize",
+    "NVFP4DynamicActivationNVFP4WeightConfig": "qtensor.quantize",
+    "NVFP4WeightOnlyConfig": "qtensor.quantize",
+    "quantize_": "qtensor.quantize",
+    "QTensorConfig": "qtensor.checkpoint.hf",
 }
 
 
 def __getattr__(name):
     if name in _LAZY:
-        from qtensor import quantize
+        import importlib
 
-        return getattr(quantize, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'qtensor' has no attribute {name!r}")
 
 
@@ -45,6 +47,7 @@ __all__ = [
     "NVFP4Spec",
     "NVFP4Tensor",
     "NVFP4WeightOnlyConfig",
+    "QTensorConfig",
     "QuantizedTensor",
     "from_pretrained",
     "load_file",
@@ -53,3 +56,7 @@ __all__ = [
     "save_file",
     "save_pretrained",
 ]
+
+# transformers learns quant_method "qtensor" when (and only if) it is imported, before or after
+# qtensor: qtensor/checkpoint/hf_hook.py.
+_hf_hook.install()

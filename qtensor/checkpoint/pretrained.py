@@ -5,7 +5,9 @@ checkpoint directory whose quantized weights are qtensor tensors holding the fil
 Three layouts are read: qtensor's own (what `save_pretrained` writes: config.json with
 `quantization_config.quant_method` "qtensor", and model.safetensors written by
 `qtensor.save_file`, whose header describes every quantized tensor, [Note: checkpoint
-schema] in qtensor/checkpoint/schema.py), and the NVFP4 layouts of two other writers, below.
+schema] in qtensor/checkpoint/schema.py; transformers' own `model.save_pretrained` writes the
+same layout, possibly sharded, through qtensor/checkpoint/hf.py), and the NVFP4 layouts of two
+other writers, below.
 
 [Note: reading NVFP4 checkpoints]
 Two writers' layouts, per quantized linear layer NAME (N output features, K inputs):
@@ -56,12 +58,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from qtensor.checkpoint.safetensors import load_file, save_file
+from qtensor.checkpoint.safetensors import Files, save_file
 from qtensor.checkpoint.schema import CheckpointError
 from qtensor.checkpoint.state_dict import load_state_dict
 from qtensor.formats import NVFP4Spec
 from qtensor.formats.elements import fdiv
 from qtensor.tensors import NVFP4Tensor, QuantizedTensor
+from qtensor.version import __version__
 
 COMPRESSED_TENSORS, MODELOPT, QTENSOR = "compressed-tensors", "modelopt", "qtensor"
 NVFP4_FORMAT = "nvfp4-pack-quantized"
@@ -398,22 +401,33 @@ def from_pretrained(model_dir: str | os.PathLike, *, activations: str = "checkpo
 
 
 def _load_qtensor(model: nn.Module, d: Path, device: torch.device) -> None:
-    """qtensor's own layout: the file's state_dict, every key checked, assigned whole."""
-    if not (d / "model.safetensors").is_file():
-        raise CheckpointError(f"{d}: a qtensor checkpoint keeps its weights in model.safetensors; "
-                              "it is not there.")
-    state_dict = load_file(d / "model.safetensors", device=device)
+    """qtensor's own layout (one file, or shards named by model.safetensors.index.json, as
+    transformers' save_pretrained writes them): the state_dict, every key checked, assigned
+    whole. A tied weight the writer stored once (transformers drops the duplicate) is taken from
+    the weight it is tied to."""
+    with Files(sorted(set(_weight_files(d).values()))) as files:
+        state_dict = files.load(device)
     want = model.state_dict(keep_vars=True)
     for key, t in state_dict.items():
         dst = want.get(key)
         if dst is not None and not isinstance(t, QuantizedTensor) and t.is_floating_point():
             state_dict[key] = t.to(dst.dtype)
+    tied = getattr(model, "all_tied_weights_keys", None)
+    for target, source in (tied.items() if isinstance(tied, dict) else ()):
+        if target not in state_dict and source in state_dict:
+            state_dict[target] = state_dict[source]
     _materialize_buffers(model, device)
     load_state_dict(model, state_dict, assign=True)
     if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
         model.tie_weights()
     for p in model.parameters():
         p.requires_grad_(False)
+
+
+def quantization_config() -> dict:
+    """config.json's `quantization_config` of a qtensor checkpoint (what `read_scheme` reads as
+    the qtensor layout)."""
+    return {"quant_method": QTENSOR, "format": QTENSOR_FORMAT, "version": __version__}
 
 
 def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> None:
@@ -427,14 +441,11 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> None:
         raise TypeError(f"save_pretrained takes a transformers model (with a .config); got "
                         f"{type(model).__name__}. For any other module use qtensor.save_file("
                         "model.state_dict(), path).")
-    from qtensor.version import __version__
-
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     save_file(model.state_dict(), d / "model.safetensors", metadata={"format": "pt"})
     data = json.loads(config.to_json_string(use_diff=False))
-    data["quantization_config"] = {"quant_method": QTENSOR, "format": QTENSOR_FORMAT,
-                                   "version": __version__}
+    data["quantization_config"] = quantization_config()
     data["architectures"] = [type(model).__name__]
     (d / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     generation = getattr(model, "generation_config", None)

@@ -8,11 +8,13 @@ written and released, so saving never holds a second copy of the model; a file a
 its name only once complete (written to `NAME.tmp`, then renamed). Reading goes through the
 safetensors library, which checks the header's offsets against the file size before any tensor
 is read; every quantized entry is then checked against its class's layout (shape and dtype of
-each inner tensor) before its bytes are read.
+each inner tensor) before its bytes are read. `Files` reads a state_dict stored over several
+files (a sharded checkpoint) the same way, the files' headers merged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -115,47 +117,115 @@ def _open(path):
         raise CheckpointError(f"{os.fspath(path)!r} is not a readable safetensors file: {e}.") from None
 
 
-def load_file(
-    path: str | os.PathLike, *, device: str | torch.device = "cpu", progress: bool = False
-) -> dict[str, torch.Tensor]:
-    """The state_dict saved by save_file, quantized tensors rebuilt; nothing in the file is
-    executed. Raises CheckpointError naming the key and field of any inconsistency."""
-    with _open(path) as f:
-        names = set(f.keys())
-        meta = f.metadata() or {}
-        entries = parse_header(meta[META_KEY], os.fspath(path)) if META_KEY in meta else {}
+class Files:
+    """The tensors of one state_dict in one safetensors file or several (the shards of a sharded
+    checkpoint): every tensor name and the file holding it, and the union of the files' qtensor
+    headers (a writer that shards after flattening, as transformers does, puts the whole header
+    in every shard, and a quantized tensor's inner tensors may land in different shards).
+    Opening reads headers only; a context manager, closing the files on exit."""
+
+    def __init__(self, paths: Iterable[str | os.PathLike]):
+        self.paths = [os.fspath(p) for p in paths]
+        self.where = "the file" if len(self.paths) == 1 else "the checkpoint's files"
+        self._stack = contextlib.ExitStack()
+        self.file_of: dict[str, Any] = {}  # tensor name -> its open file
+        self.entries: dict[str, dict] = {}  # state_dict key -> its qtensor header entry
+        try:
+            self._read_headers()
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _read_headers(self) -> None:
+        origin: dict[str, str] = {}
+        for path in self.paths:
+            f = self._stack.enter_context(_open(path))
+            for name in f.keys():
+                if name in self.file_of:
+                    raise CheckpointError(f"{name!r}: stored in both {origin[name]!r} and "
+                                          f"{path!r}.")
+                self.file_of[name], origin[name] = f, path
+            meta = f.metadata() or {}
+            if META_KEY not in meta:
+                continue
+            for key, entry in parse_header(meta[META_KEY], path).items():
+                if key in self.entries and self.entries[key] != entry:
+                    raise CheckpointError(f"{key!r}: the qtensor headers of {origin[key]!r} and "
+                                          f"{path!r} describe it differently.")
+                self.entries[key], origin[key] = entry, path
+
+    def __enter__(self) -> "Files":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def check(self) -> set[str]:
+        """Check every header entry against the files' tensor headers (each inner tensor there,
+        with the shape and dtype its class derives) without reading a byte, and that every inner
+        tensor belongs to an entry; returns the names of the inner tensors."""
         used: set[str] = set()
 
         def check(name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-            if name not in names:
-                raise CheckpointError(f"{name!r}: missing from the file (named by the metadata).")
-            view = f.get_slice(name)
+            if name not in self.file_of:
+                raise CheckpointError(f"{name!r}: missing from {self.where} (named by the "
+                                      "metadata).")
+            view = self.file_of[name].get_slice(name)
             got_dtype, got_shape = ST_NAMES.get(view.get_dtype()), torch.Size(view.get_shape())
             if got_dtype != dtype or got_shape != shape:
+                holds = "the file holds" if len(self.paths) == 1 else "the checkpoint holds"
                 raise CheckpointError(
-                    f"{name!r}: the file holds {view.get_dtype()} {list(got_shape)}, the metadata "
+                    f"{name!r}: {holds} {view.get_dtype()} {list(got_shape)}, the metadata "
                     f"implies {dtype} {list(shape)}."
                 )
             used.add(name)
             return torch.empty(shape, dtype=dtype, device="meta")
 
-        # Pass 1 checks every entry against the file's header without reading a byte.
-        for key, entry in entries.items():
+        for key, entry in self.entries.items():
             decode(key, entry, check)
-        _check_unreferenced(names - used, entries)
-        bar = Progress(f"loading {os.path.basename(path)}", len(names), progress)
+        _check_unreferenced(set(self.file_of) - used, self.entries)
+        return used
+
+    def get(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
+        return self.file_of[name].get_tensor(name).to(device)
+
+    def load(self, device: str | torch.device = "cpu",
+             progress: bool = False) -> dict[str, torch.Tensor]:
+        """The whole state_dict, checked first (`check`), quantized tensors rebuilt."""
+        inner = self.check()
+        label = (os.path.basename(self.paths[0]) if len(self.paths) == 1
+                 else f"{len(self.paths)} files")
+        bar = Progress(f"loading {label}", len(self.file_of), progress)
 
         def fetch(name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-            t = f.get_tensor(name).to(device)
+            t = self.get(name, device)
             bar.step(t)
             return t
 
         out: dict[str, torch.Tensor] = {}
-        for key, entry in entries.items():
+        for key, entry in self.entries.items():
             out[key] = decode(key, entry, fetch)
-        for name in sorted(names - used):
+        for name in sorted(set(self.file_of) - inner):
             out[name] = fetch(name, None, None)
-    return out
+        return out
+
+
+def load_file(
+    path: str | os.PathLike, *, device: str | torch.device = "cpu", progress: bool = False
+) -> dict[str, torch.Tensor]:
+    """The state_dict saved by save_file, quantized tensors rebuilt; nothing in the file is
+    executed. Raises CheckpointError naming the key and field of any inconsistency."""
+    with Files([path]) as f:
+        return f.load(device, progress)
+
+
+def load_files(
+    paths: Iterable[str | os.PathLike], *, device: str | torch.device = "cpu",
+    progress: bool = False,
+) -> dict[str, torch.Tensor]:
+    """load_file over the shards of one state_dict (see `Files`)."""
+    with Files(paths) as f:
+        return f.load(device, progress)
 
 
 def _check_unreferenced(names: Iterable[str], entries: Mapping[str, dict]) -> None:
