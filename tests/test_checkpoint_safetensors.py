@@ -171,6 +171,15 @@ def test_version_1_file_loads(tmp_path):
                 assert getattr(loaded[key], name) == getattr(t, name)
 
 
+def test_gemm_backend_is_chosen_where_the_bytes_land(tmp_path):
+    """The stored gemm_backend says where the file was written; the loaded tensor takes the one
+    its own device chooses (here the CPU's, whatever the file says)."""
+    path = tmp_path / "model.safetensors"
+    qtensor.save_file(make_model("nvfp4_dyn_rowscaled", 0).state_dict(), path)
+    _rewrite(path, lambda h, m: _entry(m)["attributes"].update({"gemm_backend": "triton"}))
+    assert qtensor.load_file(path)["0.weight"].gemm_backend == "emulated"
+
+
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_file_is_refused(tmp_path, case):
     edit, message = BAD[case]

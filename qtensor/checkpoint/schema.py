@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from qtensor.backends import GemmBackend, QuantBackend
+from qtensor.backends import GemmBackend, QuantBackend, resolve_gemm_backend
 from qtensor.formats import mxfp8, nvfp4
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
@@ -241,6 +241,10 @@ def decode(key: str, entry: Any, fetch: Callable[[str, torch.Size, torch.dtype],
         else:
             fields[name] = fetch(sub, *want)
     device = next(iter(fields[n] for n in cls.tensor_data_names)).device
+    if "gemm_backend" in fields:
+        # The GEMM backend belongs to the device the bytes land on, chosen there as for any
+        # tensor made or moved (a checkpoint written on the CPU says "emulated").
+        fields["gemm_backend"] = resolve_gemm_backend(device).value
     return cls(shape, DTYPES[entry["dtype"]], device, **fields)
 
 
