@@ -20,6 +20,7 @@ from qtensor.qat import (
     quantize_,
 )
 from qtensor.qat import convert
+from qtensor.training.weight_cache import leaves
 
 HOSTS = ("mxfp8", "fp8_block128")
 OVERRIDES = (None, "high_precision", "dequantized")
@@ -164,12 +165,12 @@ def test_skip_update_gate_keeps_first_microbatch_weight(direct):
     lin = model[0]
     x, dy = inputs()
     y0 = lin(x.detach(), is_first_microbatch=True)
-    before = [t.clone() for t in lin.weight_cache.operands.tensors()]
+    before = [t.clone() for t in leaves(lin.weight_cache.operand)]
     with torch.no_grad():
         lin.weight.mul_(1.5)
     y_skip = lin(x.detach(), skip_update=torch.tensor(True))
     assert bits_equal(y_skip, y0)
-    for b, t in zip(before, lin.weight_cache.operands.tensors()):
+    for b, t in zip(before, leaves(lin.weight_cache.operand)):
         assert bits_equal(b, t)
     y_new = lin(x.detach(), skip_update=torch.tensor(False))
     assert not torch.equal(y_new, y0)
@@ -254,7 +255,7 @@ def test_export_decodes_to_training_weight(host):
     decoded = decode_weight(blocks, scales)
     assert torch.equal(decoded, convert.project(model[0].weight).float())
     # ... and to the very values the last forward multiplied.
-    assert torch.equal(decoded, model[0].weight_cache.operands.fwd.dequantize())
+    assert torch.equal(decoded, model[0].weight_cache.operand.dequantize(torch.float32))
     assert y.shape == (2, M // 2, N)
     bad = model[0].weight.detach().clone()
     bad[0, 0] = float("nan")
