@@ -26,6 +26,10 @@ operand's when the right one is high precision:
   NVFP4, MXFP8 x MXFP8 and a bf16 left operand x NVFP4 / MXFP8, 2-D, 3-D and grouped.
 - `scaled_mm` (qtensor/gemm/scaled_mm.py): native block-scaled torch._scaled_mm, sm_100+ only,
   fp32 output, then this epilogue. Untested on hardware (docs/gemm.md).
+FP8 block operands (FP8BlockTensor, 1x128 blocks or 128x128 tiles) have no Triton kernel: their
+products run qtensor::fp8_block_mm (its exact reference, inside the opaque op on every device)
+unless the tensors ask for `scaled_mm`, then torch._scaled_mm with fp32 block scales on sm_90+
+(opt-in: docs/qat.md, "Status").
 A product a backend has no kernel for (a quantized left operand times a high-precision right
 one, an fp32 / fp16 activation, more than 3 dims, a CPU operand) runs on the reference: the
 same numbers, never a different precision. `gemm_plan(a, b)` says which path a product takes.

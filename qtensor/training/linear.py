@@ -1,4 +1,8 @@
-"""The autograd linear of the NVFP4 training recipe, and the nn.Linear that uses it.
+"""The autograd linear of the training stack, and the nn.Linear of the NVFP4 recipe that uses it.
+
+It is the one autograd linear of the package: MXFP4 QAT (qtensor/qat/linear.py) runs it with its
+hosts' operand specs and its own weight operand, asking the state for what the NVFP4 recipe does
+not use (dW into main_grad, the bias as stored, the native GEMM backend on every operand).
 
 Forward: Y = fprop(input, weight). Backward, by the recipe's backward_override:
 - None: quantize grad_output for its role, dX = dgrad(dY, W), dW = wgrad(dY, X) on the
@@ -256,7 +260,8 @@ class TrainingLinear(nn.Linear):
         backward = needs_backward(x, self.weight, self.bias)
         sr = take_sr_state(self, x) if backward else None
         return TrainingLinearFunction.apply(
-            x, self.weight, self.bias, WeightHolder(w_op), self.state, compute_dtype(x), backward, sr
+            x, self.weight, self.bias, WeightHolder(w_op), self.state, compute_dtype(x), backward,
+            sr
         )
 
     def extra_repr(self) -> str:
