@@ -10,9 +10,11 @@ import pathlib
 import pytest
 import torch
 
+from qtensor.formats.fp8_block import FP8BlockSpec
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
-from qtensor.tensors import HybridSpec, HybridTensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
+from qtensor.tensors import (FP8BlockTensor, HybridSpec, HybridTensor, MXFP8Tensor, NVFP4Tensor,
+                             QuantizedTensor, quantize_spec)
 from qtensor.tensors import layout
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "qtensor"
@@ -29,8 +31,8 @@ LAYERS = [
     {"training"},
     {"qat"},
     {"distributed"},
-    {"checkpoint"},
     {"quantize"},
+    {"checkpoint"},
     {"testing", "cli", "__main__", ""},  # "" is the package root, qtensor/__init__.py
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
@@ -152,16 +154,17 @@ SPECS = [
     NVFP4Spec(), NVFP4Spec(block_2d=True), NVFP4Spec(row_scaled=True),
     NVFP4Spec(fourover6="mse", e4m3_bound=256), NVFP4Spec(columnwise=True),
     NVFP4Spec(rht=True, columnwise=True), MXFP8Spec(), MXFP8Spec(scale_rule="floor"),
-    MXFP8Spec(columnwise=True),
+    MXFP8Spec(columnwise=True), FP8BlockSpec(), FP8BlockSpec(columnwise=True),
+    FP8BlockSpec("128x128"),
 ]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=repr)
 def test_spec_is_the_spec_quantized_with(spec):
-    cls = NVFP4Tensor if isinstance(spec, NVFP4Spec) else MXFP8Tensor
-    t = cls.from_spec(_x(64, 96), spec)
+    shape = (128, 256) if isinstance(spec, FP8BlockSpec) else (64, 96)
+    t = quantize_spec(_x(*shape), spec)
     assert t.spec == spec
-    again = cls.from_spec(_x(64, 96), t.spec)
+    again = type(t).from_spec(_x(*shape), t.spec)
     for name in t.tensor_data_names:
         assert torch.equal(getattr(again, name), getattr(t, name))
 
@@ -222,6 +225,11 @@ def _samples():
     yield MXFP8Tensor.from_spec(x, MXFP8Spec())
     yield MXFP8Tensor.from_spec(x, MXFP8Spec(columnwise=True))
     yield HybridTensor.from_hp(x, rowwise=NVFP4Spec(block_2d=True), columnwise=MXFP8Spec())
+    wide = _x(256, 512)  # FP8 blocks are 128 long (half of either dim stays whole tiles)
+    yield FP8BlockTensor.from_spec(wide, FP8BlockSpec())
+    yield FP8BlockTensor.from_spec(wide, FP8BlockSpec(columnwise=True))
+    yield FP8BlockTensor.from_spec(wide, FP8BlockSpec("128x128"))
+    yield FP8BlockTensor.from_spec(wide, FP8BlockSpec("128x128")).t()
 
 
 @pytest.mark.parametrize("t", list(_samples()), ids=lambda t: repr(t)[:60])

@@ -12,7 +12,10 @@ import torch
 from torch import nn
 
 from qtensor.backends import GemmBackend, QuantBackend, qat_quant_backend
+from qtensor.formats.fp8_block import FP8BlockSpec
+from qtensor.gemm import gemm_plan, quantized_mm
 from qtensor.qat import convert, hosts, kernels
+from qtensor.tensors import FP8BlockTensor
 
 ON_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA GPU")
@@ -107,12 +110,17 @@ def test_cuda_scaled_mm_block_gemms_match_emulation():
     host = hosts.Host.FP8_BLOCK128
     assert hosts.gemm_backend(host, x.device, True) is GemmBackend.SCALED_MM
     assert hosts.gemm_backend(host, x.device) is GemmBackend.EMULATED
-    wop = hosts.Operand(*convert.fp8_block_weight(w, True), "fb_tile")
-    xr, xc = hosts.quantize(x, host, False), hosts.quantize(x, host, True)
-    dr, dc = hosts.quantize(dy, host, False), hosts.quantize(dy, host, True)
+    rows, cols = FP8BlockSpec("1x128"), FP8BlockSpec("1x128", columnwise=True)
+    wop = FP8BlockTensor.wrap(w, FP8BlockSpec("128x128"), convert.fp8_block_weight(w, True),
+                              QuantBackend.REFERENCE)
+    xr, xc = FP8BlockTensor.from_spec(x, rows), FP8BlockTensor.from_spec(x, cols)
+    dr, dc = FP8BlockTensor.from_spec(dy, rows), FP8BlockTensor.from_spec(dy, cols)
     for a, b in ((xr, wop.t()), (dr, wop), (dc.t(), xc)):  # fprop, dgrad, wgrad
-        native = hosts.mm(a, b, torch.float32, GemmBackend.SCALED_MM)
-        emulated = hosts.mm(a, b, torch.float32, GemmBackend.EMULATED)
+        assert gemm_plan(a, b) is GemmBackend.EMULATED
+        emulated = quantized_mm(a, b, out_dtype=torch.float32)
+        a_n, b_n = (t.replace(gemm_backend=GemmBackend.SCALED_MM.value) for t in (a, b))
+        assert gemm_plan(a_n, b_n) is GemmBackend.SCALED_MM
+        native = quantized_mm(a_n, b_n, out_dtype=torch.float32)
         # Same exact products; only the accumulation differs (tensor-core order / precision).
         torch.testing.assert_close(native, emulated, rtol=2e-3, atol=2e-3 * emulated.abs().max().item())
 

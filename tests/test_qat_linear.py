@@ -20,6 +20,7 @@ from qtensor.qat import (
     quantize_,
 )
 from qtensor.qat import convert
+from qtensor.training.weight_cache import leaves
 
 HOSTS = ("mxfp8", "fp8_block128")
 OVERRIDES = (None, "high_precision", "dequantized")
@@ -164,12 +165,12 @@ def test_skip_update_gate_keeps_first_microbatch_weight(direct):
     lin = model[0]
     x, dy = inputs()
     y0 = lin(x.detach(), is_first_microbatch=True)
-    before = [t.clone() for t in lin.weight_cache.operands.tensors()]
+    before = [t.clone() for t in leaves(lin.weight_cache.operand)]
     with torch.no_grad():
         lin.weight.mul_(1.5)
     y_skip = lin(x.detach(), skip_update=torch.tensor(True))
     assert bits_equal(y_skip, y0)
-    for b, t in zip(before, lin.weight_cache.operands.tensors()):
+    for b, t in zip(before, leaves(lin.weight_cache.operand)):
         assert bits_equal(b, t)
     y_new = lin(x.detach(), skip_update=torch.tensor(False))
     assert not torch.equal(y_new, y0)
@@ -254,7 +255,7 @@ def test_export_decodes_to_training_weight(host):
     decoded = decode_weight(blocks, scales)
     assert torch.equal(decoded, convert.project(model[0].weight).float())
     # ... and to the very values the last forward multiplied.
-    assert torch.equal(decoded, model[0].weight_cache.operands.fwd.dequantize())
+    assert torch.equal(decoded, model[0].weight_cache.operand.dequantize(torch.float32))
     assert y.shape == (2, M // 2, N)
     bad = model[0].weight.detach().clone()
     bad[0, 0] = float("nan")
@@ -262,3 +263,59 @@ def test_export_decodes_to_training_weight(host):
         export_weight(bad, "0.weight")
     with pytest.raises(ValueError, match="no MXFP4QATLinear"):
         export_state_dict(nn.Sequential(nn.Linear(K, N)))
+
+
+def test_qat_runs_the_training_stack():
+    """One autograd linear and one weight cache: the QAT linear's graph node and cache are the
+    NVFP4 training linear's, and its cached weight operand is a tensor class of the stack."""
+    from qtensor.tensors import FP8BlockTensor, HybridTensor, MXFP8Tensor
+    from qtensor.training import NVFP4TrainingRecipe, TrainingLinear, WeightCache
+
+    x, _ = inputs()
+    nv = TrainingLinear(K, N, recipe=NVFP4TrainingRecipe(stochastic_rounding=False),
+                        dtype=torch.bfloat16)
+    kinds = {("mxfp8", None): HybridTensor, ("mxfp8", "dequantized"): MXFP8Tensor,
+             ("fp8_block128", None): FP8BlockTensor}
+    for (host, override), cls in kinds.items():
+        qat = make_model(host, False, override)[0]
+        y_qat, y_nv = qat(x), nv(x)
+        assert type(y_qat.grad_fn) is type(y_nv.grad_fn)
+        assert type(y_qat.grad_fn).__name__ == "TrainingLinearFunctionBackward"
+        assert type(qat.weight_cache) is type(nv.weight_cache) is WeightCache
+        assert type(qat.weight_cache.operand) is cls
+    tiles = make_model("fp8_block128", True, None)[0]
+    tiles(x)
+    assert tiles.weight_cache.operand.block == "128x128"  # one tile tensor: fprop and dgrad
+
+
+def test_reuse_on_an_empty_cache_converts():
+    """MXFP4QATLinear documents that is_first_microbatch=False on an empty cache converts (the
+    training linears raise instead: tests/test_training_modules.py)."""
+    model = make_model("mxfp8", False, None)
+    x, dy = inputs()
+    got = step(model, x, dy, is_first_microbatch=False)
+    assert dict(model[0].weight_cache.stats) == {"miss": 1}
+    for a, b in zip(got, step(make_model("mxfp8", False, None), x, dy)):
+        assert bits_equal(a, b)
+
+
+def test_native_backend_reaches_every_operand(monkeypatch):
+    """native_gemm's scaled_mm choice is carried by the weight, activation and gradient operands
+    (off CUDA the planner then runs the op's reference: the same bits as the emulation)."""
+    from qtensor.backends import GemmBackend
+    from qtensor.gemm import dense
+    from qtensor.qat import hosts
+
+    x, dy = inputs()
+    want = step(make_model("fp8_block128", True, None), x, dy)
+    monkeypatch.setattr(hosts, "gemm_backend", lambda *a, **k: GemmBackend.SCALED_MM)
+    seen = []
+    real_plan = dense.plan
+    monkeypatch.setattr(dense, "plan", lambda a, b, *r, **k: seen.append(
+        (a.gemm_backend, b.gemm_backend)) or real_plan(a, b, *r, **k))
+    model = make_model("fp8_block128", True, None, native_gemm=True)
+    got = step(model, x, dy)
+    assert model[0].weight_cache.operand.gemm_backend == "scaled_mm"
+    assert seen == [("scaled_mm", "scaled_mm")] * 3  # fprop, dgrad, wgrad
+    for a, b in zip(got, want):
+        assert bits_equal(a, b)

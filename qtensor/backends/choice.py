@@ -61,11 +61,17 @@ QAT_OPS = ("mxfp4_qat_mxfp8", "mxfp4_qat_fp8_block")
 _DISPATCH_KEY = {"cpu": "CPU", "cuda": "CUDA"}
 
 
-@compile_time_constant  # chosen once: torch.compile reads it at trace time (an Enum member)
 def qat_quant_backend(device_type: str) -> QuantBackend:
     """The project's choice for this device type (`quant_backend`: extension built, policy),
     narrowed to REFERENCE when the loaded extension lacks the QAT ops for the device."""
-    return _qat_backend_for(device_type, quant_backend(device_type))
+    return QUANT_BACKENDS[_qat_quant_backend_name(device_type)]
+
+
+# Chosen once, kept by torch.compile as a constant str (the tensors it feeds store `.value`,
+# which Dynamo cannot read off an Enum returned from a constant function).
+@compile_time_constant
+def _qat_quant_backend_name(device_type: str) -> str:
+    return _qat_backend_for(device_type, quant_backend(device_type)).value
 
 
 @depends_on_policy

@@ -26,6 +26,10 @@ operand's when the right one is high precision:
   NVFP4, MXFP8 x MXFP8 and a bf16 left operand x NVFP4 / MXFP8, 2-D, 3-D and grouped.
 - `scaled_mm` (qtensor/gemm/scaled_mm.py): native block-scaled torch._scaled_mm, sm_100+ only,
   fp32 output, then this epilogue. Untested on hardware (docs/gemm.md).
+FP8 block operands (FP8BlockTensor, 1x128 blocks or 128x128 tiles) have no Triton kernel: their
+products run qtensor::fp8_block_mm (its exact reference, inside the opaque op on every device)
+unless the tensors ask for `scaled_mm`, then torch._scaled_mm with fp32 block scales on sm_90+
+(opt-in: docs/qat.md, "Status").
 A product a backend has no kernel for (a quantized left operand times a high-precision right
 one, an fp32 / fp16 activation, more than 3 dims, a CPU operand) runs on the reference: the
 same numbers, never a different precision. `gemm_plan(a, b)` says which path a product takes.
@@ -40,8 +44,8 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from qtensor.backends import GEMM_BACKENDS, GemmBackend, gemm_backend_problem
 from qtensor.ops import gemm_ops
-from qtensor.ops.gemm_ops import Side
-from qtensor.gemm.scaled_mm import scaled_mm_args, scaled_mm_problem
+from qtensor.ops.gemm_ops import FP8_BLOCK, Side
+from qtensor.gemm.scaled_mm import fp8_block_scaled_mm, scaled_mm_args, scaled_mm_problem
 from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.common import ROWWISE
 from qtensor.tensors.hybrid import quantize_spec
@@ -104,7 +108,7 @@ def _flatten_batch(s: Side, lead) -> Side:
     def fold(t):
         return t if t is None or t.dim() == 0 else t.reshape(-1, *t.shape[len(lead):])
 
-    return Side(fold(s.data), fold(s.scale), fold(s.amax), s.bound)
+    return Side(fold(s.data), fold(s.scale), fold(s.amax), s.bound, s.tiles)
 
 
 def dense_sides(a_op, b_op) -> tuple[str, Side, Side, tuple]:
@@ -140,7 +144,10 @@ def _run_dense(fmt, a: Side, b: Side, bias, out_dtype, lead, backend: GemmBacken
     """The product on `backend`: the qtensor op on the CPU and for the triton backend (its CUDA
     kernel runs Triton), the reference itself for the emulated backend on other devices."""
     args = gemm_ops.dense_args(fmt, a, b, bias, out_dtype)
-    if backend is GemmBackend.TRITON or a.data.device.type in ("cpu", "meta"):
+    # The FP8 block op has no Triton kernel: its exact reference runs inside the opaque op on
+    # every device, so eager and compiled programs multiply in the same fp32 matmul.
+    if fmt == FP8_BLOCK or backend is GemmBackend.TRITON or \
+            a.data.device.type in ("cpu", "meta"):
         out = gemm_ops.call(f"{fmt}_mm", *args)
     else:
         out = gemm_ops.reference_mm(fmt, a, b, bias, out_dtype)
@@ -167,7 +174,10 @@ def triton_mm(a_op, b_op, bias, out_dtype, config=None, predecode=None) -> torch
 
 
 def native_scaled_mm(a_op, b_op, bias, out_dtype) -> torch.Tensor:
-    """torch._scaled_mm with swizzled block scales, fp32 out, then the shared epilogue."""
+    """torch._scaled_mm with swizzled block scales (FP8 block operands: fp32 block scales),
+    fp32 out, then the shared epilogue."""
+    if b_op.gemm_format == FP8_BLOCK:
+        return fp8_block_scaled_mm(a_op, b_op, bias, out_dtype)
     args = scaled_mm_args(a_op, b_op)
     acc = torch._scaled_mm(
         args.mat_a, args.mat_b, args.scale_a, args.scale_b, out_dtype=torch.float32
@@ -190,6 +200,11 @@ def plan(a_op, b_op, bias, out_dtype, sides=None, *, grouped: bool = False) -> G
     (dense_sides(a_op, b_op); the grouped layer's own for a grouped product, which must pass
     them)."""
     backend = product_backend(a_op, b_op)
+    if _format(a_op, b_op) == FP8_BLOCK:  # no Triton kernel: native, or the op's reference
+        if backend is GemmBackend.SCALED_MM and not grouped and \
+                scaled_mm_problem(a_op, b_op, bias) is None:
+            return backend
+        return GemmBackend.EMULATED
     if backend is GemmBackend.SCALED_MM:
         if not grouped and scaled_mm_problem(a_op, b_op, bias) is None:
             return backend

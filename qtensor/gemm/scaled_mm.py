@@ -1,4 +1,5 @@
-"""The `scaled_mm` GEMM backend: native block-scaled torch._scaled_mm on sm_100+.
+"""The `scaled_mm` GEMM backend: native block-scaled torch._scaled_mm on sm_100+ (NVFP4,
+MXFP8), and on sm_90+ for FP8 with 1x128 / 128x128 fp32 block scales (FP8BlockTensor).
 
 UNTESTED ON HARDWARE: the project's GPU machine is an H200 (sm_90), which has no block-scaled
 FP4/MX tensor cores, and this backend is never selected there (qtensor.backends). What is tested
@@ -21,6 +22,7 @@ import torch
 from qtensor.backends import QuantBackend
 from qtensor.formats import scale_layout
 from qtensor.ops import quant
+from qtensor.ops.gemm_operands import apply_epilogue
 from qtensor.tensors.base import QuantizedTensor
 
 
@@ -35,6 +37,8 @@ def scaled_mm_problem(a_op, b_op, bias=None) -> str | None:
     """Why the native call cannot run this product, or None."""
     if not (isinstance(a_op, QuantizedTensor) and type(a_op) is type(b_op)):
         return "both operands must be quantized in one format"
+    if b_op.gemm_format == "fp8_block":
+        return _fp8_block_problem(a_op, b_op, bias)
     if b_op.gemm_format not in ("nvfp4", "mxfp8"):
         return f"no block-scaled GEMM for {type(b_op).__name__}"
     if a_op.dim() != 2 or b_op.dim() != 2:
@@ -79,3 +83,45 @@ def scaled_mm_args(a_op, b_op) -> ScaledMMArgs:
         to_swizzled(a_op.scale),  # [M, K/32]
         to_swizzled(b_op.scale.t()),  # [K/32, N] -> [N, K/32]
     )
+
+
+# ---- FP8 with fp32 block scales (DeepSeek-style; the FP8 block host of MXFP4 QAT) ------------
+
+
+def _fp8_block_problem(a_op, b_op, bias) -> str | None:
+    if a_op.dim() != 2 or b_op.dim() != 2:
+        return "torch._scaled_mm takes 2-D operands"
+    if a_op.device.type != "cuda":
+        return "torch._scaled_mm runs on CUDA"
+    if a_op.block != "1x128":
+        return "the left operand must have 1x128 blocks"
+    if bias is not None and bias.dim() != 1:
+        return "bias must be 1-D"
+    return None
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous().t()
+
+
+def fp8_block_scaled_mm(a_op, b_op, bias, out_dtype) -> torch.Tensor:
+    """a [M, K] (1x128 rowwise) @ b [K, N] (128x128 tiles, or 1x128 along K) through
+    torch._scaled_mm with DeepSeek-style block scales; + bias in fp32, the cast.
+
+    The shape checks in ATen: a row-major with 1x128 scales (M, K/128) in column-major strides;
+    b column-major. A 128x128 b = W.t() takes W's tile scales (N/128, K/128) in column-major
+    strides (1, N/128), the layout reported to run on the H200 at full speed; a 1x128 b takes its
+    (K/128, N) scales row-major, the same memory as (N, K/128) column-major. On the H200 with
+    torch 2.11 (two scale layouts tried) the products still differ from the emulation
+    (tests/test_qat_kernels.py, xfail), so this path stays opt-in (MXFP4QATConfig.native_gemm).
+    """
+    tiles = b_op.block == "128x128"
+    scale_b = _col_major(b_op.scale.t()) if tiles else b_op.scale.contiguous()
+    acc = torch._scaled_mm(
+        a_op.qdata.contiguous(),
+        _col_major(b_op.qdata),
+        scale_a=_col_major(a_op.scale),
+        scale_b=scale_b,
+        out_dtype=torch.float32 if bias is not None else out_dtype,
+    )
+    return apply_epilogue(acc, None, None, bias, out_dtype)

@@ -18,7 +18,7 @@ from qtensor.formats import nvfp4 as nvfp4_ref
 from qtensor.formats.elements import fdiv
 from qtensor.formats.fields import either
 
-NVFP4, MXFP8 = "nvfp4", "mxfp8"
+NVFP4, MXFP8, FP8_BLOCK = "nvfp4", "mxfp8", "fp8_block"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # r(1 / denom) in fp32 for every epilogue denominator (36 B_a B_b, or 6 B with one NVFP4
@@ -33,16 +33,22 @@ INV = {
 }
 
 
+FP8_ROWS = fp8_block_ref.FP8BlockSpec("1x128")
+FP8_TILES = fp8_block_ref.FP8BlockSpec("128x128")
+
+
 # ---- operands and the epilogue ----------------------------------------------------------------
 
 
 class Side:
-    """One operand as the ops take it: data, scale (None: high precision), amax (NVFP4)."""
+    """One operand as the ops take it: data, scale (None: high precision), amax and bound
+    (NVFP4), tiles (FP8 block: 128x128 tile scales instead of 1x128 block scales)."""
 
-    __slots__ = ("data", "scale", "amax", "bound")
+    __slots__ = ("data", "scale", "amax", "bound", "tiles")
 
-    def __init__(self, data, scale=None, amax=None, bound=448):
+    def __init__(self, data, scale=None, amax=None, bound=448, tiles=False):
         self.data, self.scale, self.amax, self.bound = data, scale, amax, bound
+        self.tiles = tiles
 
     @property
     def quantized(self) -> bool:
@@ -51,6 +57,8 @@ class Side:
 
 def pack_args(fmt: str, a: Side, b: Side, bias, out_dtype, offs=None) -> tuple:
     """The arguments of a dense op (offs None) or a grouped op, in schema order."""
+    if fmt == FP8_BLOCK:  # dense only; only the right operand may hold tiles
+        return a.data, a.scale, b.data, b.scale, b.tiles, bias, out_dtype
     if fmt == NVFP4:
         head, bounds = (a.data, a.scale, a.amax, b.data, b.scale, b.amax), (a.bound, b.bound)
     else:
@@ -88,6 +96,9 @@ def units(fmt: str, side: Side) -> torch.Tensor:
         return side.data.float()
     if fmt == NVFP4:
         return nvfp4_ref.unit_values(side.data, side.scale)
+    if fmt == FP8_BLOCK:
+        return fp8_block_ref.dequantize(side.data, side.scale, FP8_TILES if side.tiles else
+                                        FP8_ROWS)
     return mxfp8_ref.dequantize(side.data, side.scale, columnwise=False)
 
 

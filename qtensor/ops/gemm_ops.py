@@ -60,8 +60,11 @@ from qtensor.formats import fp8_block as fp8_block_ref
 from qtensor.ops.gemm_operands import (
     B_POSITION,
     FLOAT_DTYPES,
+    FP8_BLOCK,
     MXFP8,
     NVFP4,
+    FP8_ROWS,
+    FP8_TILES,
     Side,
     apply_epilogue,
     check_dense,
@@ -260,16 +263,12 @@ def _grouped_kernels(fmt: str):
     return cpu, cuda, fake
 
 
-_FP8_ROWS = fp8_block_ref.FP8BlockSpec("1x128")
-_FP8_TILES = fp8_block_ref.FP8BlockSpec("128x128")
-
-
 def reference_fp8_block_mm(a, a_scale, b, b_scale, b_tiles, bias, out_dtype) -> torch.Tensor:
     """The exact product of FP8 block operands: fp32 decoded values (exact: E4M3 times a power
     of two), one fp32 matmul, + bias in fp32, the cast."""
     check_fp8_block(a, a_scale, b, b_scale, b_tiles, bias, out_dtype)
-    ua = fp8_block_ref.dequantize(a, a_scale, _FP8_ROWS)
-    ub = fp8_block_ref.dequantize(b, b_scale, _FP8_TILES if b_tiles else _FP8_ROWS)
+    ua = fp8_block_ref.dequantize(a, a_scale, FP8_ROWS)
+    ub = fp8_block_ref.dequantize(b, b_scale, FP8_TILES if b_tiles else FP8_ROWS)
     return apply_epilogue(ua @ ub.t(), None, None, bias, out_dtype)
 
 

@@ -1,9 +1,12 @@
 """MXFP4 weight QAT on MXFP8 and FP8 128x128 block-scaled training recipes (docs/qat.md).
 
-`MXFP4QATConfig` and `quantize_` load torchao and so are imported lazily; the rest is plain
-torch. Module map: convert.py (projection and direct conversions, the reference), hosts.py (host
-operands and GEMMs), cache.py (weight cache, CUDA-graph skip gate), linear.py (autograd linear
-and module), kernels.py (fused ops), export.py (MXFP4 deployment tensors), config.py.
+QAT is a weight transform feeding the training stack (qtensor/training): the hosts are operand
+specs of the training roles and the weight's operand is its MXFP4 projection in host bytes;
+MXFP4QATLinear runs the training autograd linear and weight cache. `MXFP4QATConfig` and
+`quantize_` load torchao and so are imported lazily; the rest is plain torch. Module map:
+convert.py (projection and direct conversions, the reference), kernels.py (fused ops), hosts.py
+(the hosts as OperandSpecs, the weight transform, the GEMM backend), linear.py (the module),
+export.py (MXFP4 deployment tensors), config.py.
 """
 
 from qtensor.qat.export import decode_weight, export_state_dict, export_weight

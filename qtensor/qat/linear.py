@@ -1,33 +1,42 @@
 """MXFP4QATLinear: an nn.Linear whose GEMMs see its weight's MXFP4 projection in host bytes.
 
 [Note: QAT linear dataflow]
-    fprop  Y  = X @ W^T    X host-rowwise            x  weight fwd operand (MXFP4 -> host)
-    dgrad  dX = dY @ W     None: dY host-rowwise     x  weight dgrad operand
-                           "dequantized": dY         x  dequantize(weight fwd operand) = w^
+The module runs the training stack's autograd linear (qtensor/training/linear.py,
+TrainingLinearFunction) with the host's operand specs ([Note: QAT hosts] in hosts.py); only the
+weight's operand comes from the MXFP4 transform, cached in the training WeightCache:
+    fprop  Y  = X @ W^T    X host-rowwise            x  weight operand (MXFP4 -> host)
+    dgrad  dX = dY @ W     None: dY host-rowwise     x  weight operand's dgrad usage
+                           "dequantized": dY         x  dequantize(weight operand) = w^
                            "high_precision": dY      x  the master weight W
     wgrad  dW = dY^T @ X   None: dY host-columnwise  x  X host-columnwise
                            "dequantized": dY^T       x  dequantize(X host-rowwise)
                            "high_precision": dY^T    x  X
-The weight dgrad operand is, on the MXFP8 host, a fresh 32x1 MXFP8 quantization of w^; on the
+The weight's dgrad usage is, on the MXFP8 host, a fresh 32x1 MXFP8 quantization of w^; on the
 FP8 block host the same 128x128 tiles as fprop (a square tile transposes exactly). dW is the
 gradient with respect to w^ handed unchanged to W: the straight-through estimator. High-
 precision GEMMs run in the compute dtype (the input's, or autocast's); quantized ones on exact
-decoded values (hosts.py). fp16 is rejected: the MXFP4 grid spans 2**-127 .. 6 * 2**125.
+decoded values. The bias is added in fp32 as stored. fp16 is rejected: the MXFP4 grid spans
+2**-127 .. 6 * 2**125.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
-from qtensor.ops.gemm_operands import fresh_reshape
+from qtensor.backends import GemmBackend
 from qtensor.qat import hosts
-from qtensor.qat.cache import WeightCache, WeightOperands
 from qtensor.qat.hosts import Host
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.training.linear import compute_dtype
+from qtensor.training.linear import (
+    LinearState,
+    TrainingLinearFunction,
+    WeightHolder,
+    compute_dtype,
+    needs_backward,
+)
+from qtensor.training.roles import SRSeeds
+from qtensor.training.weight_cache import WeightCache, check_skip_update
 
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -54,69 +63,6 @@ def check_weight(weight: torch.Tensor, label: str = "the layer") -> None:
         )
 
 
-class _QATLinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, ops: WeightOperands, module: "MXFP4QATLinear"):
-        host, override, backend = module.host, module.qat_config.backward_override, ops.backend
-        x2 = x.reshape(-1, x.shape[-1])
-        with _no_autocast(x):
-            xq = hosts.quantize(x2, host, columnwise=False)
-            y = hosts.mm(xq, ops.fwd.t(), x.dtype, backend, bias)
-        ctx.plan = (host, override, backend, module.qat_config.fuse_wgrad_accumulation)
-        ctx.shapes = (x.shape, x.dtype, bias is not None, weight.dtype)
-        if override is None:
-            x_col = hosts.quantize(x2, host, columnwise=True) if ctx.needs_input_grad[1] else None
-            ctx.operands = (x_col, ops.dgrad)
-        elif override == "dequantized":
-            ctx.operands = (xq, ops.fwd)
-        else:
-            ctx.save_for_backward(x2, weight)
-        ctx.weight = weight if module.qat_config.fuse_wgrad_accumulation else None
-        return fresh_reshape(y, (*x.shape[:-1], y.shape[-1]))
-
-    @staticmethod
-    def backward(ctx, dy):
-        host, override, backend, fuse = ctx.plan
-        x_shape, x_dtype, has_bias, w_dtype = ctx.shapes
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        with _no_autocast(dy):
-            if override is None:
-                x_col, w_dgrad = ctx.operands
-                dx = hosts.mm(hosts.quantize(dy2, host, False), w_dgrad, x_dtype, backend)
-                dw = None
-                if x_col is not None:
-                    dy_col = hosts.quantize(dy2, host, True)
-                    dw = hosts.mm(dy_col.t(), x_col, torch.float32, backend)
-            elif override == "dequantized":
-                xq, w_fwd = ctx.operands
-                dx = dy2 @ w_fwd.dequantize(dy2.dtype)
-                dw = dy2.t() @ xq.dequantize(dy2.dtype)
-            else:
-                x2, weight = ctx.saved_tensors
-                dx = dy2 @ weight.to(dy2.dtype)
-                dw = dy2.t() @ x2
-        dbias = dy2.float().sum(0) if has_bias else None
-        dw = _route_wgrad(ctx, dw, fuse, w_dtype)
-        return dx.reshape(x_shape).to(x_dtype), dw, dbias, None, None
-
-
-def _route_wgrad(ctx, dw, fuse: bool, w_dtype: torch.dtype):
-    """STE: dW (with respect to w^) goes to .grad, or is added into weight.main_grad."""
-    if dw is None or not ctx.needs_input_grad[1]:
-        return None
-    if not fuse:
-        return dw.to(w_dtype)
-    ctx.weight.main_grad.add_(dw.to(ctx.weight.main_grad.dtype))
-    return None
-
-
-def _no_autocast(t: torch.Tensor):
-    """Quantized GEMMs multiply exact fp32 values: autocast must not downcast them."""
-    if torch.is_autocast_enabled(t.device.type):
-        return torch.autocast(t.device.type, enabled=False)
-    return contextlib.nullcontext()
-
-
 class MXFP4QATLinear(nn.Linear):
     """nn.Linear training through MXFP4 QAT; build with quantize_(model, MXFP4QATConfig())."""
 
@@ -124,33 +70,54 @@ class MXFP4QATLinear(nn.Linear):
     def from_linear(cls, module: nn.Linear, config) -> "MXFP4QATLinear":
         module.__class__ = cls  # keeps the Parameters an optimizer may already hold
         module.qat_config = config
-        module.weight_cache = WeightCache()
+        # is_first_microbatch=False on an empty cache converts (strict_reuse=False).
+        module.weight_cache = WeightCache(strict_reuse=False)
         return module
 
     @property
     def host(self) -> Host:
         return Host(self.qat_config.host)
 
+    def linear_state(self, backend) -> LinearState:
+        """The training linear's state for this config and GEMM backend (built once per pair:
+        a recipe switch, or a move to a device with another backend, builds a new one)."""
+        key = (self.qat_config, backend)
+        if getattr(self, "_state_key", None) != key:
+            c = self.qat_config
+            native = backend if backend is not GemmBackend.EMULATED else None
+            self._state = LinearState(
+                hosts.operand_specs(self.host, c.backward_override), SRSeeds(),
+                fuse_wgrad_accumulation=c.fuse_wgrad_accumulation,
+                bias_in_compute_dtype=False, gemm_backend=native)
+            self._state_key = key
+        return self._state
+
     def forward(self, x: torch.Tensor, *, is_first_microbatch: bool | None = None,
                 skip_update: torch.Tensor | None = None) -> torch.Tensor:
         """is_first_microbatch (TE semantics): True converts the weight and caches it, False
-        reuses the cache; None converts when the weight changed. skip_update, a 0-d bool
-        tensor on the weight's device, gates the cache rewrite inside a CUDA graph: where it is
-        True the replay keeps the first micro-batch's weight bytes."""
+        reuses the cache (converting if it is empty); None converts when the weight changed.
+        skip_update, a 0-d bool tensor on the weight's device, gates the cache rewrite inside a
+        CUDA graph: where it is True the replay keeps the first micro-batch's weight bytes."""
         x = self._check_input(x)
         check_weight(self.weight, "this MXFP4QATLinear")
-        fuse = self.qat_config.fuse_wgrad_accumulation
-        if fuse and getattr(self.weight, "main_grad", None) is None:
+        config = self.qat_config
+        if config.fuse_wgrad_accumulation and getattr(self.weight, "main_grad", None) is None:
             raise RuntimeError(
                 "fuse_wgrad_accumulation=True needs weight.main_grad (an fp32 buffer of the "
                 "weight's shape) to add the weight gradient into; allocate it before training."
             )
-        backend = hosts.gemm_backend(self.host, self.weight.device, self.qat_config.native_gemm)
-        ops = self.weight_cache.get(self.weight, self.qat_config, backend,
-                                    is_first_microbatch, skip_update)
+        check_skip_update(skip_update, self.weight)
+        backend = hosts.gemm_backend(self.host, self.weight.device, config.native_gemm)
+        state = self.linear_state(backend)
+        w_op = self.weight_cache.get(
+            self.weight, lambda w: hosts.weight_operand(w, config, backend), key=(config, backend),
+            is_first_microbatch=is_first_microbatch, skip_update=skip_update,
+        )
         if self.training and torch.is_grad_enabled() and self.weight.requires_grad:
             self._check_tokens(x)
-        return _QATLinearFn.apply(x, self.weight, self.bias, ops, self)
+        backward = needs_backward(x, self.weight, self.bias)
+        return TrainingLinearFunction.apply(x, self.weight, self.bias, WeightHolder(w_op), state,
+                                            x.dtype, backward, None)
 
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, QuantizedTensor):

@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from qtensor.formats.fp8_block import FP8BlockSpec
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.tensors.base import QuantizedTensor
@@ -24,12 +25,13 @@ from qtensor.tensors.common import (
     flips_last_two,
     require_finite,
 )
+from qtensor.tensors.fp8_block import FP8BlockTensor
 from qtensor.tensors.layout import flat_view
 from qtensor.tensors.mxfp8 import MXFP8Tensor
 from qtensor.tensors.nvfp4 import NVFP4Tensor
 
 aten = torch.ops.aten
-Spec = NVFP4Spec | MXFP8Spec
+Spec = NVFP4Spec | MXFP8Spec | FP8BlockSpec
 SOURCES = ("original", "rowwise_dequantized")
 
 
@@ -47,7 +49,11 @@ def tensor_class(spec: Spec) -> type[QuantizedTensor]:
         return NVFP4Tensor
     if isinstance(spec, MXFP8Spec):
         return MXFP8Tensor
-    raise TypeError(f"expected an NVFP4Spec or MXFP8Spec; got {type(spec).__name__}.")
+    if isinstance(spec, FP8BlockSpec):
+        return FP8BlockTensor
+    raise TypeError(
+        f"expected an NVFP4Spec, MXFP8Spec or FP8BlockSpec; got {type(spec).__name__}."
+    )
 
 
 def quantize_spec(x, spec: Spec, *, generator=None, check_finite=True) -> QuantizedTensor:

@@ -27,7 +27,7 @@ from torch import nn
 
 from qtensor.training.linear import (
     LinearState,
-    _Operand,
+    WeightHolder,
     backward_gemms,
     compute_dtype,
     forward_input,
@@ -60,7 +60,7 @@ def shared_input_rowwise(x2: torch.Tensor, state: LinearState):
 
 class GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, w_holder: _Operand, state: LinearState, splits, dtype,
+    def forward(ctx, x, weight, bias, w_holder: WeightHolder, state: LinearState, splits, dtype,
                 backward, sr):
         override = state.specs.backward_override
         ys, x_saved, w_saved = [], [], []
@@ -180,7 +180,7 @@ class GroupedLinear(nn.Module):
         backward = needs_backward(x, self.weight, self.bias)
         sr = take_sr_state(self, x, calls=self.num_experts) if backward else None
         return GroupedLinearFunction.apply(
-            x, self.weight, self.bias, _Operand(w_ops), self.state, splits, compute_dtype(x),
+            x, self.weight, self.bias, WeightHolder(w_ops), self.state, splits, compute_dtype(x),
             backward, sr,
         )
 

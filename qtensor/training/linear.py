@@ -1,4 +1,8 @@
-"""The autograd linear of the NVFP4 training recipe, and the nn.Linear that uses it.
+"""The autograd linear of the training stack, and the nn.Linear of the NVFP4 recipe that uses it.
+
+It is the one autograd linear of the package: MXFP4 QAT (qtensor/qat/linear.py) runs it with its
+hosts' operand specs and its own weight operand, asking the state for what the NVFP4 recipe does
+not use (dW into main_grad, the bias as stored, the native GEMM backend on every operand).
 
 Forward: Y = fprop(input, weight). Backward, by the recipe's backward_override:
 - None: quantize grad_output for its role, dX = dgrad(dY, W), dW = wgrad(dY, X) on the
@@ -19,8 +23,10 @@ import dataclasses
 import torch
 from torch import nn
 
+from qtensor.backends import GemmBackend
 from qtensor.ops.gemm_operands import fresh_reshape
 from qtensor.tensors import QuantizedTensor
+from qtensor.tensors.layout import map_parts
 from qtensor.training.recipe import NVFP4TrainingRecipe
 from qtensor.training.roles import (
     OperandSpecs,
@@ -39,10 +45,19 @@ from qtensor.training.weight_cache import WeightCache
 
 @dataclasses.dataclass
 class LinearState:
-    """What the autograd function needs besides tensors: the specs and the rounding seeds."""
+    """What the autograd function needs besides tensors: the specs and the rounding seeds, and
+    what a module may ask of the backward beyond the recipe (MXFP4 QAT asks all three)."""
 
     specs: OperandSpecs
     seeds: SRSeeds
+    # Add dW into `weight.main_grad` (its dtype, Megatron-style) instead of returning it.
+    fuse_wgrad_accumulation: bool = False
+    # The bias enters the fp32 epilogue rounded to the compute dtype (the training recipe), or
+    # as it is stored (MXFP4 QAT: an fp32 bias under bf16 autocast stays exact).
+    bias_in_compute_dtype: bool = True
+    # The GEMM backend the activation and gradient operands multiply on; None: each tensor's
+    # own (chosen when it is made). The weight's operand carries its own.
+    gemm_backend: GemmBackend | None = None
     # Whether any slot rounds stochastically: fixed by the specs, so decided once, not per call.
     stochastic: bool = dataclasses.field(init=False)
 
@@ -51,7 +66,7 @@ class LinearState:
 
 
 @dataclasses.dataclass
-class _Operand:
+class WeightHolder:
     # Holds a quantized weight so autograd's apply() does not treat it as an input.
     op: QuantizedTensor
 
@@ -72,9 +87,18 @@ def forward_input(x2: torch.Tensor, state: LinearState, backward: bool, rowwise=
     `sr`: this step's stochastic-rounding rows (take_sr_state), None without stochastic rounding."""
     specs = state.specs
     if not backward:
-        return rowwise if rowwise is not None else quantize_rowwise(x2, specs.input, "input")
-    return quantize_role(x2, specs.input, "input", sr_for_role("input", specs.input, sr),
-                         rowwise=rowwise)
+        op = rowwise if rowwise is not None else quantize_rowwise(x2, specs.input, "input")
+    else:
+        op = quantize_role(x2, specs.input, "input", sr_for_role("input", specs.input, sr),
+                           rowwise=rowwise)
+    return on_backend(op, state)
+
+
+def on_backend(op, state: LinearState):
+    """op with its products on the state's GEMM backend (op itself when that is None)."""
+    if state.gemm_backend is None:
+        return op
+    return map_parts(op, lambda part: part.replace(gemm_backend=state.gemm_backend.value))
 
 
 def needs_backward(*tensors) -> bool:
@@ -102,7 +126,7 @@ def backward_gemms(dy2, x_saved, w_saved, state: LinearState, dtype, w_dtype, ne
 def quantized_backward(dy2, x_op, w_op, state: LinearState, dtype, w_dtype, need, sr=None):
     """grad_output quantized for its role, then dgrad and wgrad on the recipe's operands."""
     dy_sr = sr_for_role("grad_output", state.specs.grad_output, sr)
-    dy_op = quantize_role(dy2, state.specs.grad_output, "grad_output", dy_sr)
+    dy_op = on_backend(quantize_role(dy2, state.specs.grad_output, "grad_output", dy_sr), state)
     dx = dgrad(dy_op, w_op, dtype) if need[0] else None
     dw = wgrad(dy_op, x_op, w_dtype) if need[1] else None
     return dx, dw
@@ -117,17 +141,19 @@ def high_precision_backward(dy2, x_hp, w_hp, w_dtype, need):
 
 class TrainingLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, w_holder: _Operand, state: LinearState, dtype, backward,
+    def forward(ctx, x, weight, bias, w_holder: WeightHolder, state: LinearState, dtype, backward,
                 sr):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-            x_op = forward_input(x2, state, backward, sr=sr)
-            b = bias.to(dtype) if bias is not None else None
+            # The input's columnwise usage feeds only wgrad: built when dW will be computed.
+            x_op = forward_input(x2, state, backward and ctx.needs_input_grad[1], sr=sr)
+            b = bias.to(dtype) if bias is not None and state.bias_in_compute_dtype else bias
             y = fprop(x_op, w_holder.op, b, dtype)
         override = state.specs.backward_override
         ctx.save_for_backward(*saved_for_backward(x2, x_op, weight, w_holder.op, override), sr)
         ctx.state, ctx.dtype, ctx.x_meta = state, dtype, (x.shape, x.dtype)
         ctx.w_dtype = weight.dtype
+        ctx.weight = weight if state.fuse_wgrad_accumulation else None
         ctx.b_dtype = bias.dtype if bias is not None else None
         return fresh_reshape(y, (*x.shape[:-1], y.shape[-1]))
 
@@ -136,10 +162,17 @@ class TrainingLinearFunction(torch.autograd.Function):
         x_saved, w_saved, sr = ctx.saved_tensors
         x_shape, x_dtype = ctx.x_meta
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        # STE for QAT: dW, the gradient with respect to the weight's operand, goes to the
+        # master weight unchanged (returned, or added into main_grad in its dtype).
+        fused = ctx.weight is not None
+        w_dtype = ctx.weight.main_grad.dtype if fused else ctx.w_dtype
         with torch.autocast(dy.device.type, enabled=False):
             dy2 = dy.reshape(-1, dy.shape[-1]).to(ctx.dtype)
-            dx, dw = backward_gemms(dy2, x_saved, w_saved, ctx.state, ctx.dtype, ctx.w_dtype,
+            dx, dw = backward_gemms(dy2, x_saved, w_saved, ctx.state, ctx.dtype, w_dtype,
                                     need, sr)
+            if fused and dw is not None:
+                ctx.weight.main_grad.add_(dw)
+                dw = None
             db = None
             if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
                 db = dy2.float().sum(0).to(ctx.b_dtype)
@@ -227,7 +260,8 @@ class TrainingLinear(nn.Linear):
         backward = needs_backward(x, self.weight, self.bias)
         sr = take_sr_state(self, x) if backward else None
         return TrainingLinearFunction.apply(
-            x, self.weight, self.bias, _Operand(w_op), self.state, compute_dtype(x), backward, sr
+            x, self.weight, self.bias, WeightHolder(w_op), self.state, compute_dtype(x), backward,
+            sr
         )
 
     def extra_repr(self) -> str:

@@ -18,6 +18,7 @@ import zlib
 
 import torch
 
+from qtensor.formats.fp8_block import FP8BlockSpec
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.gemm.dense import quantized_mm
@@ -25,7 +26,7 @@ from qtensor.tensors import HybridTensor, QuantizedTensor, quantize_spec
 from qtensor.tensors.hybrid import gradient_cast, is_gradient_cast
 from qtensor.tensors.hybrid import SOURCES
 
-Spec = NVFP4Spec | MXFP8Spec
+Spec = NVFP4Spec | MXFP8Spec | FP8BlockSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,13 @@ class RoleSpec:
         if self.columnwise is not None and self.rowwise is None:
             raise ValueError("A columnwise usage needs a rowwise one (the forward operand).")
 
+    def right_operand(self) -> Spec | None:
+        """The usage a GEMM takes as its right operand: the columnwise one, or a rowwise spec of
+        128x128 tiles (a square tile serves either side, so one tensor is both usages)."""
+        if self.columnwise is None and getattr(self.rowwise, "block", None) == "128x128":
+            return self.rowwise
+        return self.columnwise
+
 
 @dataclasses.dataclass(frozen=True)
 class OperandSpecs:
@@ -75,7 +83,7 @@ class OperandSpecs:
                 )
             return
         _check_pair("dgrad", "grad_output.rowwise", self.grad_output.rowwise,
-                    "weight.columnwise", self.weight.columnwise)
+                    "weight.columnwise", self.weight.right_operand())
         _check_pair("wgrad", "grad_output.columnwise", self.grad_output.columnwise,
                     "input.columnwise", self.input.columnwise)
 
