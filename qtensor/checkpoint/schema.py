@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from qtensor.backends import GemmBackend, QuantBackend, resolve_gemm_backend
+from qtensor.backends import GemmBackend, QuantBackend
 from qtensor.formats import mxfp8, nvfp4
 from qtensor.formats.fp8_block import FP8BlockSpec
 from qtensor.formats.mxfp8 import MXFP8Spec
@@ -245,7 +245,7 @@ def decode(key: str, entry: Any, fetch: Callable[[str, torch.Size, torch.dtype],
     if "gemm_backend" in fields:
         # The GEMM backend belongs to the device the bytes land on, chosen there as for any
         # tensor made or moved (a checkpoint written on the CPU says "emulated").
-        fields["gemm_backend"] = resolve_gemm_backend(device).value
+        fields["gemm_backend"] = cls.gemm_backend_for(device)
     return cls(shape, DTYPES[entry["dtype"]], device, **fields)
 
 

@@ -45,6 +45,8 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch.utils._pytree import tree_map
 
+from qtensor.backends import resolve_gemm_backend
+
 OpHandler = Callable[..., Any]
 _GEMM_AXIS = {"left": "rowwise", "right": "columnwise"}
 
@@ -146,6 +148,12 @@ class QuantizedTensor(torch.Tensor):
                    str(self.dtype), self.requires_grad,
                    tuple((a, repr(getattr(self, a))) for a in self.tensor_attribute_names), inner)
         return hashlib.blake2b(pickle.dumps(payload), digest_size=16).hexdigest()
+
+    @classmethod
+    def gemm_backend_for(cls, device) -> str:
+        """The GEMM backend a tensor of this class takes on `device` when it is made, moved or
+        loaded there: the device's fastest (qtensor.backends.resolve_gemm_backend)."""
+        return resolve_gemm_backend(device).value
 
     @classmethod
     def upgrade_attributes(cls, attrs: dict) -> dict:

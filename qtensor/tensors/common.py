@@ -6,7 +6,6 @@ import dataclasses
 
 import torch
 
-from qtensor.backends import resolve_gemm_backend
 from qtensor.tensors.base import QuantizedTensor
 
 aten = torch.ops.aten
@@ -99,7 +98,7 @@ def _to_copy(func, args, kwargs):
 def _backend_for_device(x, device) -> dict:
     """The GEMM backend belongs to the device: chosen again when the bytes change device."""
     if "gemm_backend" in x.tensor_attribute_names and torch.device(device).type != x.device.type:
-        return {"gemm_backend": resolve_gemm_backend(device).value}
+        return {"gemm_backend": type(x).gemm_backend_for(device)}
     return {}
 
 

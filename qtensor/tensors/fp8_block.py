@@ -64,6 +64,12 @@ class FP8BlockTensor(QuantizedTensor):
         return out
 
     @classmethod
+    def gemm_backend_for(cls, device) -> str:
+        """The exact emulation on every device: the native FP8 block GEMM is opt-in
+        (MXFP4QATConfig.native_gemm; docs/qat.md, "Status")."""
+        return GemmBackend.EMULATED.value
+
+    @classmethod
     def wrap(cls, x, spec: FP8BlockSpec, data: FP8BlockData, backend: QuantBackend,
              gemm_backend: GemmBackend = GemmBackend.EMULATED) -> "FP8BlockTensor":
         """The tensor holding `data` (FP8BlockData of x quantized with spec). Its products run
