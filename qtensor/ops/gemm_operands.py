@@ -3,7 +3,7 @@
 A `Side` is one operand (data, scale, amax, bound); `pack_args` / `unpack_args` put two of them
 in an op's schema order and back ([Note: GEMM ops] in qtensor/ops/gemm_ops.py has the schemas).
 `units` gives the exact fp32 values a GEMM multiplies and `epilogue_factors` / `apply_epilogue`
-the epilogue of [Note: emulated GEMM] (qtensor/ops/gemm.py), in its order. The argument checks
+the epilogue of [Note: emulated GEMM] (qtensor/gemm/dense.py), in its order. The argument checks
 here run in every implementation of an op, the fake one included, so a bad call fails the
 same way eagerly, under torch.compile and on every device.
 """
