@@ -171,3 +171,12 @@ def test_checkpoint_round_trips(tmp_path):
             assert torch.equal(got[k].qdata, sd[k].qdata) and torch.equal(got[k].scale,
                                                                          sd[k].scale)
         assert torch.equal(got["b"], sd["b"])
+
+
+def test_compiled_expert_product_is_the_eager_one():
+    """torch.compile(fullgraph=True) of the expert forward's product: the graph holds the
+    opaque qtensor::mxfp4_mm, so the bits are eager's."""
+    experts = MXFP4Tensor.from_hp(_x(2, 64, 96, seed=4)).transpose(-1, -2)
+    x = _x(5, 96, seed=5)
+    f = torch.compile(lambda x, w: x @ w[1], fullgraph=True)
+    assert torch.equal(f(x, experts), x @ experts[1])

@@ -1,5 +1,5 @@
-"""What every reader of a transformers checkpoint directory shares (qtensor/checkpoint/pretrained.py,
-qtensor/checkpoint/gpt_oss.py): its files, its tensors read by name (shapes and dtypes before
+"""What every reader of a transformers checkpoint directory shares (checkpoint/pretrained.py,
+checkpoint/gpt_oss.py): its files, its tensors read by name (shapes and dtypes before
 data), and placing tensors into a model built on the meta device.
 
 The plain (unquantized) tensors follow one rule for every layout: each parameter and persistent
@@ -42,7 +42,8 @@ def weight_files(d: Path) -> dict[str, Path]:
         with safe_open(d / "model.safetensors", "pt") as f:
             files = {k: d / "model.safetensors" for k in f.keys()}
     else:
-        raise CheckpointError(f"{d} has neither model.safetensors nor model.safetensors.index.json.")
+        raise CheckpointError(
+            f"{d} has neither model.safetensors nor model.safetensors.index.json.")
     for path in set(files.values()):
         if not path.is_file():
             raise CheckpointError(f"the index names {path.name}, which is not in {d}.")
@@ -97,7 +98,8 @@ def materialize_buffers(model: nn.Module, device) -> None:
     and are in no checkpoint: recompute them with the model's own initializer, which for a
     module without parameters touches only its buffers."""
     for mname, module in model.named_modules():
-        names = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None]
+        names = [n for n in module._non_persistent_buffers_set
+                 if module._buffers.get(n) is not None]
         if not names:
             continue
         if next(module.parameters(recurse=False), None) is not None:
