@@ -1,4 +1,4 @@
-"""qtensor: NVFP4, MXFP8 and hybrid quantized tensors for PyTorch.
+"""qtensor: NVFP4, MXFP8, MXFP4, FP8 block and hybrid quantized tensors for PyTorch.
 
 `import qtensor` neither initialises CUDA nor imports Triton or transformers.
 """
@@ -7,18 +7,19 @@ import torch as _torch
 
 from qtensor.checkpoint import from_pretrained, load_file, save_file, save_pretrained
 from qtensor.checkpoint import hf_hook as _hf_hook
-from qtensor.formats import MXFP8Spec, NVFP4Spec
+from qtensor.formats import MXFP4Spec, MXFP8Spec, NVFP4Spec
 from qtensor.formats.fp8_block import FP8BlockSpec
 from qtensor import gemm as _gemm  # noqa: F401  registers the GEMM handlers and F.linear
 from qtensor.gemm import quantized_mm
-from qtensor.tensors import FP8BlockTensor, HybridTensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
+from qtensor.tensors import (FP8BlockTensor, HybridTensor, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor,
+                             QuantizedTensor)
 
 from qtensor.version import __version__  # noqa: E402
 
 # Quantized tensors and their specs load with torch.load(weights_only=True).
 _torch.serialization.add_safe_globals(
-    [NVFP4Tensor, MXFP8Tensor, HybridTensor, FP8BlockTensor, NVFP4Spec, MXFP8Spec,
-     FP8BlockSpec]
+    [NVFP4Tensor, MXFP8Tensor, HybridTensor, FP8BlockTensor, MXFP4Tensor, NVFP4Spec, MXFP8Spec,
+     FP8BlockSpec, MXFP4Spec]
 )
 
 _LAZY = {  # these import torchao or transformers, so they load on first use
@@ -43,6 +44,8 @@ __all__ = [
     "FP8BlockSpec",
     "FP8BlockTensor",
     "HybridTensor",
+    "MXFP4Spec",
+    "MXFP4Tensor",
     "MXFP8DynamicActivationMXFP8WeightConfig",
     "MXFP8Spec",
     "MXFP8Tensor",

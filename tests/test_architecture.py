@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from qtensor.formats.fp8_block import FP8BlockSpec
+from qtensor.formats.mxfp4 import MXFP4Spec
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
-from qtensor.tensors import (FP8BlockTensor, HybridSpec, HybridTensor, MXFP8Tensor, NVFP4Tensor,
-                             QuantizedTensor, quantize_spec)
+from qtensor.tensors import (FP8BlockTensor, HybridSpec, HybridTensor, MXFP4Tensor, MXFP8Tensor,
+                             NVFP4Tensor, QuantizedTensor, quantize_spec)
 from qtensor.tensors import layout
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "qtensor"
@@ -155,7 +156,7 @@ SPECS = [
     NVFP4Spec(fourover6="mse", e4m3_bound=256), NVFP4Spec(columnwise=True),
     NVFP4Spec(rht=True, columnwise=True), MXFP8Spec(), MXFP8Spec(scale_rule="floor"),
     MXFP8Spec(columnwise=True), FP8BlockSpec(), FP8BlockSpec(columnwise=True),
-    FP8BlockSpec("128x128"),
+    FP8BlockSpec("128x128"), MXFP4Spec(), MXFP4Spec(columnwise=True),
 ]
 
 
@@ -230,6 +231,9 @@ def _samples():
     yield FP8BlockTensor.from_spec(wide, FP8BlockSpec(columnwise=True))
     yield FP8BlockTensor.from_spec(wide, FP8BlockSpec("128x128"))
     yield FP8BlockTensor.from_spec(wide, FP8BlockSpec("128x128")).t()
+    yield MXFP4Tensor.from_spec(x, MXFP4Spec())
+    yield MXFP4Tensor.from_spec(x, MXFP4Spec(columnwise=True))
+    yield MXFP4Tensor.from_spec(_x(2, 64, 96), MXFP4Spec()).transpose(-1, -2)  # gpt-oss experts
 
 
 @pytest.mark.parametrize("t", list(_samples()), ids=lambda t: repr(t)[:60])

@@ -1,4 +1,4 @@
-"""The GEMM ops (qtensor::nvfp4_mm, mxfp8_mm, their grouped forms and fp8_block_mm): torch.library.opcheck,
+"""The GEMM ops (qtensor::nvfp4_mm, mxfp8_mm, mxfp4_mm, their grouped forms and fp8_block_mm): torch.library.opcheck,
 the reference against an independent fp64 product of dequantized operands, autograd, errors,
 and the eager direct call against the dispatcher.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtensor import HybridTensor, MXFP8Spec, MXFP8Tensor, NVFP4Tensor
+from qtensor import HybridTensor, MXFP4Tensor, MXFP8Spec, MXFP8Tensor, NVFP4Tensor
 from qtensor.ops import gemm_ops
 from qtensor.ops.gemm_operands import Side
 
@@ -59,6 +59,10 @@ def mx_side(t: MXFP8Tensor, right: bool) -> Side:
         t.qdata, t.scale)
 
 
+def m4_side(t: MXFP4Tensor) -> Side:
+    return Side(t.qdata, t.scale)  # rowwise: a left operand's rows; columnwise: a right one's
+
+
 def dense_cases(device):
     """(name, fmt, a Side, b Side, bias, a_hp [.., M, K], b_hp [.., N, K]): b_hp / a_hp are the
     dequantized operands (fp64 oracle)."""
@@ -75,6 +79,9 @@ def dense_cases(device):
     x3 = torch.randn(3, 24, 96, device=device, generator=g)
     w3 = torch.randn(3, 40, 96, device=device, generator=g)
     n3x, n3w = NVFP4Tensor.from_hp(x3, row_scaled=True), NVFP4Tensor.from_hp(w3)
+    m4w, m4x = MXFP4Tensor.from_hp(w), MXFP4Tensor.from_hp(x)
+    m4w_col = MXFP4Tensor.from_hp(w.t().contiguous(), columnwise=True)  # [K, N] columnwise
+    m43w = MXFP4Tensor.from_hp(w3)
 
     def dq(t):
         return t.dequantize(torch.float64)
@@ -90,6 +97,12 @@ def dense_cases(device):
         ("bf16_x_mxfp8", "mxfp8", Side(xb), mx_side(mw, False), bias, xb.double(), dq(mw)),
         ("mxfp8_x_mxfp8_columnwise", "mxfp8", mx_side(mx, False), mx_side(mw_col, True), bias,
          dq(mx), dq(mw_col).t()),
+        ("bf16_x_mxfp4", "mxfp4", Side(xb), m4_side(m4w), bias, xb.double(), dq(m4w)),
+        ("mxfp4_x_mxfp4_columnwise", "mxfp4", m4_side(m4x), m4_side(m4w_col), bias, dq(m4x),
+         dq(m4w_col).t()),
+        ("mxfp4_x_fp32", "mxfp4", m4_side(m4x), Side(w), None, dq(m4x), w.double()),
+        ("bf16_broadcast_x_mxfp4_batched", "mxfp4", Side(xb), m4_side(m43w), None, xb.double(),
+         dq(m43w)),
     ]
 
 
@@ -104,7 +117,8 @@ def test_dense_ops_pass_opcheck(device):
 @pytest.mark.parametrize("device", devices)
 def test_dense_op_autograd_passes_opcheck(device):
     """A high-precision operand that requires grad: the autograd registration is checked."""
-    for name, fmt, a, b, bias, _, _ in dense_cases(device)[:1] + dense_cases(device)[5:6]:
+    for name, fmt, a, b, bias, _, _ in dense_cases(device)[:1] + dense_cases(device)[5:6] + \
+            dense_cases(device)[7:8]:
         a = Side(a.data.detach().clone().requires_grad_(True))
         bias = bias.detach().clone().requires_grad_(True)
         opcheck(gemm_ops.op(f"{fmt}_mm"), gemm_ops.dense_args(fmt, a, b, bias, torch.float32))
@@ -197,6 +211,8 @@ def grouped_cases(device):
         ("nvfp4", nv_side(NVFP4Tensor.from_hp(x, row_scaled=True)), nv_side(nw), offs, None),
         ("mxfp8", Side(x.bfloat16()), mx_side(mw, False), offs, bias),
         ("mxfp8", mx_side(MXFP8Tensor.from_hp(x), False), mx_side(mw, False), offs, None),
+        ("mxfp4", Side(x.bfloat16()), m4_side(MXFP4Tensor.from_hp(w)), offs, bias),
+        ("mxfp4", m4_side(MXFP4Tensor.from_hp(x)), m4_side(MXFP4Tensor.from_hp(w)), offs, None),
     ]
 
 

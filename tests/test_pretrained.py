@@ -230,8 +230,8 @@ def test_malformed_checkpoints_are_refused_naming_the_tensor(ct_dir, tmp_path, c
         qtensor.from_pretrained(d)
 
 
-def test_a_checkpoint_without_nvfp4_is_refused(base_dir, tmp_path):
-    with pytest.raises(CheckpointError, match="no NVFP4 checkpoint qtensor reads"):
+def test_a_checkpoint_without_quantization_is_refused(base_dir, tmp_path):
+    with pytest.raises(CheckpointError, match="no quantized checkpoint qtensor reads"):
         qtensor.from_pretrained(base_dir)
     with pytest.raises(CheckpointError, match="has no config.json"):
         qtensor.from_pretrained(tmp_path)

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from conftest import leaves
 
-from qtensor import HybridTensor, MXFP8Spec, MXFP8Tensor, NVFP4Spec, NVFP4Tensor, QuantizedTensor
+from qtensor import (HybridTensor, MXFP4Tensor, MXFP8Spec, MXFP8Tensor, NVFP4Spec, NVFP4Tensor,
+                     QuantizedTensor)
 
 
 def _x(*shape, seed=0):
@@ -31,6 +32,8 @@ CASES = {
         _x(2, 32, 64), stochastic_rounding=True, generator=torch.Generator().manual_seed(1)),
     "mxfp8": lambda: MXFP8Tensor.from_hp(_x(32, 64)),
     "mxfp8_floor_col": lambda: MXFP8Tensor.from_hp(_x(32, 64), scale_rule="floor", columnwise=True),
+    "mxfp4": lambda: MXFP4Tensor.from_hp(_x(32, 64)),
+    "mxfp4_col_3d": lambda: MXFP4Tensor.from_hp(_x(2, 32, 64), columnwise=True),
     "hybrid": lambda: HybridTensor.from_hp(
         _x(32, 64), rowwise=NVFP4Spec(), columnwise=MXFP8Spec(),
         columnwise_source="rowwise_dequantized"),
@@ -267,6 +270,8 @@ def _requantize_like(t, x):
         return NVFP4Tensor.from_hp(x, block_2d=t.block_2d, row_scaled=t.row_scaled,
                                    fourover6=t.fourover6, e4m3_bound=t.e4m3_bound, rht=t.rht,
                                    columnwise=t.axis == "columnwise")
+    if isinstance(t, MXFP4Tensor):
+        return MXFP4Tensor.from_spec(x, t.spec)
     return MXFP8Tensor.from_hp(x, scale_rule=t.scale_rule, columnwise=t.axis == "columnwise")
 
 

@@ -2,12 +2,13 @@
 checkpoint directory whose quantized weights are qtensor tensors holding the file's bytes
 (nothing is dequantized and requantized); `save_pretrained` writes one.
 
-Three layouts are read: qtensor's own (what `save_pretrained` writes: config.json with
+Four layouts are read: qtensor's own (what `save_pretrained` writes: config.json with
 `quantization_config.quant_method` "qtensor", and model.safetensors written by
 `qtensor.save_file`, whose header describes every quantized tensor, [Note: checkpoint
 schema] in qtensor/checkpoint/schema.py; transformers' own `model.save_pretrained` writes the
-same layout, possibly sharded, through qtensor/checkpoint/hf.py), and the NVFP4 layouts of two
-other writers, below.
+same layout, possibly sharded, through qtensor/checkpoint/hf.py), the NVFP4 layouts of two
+other writers, below, and gpt-oss-style MXFP4 (config.json `quant_method` "mxfp4": [Note: reading
+gpt-oss MXFP4 checkpoints] in qtensor/checkpoint/gpt_oss.py).
 
 [Note: reading NVFP4 checkpoints]
 Two writers' layouts, per quantized linear layer NAME (N output features, K inputs):
@@ -47,7 +48,6 @@ tensor and the rule, and no model is returned.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import json
 import os
@@ -58,6 +58,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from qtensor.checkpoint import gpt_oss
+from qtensor.checkpoint.model_dir import (Reader, materialize_buffers, place, plain_tensors,
+                                          read_json, weight_files)
 from qtensor.checkpoint.safetensors import Files, save_file
 from qtensor.checkpoint.schema import CheckpointError
 from qtensor.checkpoint.state_dict import load_state_dict
@@ -67,6 +70,7 @@ from qtensor.tensors import NVFP4Tensor, QuantizedTensor
 from qtensor.version import __version__
 
 COMPRESSED_TENSORS, MODELOPT, QTENSOR = "compressed-tensors", "modelopt", "qtensor"
+MXFP4 = gpt_oss.MXFP4_METHOD
 NVFP4_FORMAT = "nvfp4-pack-quantized"
 QTENSOR_FORMAT = "qtensor-safetensors"
 ACTIVATIONS = ("checkpoint", "dynamic", "none")
@@ -88,14 +92,6 @@ class Layer(NamedTuple):
     scale: str
     global_scale: str
     input_scale: str | None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path.name} is not valid JSON: {e}.") from None
 
 
 # ---- the scheme ---------------------------------------------------------------------------------
@@ -183,9 +179,9 @@ def read_scheme(model_dir: str | os.PathLike) -> Scheme:
     d = Path(model_dir)
     if not (d / "config.json").is_file():
         raise CheckpointError(f"{d} has no config.json: not a transformers checkpoint directory.")
-    qc = _read_json(d / "config.json").get("quantization_config")
+    qc = read_json(d / "config.json").get("quantization_config")
     if (d / "hf_quant_config.json").is_file():
-        hq = _read_json(d / "hf_quant_config.json")
+        hq = read_json(d / "hf_quant_config.json")
         return _modelopt_scheme(hq.get("quantization") or {}, "hf_quant_config.json quantization")
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method == QTENSOR:
@@ -197,61 +193,17 @@ def read_scheme(model_dir: str | os.PathLike) -> Scheme:
         return _compressed_tensors_scheme(qc)
     if method == MODELOPT:
         return _modelopt_scheme(qc.get("quantization", qc), "config.json quantization_config")
+    if method == MXFP4:
+        excluded = gpt_oss.read_excluded(qc)
+        return Scheme(MXFP4, lambda name: gpt_oss.converts(name, excluded), False)
     raise CheckpointError(
-        f"{d}: no NVFP4 checkpoint qtensor reads (quantization_config.quant_method is "
+        f"{d}: no quantized checkpoint qtensor reads (quantization_config.quant_method is "
         f"{method!r}; qtensor.from_pretrained reads 'qtensor', 'compressed-tensors' with format "
-        f"{NVFP4_FORMAT!r} and ModelOpt NVFP4). For an unquantized checkpoint, load it with "
-        "transformers and quantize it with qtensor.quantize_ or TorchAoConfig.")
+        f"{NVFP4_FORMAT!r}, ModelOpt NVFP4 and gpt-oss 'mxfp4'). For an unquantized checkpoint, "
+        "load it with transformers and quantize it with qtensor.quantize_ or TorchAoConfig.")
 
 
 # ---- the checkpoint's tensors ----------------------------------------------------------------------
-
-
-def _weight_files(d: Path) -> dict[str, Path]:
-    """{tensor name: safetensors file} of a single-file or sharded checkpoint."""
-    from safetensors import safe_open
-
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index.name} has no weight_map.")
-        files = {k: d / v for k, v in weight_map.items()}
-    elif (d / "model.safetensors").is_file():
-        with safe_open(d / "model.safetensors", "pt") as f:
-            files = {k: d / "model.safetensors" for k in f.keys()}
-    else:
-        raise CheckpointError(f"{d} has neither model.safetensors nor model.safetensors.index.json.")
-    for path in set(files.values()):
-        if not path.is_file():
-            raise CheckpointError(f"the index names {path.name}, which is not in {d}.")
-    return files
-
-
-class _Reader:
-    """Tensors of a checkpoint by name, each file opened once; shapes and dtypes before data."""
-
-    def __init__(self, files: dict[str, Path]):
-        self.files, self._open = files, {}
-        self._stack = contextlib.ExitStack()
-
-    def _handle(self, name: str):
-        from safetensors import safe_open
-
-        path = self.files[name]
-        if path not in self._open:
-            self._open[path] = self._stack.enter_context(safe_open(path, "pt"))
-        return self._open[path]
-
-    def meta(self, name: str) -> tuple[tuple[int, ...], str]:
-        s = self._handle(name).get_slice(name)
-        return tuple(s.get_shape()), s.get_dtype()
-
-    def get(self, name: str, device) -> torch.Tensor:
-        return self._handle(name).get_tensor(name).to(device)
-
-    def close(self) -> None:
-        self._stack.close()
 
 
 def find_layers(scheme: Scheme, names) -> dict[str, Layer]:
@@ -275,7 +227,7 @@ def find_layers(scheme: Scheme, names) -> dict[str, Layer]:
     return layers
 
 
-def _check_layer(layer: Layer, reader: _Reader, names: set, n: int, k: int,
+def _check_layer(layer: Layer, reader: Reader, names: set, n: int, k: int,
                  scheme: Scheme) -> None:
     """The dtypes and shapes of one layer's tensors against the model's [N, K] weight."""
     for key in (layer.packed, layer.scale, layer.global_scale):
@@ -319,45 +271,14 @@ def _linears(model: nn.Module) -> dict[str, nn.Linear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
-def _tied_keys(model: nn.Module) -> set[str]:
-    tied = getattr(model, "all_tied_weights_keys", None)
-    if isinstance(tied, dict):
-        return set(tied)
-    return set()
-
-
-def _set(model: nn.Module, key: str, value: torch.Tensor, param: bool) -> None:
-    owner, _, name = key.rpartition(".")
-    module = model.get_submodule(owner) if owner else model
-    if param:
-        module._parameters[name] = nn.Parameter(value, requires_grad=False)
-    else:
-        module._buffers[name] = value
-
-
-def _materialize_buffers(model: nn.Module, device) -> None:
-    """Non-persistent buffers (a rotary embedding's frequencies) were built on the meta device
-    and are in no checkpoint: recompute them with the model's own initializer, which for a
-    module without parameters touches only its buffers."""
-    for mname, module in model.named_modules():
-        names = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None]
-        if not names:
-            continue
-        if next(module.parameters(recurse=False), None) is not None:
-            raise CheckpointError(
-                f"{mname!r} holds parameters and unsaved buffers {names}; qtensor.from_pretrained "
-                "cannot rebuild those buffers without re-initializing its weights.")
-        for n in names:
-            module._buffers[n] = torch.empty_like(module._buffers[n], device=device)
-        model._init_weights(module)
-
-
 def from_pretrained(model_dir: str | os.PathLike, *, activations: str = "checkpoint",
                     model_class=None, dtype: torch.dtype | None = None,
                     device: str | torch.device = "cpu", **hf_kwargs) -> nn.Module:
-    """The transformers model of an NVFP4 checkpoint directory (compressed-tensors or ModelOpt,
-    [Note: reading NVFP4 checkpoints]) with each quantized linear weight an NVFP4Tensor of the
-    stored bytes; the other tensors as stored (cast to `dtype` if given).
+    """The transformers model of a quantized checkpoint directory with each quantized weight a
+    qtensor tensor of the stored bytes: NVFP4 (compressed-tensors or ModelOpt, [Note: reading
+    NVFP4 checkpoints]) linear weights as NVFP4Tensor, gpt-oss MXFP4 expert (and linear)
+    weights as MXFP4Tensor ([Note: reading gpt-oss MXFP4 checkpoints] in gpt_oss.py), a qtensor
+    checkpoint's tensors as saved; the other tensors as stored (cast to `dtype` if given).
 
     activations: for a checkpoint whose config quantizes layer inputs (W4A4), "dynamic" (NVFP4
     activations quantized on the fly with their own amax) or "none" (weight-only); the default
@@ -389,7 +310,13 @@ def from_pretrained(model_dir: str | os.PathLike, *, activations: str = "checkpo
                              f"activations={activations!r} does not apply to it.")
         _load_qtensor(model, d, torch.device(device))
         return model.eval()
-    reader = _Reader(_weight_files(d))
+    if scheme.writer == MXFP4:
+        if activations != "checkpoint":
+            raise ValueError("an MXFP4 checkpoint quantizes weights only; "
+                             f"activations={activations!r} does not apply to it.")
+        gpt_oss.load(model, d, scheme.quantizes, torch.device(device))
+        return model.eval()
+    reader = Reader(weight_files(d))
     try:
         names = set(reader.files)
         layers = find_layers(scheme, names)
@@ -405,7 +332,7 @@ def _load_qtensor(model: nn.Module, d: Path, device: torch.device) -> None:
     transformers' save_pretrained writes them): the state_dict, every key checked, assigned
     whole. A tied weight the writer stored once (transformers drops the duplicate) is taken from
     the weight it is tied to."""
-    with Files(sorted(set(_weight_files(d).values()))) as files:
+    with Files(sorted(set(weight_files(d).values()))) as files:
         state_dict = files.load(device)
     want = model.state_dict(keep_vars=True)
     for key, t in state_dict.items():
@@ -416,7 +343,7 @@ def _load_qtensor(model: nn.Module, d: Path, device: torch.device) -> None:
     for target, source in (tied.items() if isinstance(tied, dict) else ()):
         if target not in state_dict and source in state_dict:
             state_dict[target] = state_dict[source]
-    _materialize_buffers(model, device)
+    materialize_buffers(model, device)
     load_state_dict(model, state_dict, assign=True)
     if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
         model.tie_weights()
@@ -453,7 +380,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> None:
         generation.save_pretrained(d)
 
 
-def _plan(model, scheme: Scheme, layers: dict[str, Layer], reader: _Reader, names: set) -> dict:
+def _plan(model, scheme: Scheme, layers: dict[str, Layer], reader: Reader, names: set) -> dict:
     """Check everything against the model; returns {plain key: model tensor} to load."""
     linears = _linears(model)
     for name, layer in sorted(layers.items()):
@@ -472,28 +399,10 @@ def _plan(model, scheme: Scheme, layers: dict[str, Layer], reader: _Reader, name
                 f"tensors for it (looked for "
                 f"{name + ('.weight_packed' if scheme.writer == COMPRESSED_TENSORS else '.weight_scale_2')!r}).")
     used = {k for layer in layers.values() for k in layer[1:] if k is not None}
-    want = dict(model.state_dict(keep_vars=True))  # parameters and persistent buffers
-    quantized_weights = {f"{n}.weight" for n in layers}
-    plain = {k: t for k, t in want.items() if k not in quantized_weights}
-    tied = _tied_keys(model)
-    missing = sorted(k for k in plain if k not in names and k not in tied)
-    if missing:
-        raise CheckpointError(f"the checkpoint lacks tensors the model needs: {missing[:8]}"
-                              f"{' ...' if len(missing) > 8 else ''}.")
-    unexpected = sorted(names - used - set(plain))
-    if unexpected:
-        raise CheckpointError(f"the checkpoint holds tensors the model has no place for: "
-                              f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}.")
-    for key, t in plain.items():
-        if key in names:
-            shape, _ = reader.meta(key)
-            if shape != tuple(t.shape):
-                raise CheckpointError(f"{key!r}: shape {list(shape)} in the checkpoint, "
-                                      f"{list(t.shape)} in the model.")
-    return {k: t for k, t in plain.items() if k in names}
+    return plain_tensors(model, reader, names, {f"{n}.weight" for n in layers}, used)
 
 
-def _load(model, plain: dict, layers: dict[str, Layer], reader: _Reader, scheme: Scheme,
+def _load(model, plain: dict, layers: dict[str, Layer], reader: Reader, scheme: Scheme,
           activations: str, device: torch.device) -> None:
     weights = {}
     for name, layer in layers.items():
@@ -503,20 +412,4 @@ def _load(model, plain: dict, layers: dict[str, Layer], reader: _Reader, scheme:
         weights[name] = NVFP4Tensor.from_bytes(qdata, scale, amax.to(device),
                                                dtype=model.get_submodule(name).weight.dtype,
                                                act_spec=act)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    values = {}
-    for key, t in plain.items():
-        v = reader.get(key, device)
-        if v.is_floating_point() and v.dtype != t.dtype:
-            v = v.to(t.dtype)
-        values[key] = v
-    for name, w in weights.items():
-        model.get_submodule(name)._parameters["weight"] = nn.Parameter(w, requires_grad=False)
-    for key, v in values.items():
-        _set(model, key, v, key in params)
-    _materialize_buffers(model, device)
-    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
-        model.tie_weights()
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise CheckpointError(f"the model still has unloaded tensors after loading: {left[:8]}.")
+    place(model, plain, {f"{name}.weight": w for name, w in weights.items()}, reader, device)

@@ -26,6 +26,7 @@ import torch
 from qtensor.backends import GemmBackend, QuantBackend
 from qtensor.formats import mxfp8, nvfp4
 from qtensor.formats.fp8_block import FP8BlockSpec
+from qtensor.formats.mxfp4 import MXFP4Spec
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.tensors import QuantizedTensor
@@ -42,7 +43,7 @@ SEP = "::"  # joins a state_dict key and an inner tensor's name
 
 # qtensor's own classes by name: a file names a class, never a module to import.
 CLASSES: dict[str, type[QuantizedTensor]] = QuantizedTensor.classes
-SPECS = {c.__name__: c for c in (NVFP4Spec, MXFP8Spec, FP8BlockSpec)}
+SPECS = {c.__name__: c for c in (NVFP4Spec, MXFP8Spec, FP8BlockSpec, MXFP4Spec)}
 DTYPES = {
     str(d).removeprefix("torch."): d
     for d in (
@@ -73,7 +74,7 @@ _BOOL = _one_of(True, False)
 _SPEC_CHOICES = {"fourover6": nvfp4.FOUROVERSIX_MODES, "e4m3_bound": nvfp4.E4M3_BOUNDS,
                  "scale_rule": mxfp8.SCALE_RULES}
 ATTRIBUTE_RULES: dict[str, Callable[[Any], bool]] = {
-    **{f.name: _BOOL for spec in (NVFP4Spec, MXFP8Spec, FP8BlockSpec)
+    **{f.name: _BOOL for spec in (NVFP4Spec, MXFP8Spec, FP8BlockSpec, MXFP4Spec)
        for f in dataclasses.fields(spec) if f.type == "bool"},
     **{name: _one_of(*values) for name, values in _SPEC_CHOICES.items()},
     "axis": _one_of(ROWWISE, COLUMNWISE),

@@ -1,18 +1,52 @@
-"""MXFP4 fake quantization for weight QAT: E2M1 values with a power-of-two scale per 1x32 block.
+"""MXFP4: E2M1 values with a power-of-two (UE8M0) scale per 1x32 block.
 
-The pure-torch reference. `fake_quantize` returns the weight training must see, exactly the
-values an MXFP4 deployment decodes to; its gradient is straight-through. Non-finite blocks are
-poisoned: every element of a block holding NaN or +-Inf becomes NaN, so a diverged weight never
-trains on as a finite grid point.
+The pure-torch reference, for weight QAT and for MXFP4 bytes. `fake_quantize` returns the
+weight training must see, exactly the values an MXFP4 deployment decodes to; its gradient is
+straight-through. Non-finite blocks are poisoned: every element of a block holding NaN or +-Inf
+becomes NaN, so a diverged weight never trains on as a finite grid point.
+
+[Note: MXFP4 storage] (docs/formats.md, "MXFP4"): the bytes of gpt-oss checkpoints and of
+qtensor.qat.export_weight. Per 1x32 block along the last dim:
+    qdata  uint8 [..., K/2]    two E2M1 codes a byte, element 2j in the low nibble (a
+                               checkpoint's NAME_blocks [..., K/32, 16] is the same bytes)
+    scale  uint8 [..., K/32]   the UE8M0 code c = e + 127 of the block exponent e; the block
+                               decodes to value(q) * 2**(c - 127); c = 255 is NaN
+`quantize` writes code 255 for a block holding NaN or +-Inf, so the bytes decode to exactly
+`fake_quantize_values` (finite blocks never get it: e <= 125, c <= 252).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import NamedTuple
+
 import torch
 
-from qtensor.formats.elements import e2m1_decode, e2m1_encode, f32_exponent_bits, pow2_f32
+from qtensor.formats.elements import (e2m1_decode, e2m1_encode, f32_exponent_bits, pack_fp4,
+                                      pow2_f32, unpack_fp4)
+from qtensor.formats.fields import check_field_types
 
 BLOCK = 32
+SCALE_BIAS = 127  # UE8M0: code c means 2**(c - 127)
+NAN_CODE = 255  # the UE8M0 NaN
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP4Spec:
+    """How to quantize one MXFP4 operand. The scale rule is fixed (`block_exponent`, the rule
+    QAT trains against and gpt-oss checkpoints decode with). Validated at construction."""
+
+    # Blocks of 32 along dim -2 (the right operand of a GEMM reducing over that dim) instead of
+    # along the last dim.
+    columnwise: bool = False
+
+    def __post_init__(self):
+        check_field_types(self)
+
+
+class MXFP4Data(NamedTuple):
+    qdata: torch.Tensor  # uint8 [..., K/2], packed E2M1 codes
+    scale: torch.Tensor  # uint8 [..., K/32], UE8M0 codes
 
 
 def check_shape(shape: torch.Size) -> None:
@@ -80,3 +114,31 @@ def fake_quantize(w: torch.Tensor) -> torch.Tensor:
             "hold the MXFP4 grid (2**-127 .. 6 * 2**125); keep master weights in bf16 or fp32."
         )
     return _FakeQuantizeSTE.apply(w)
+
+
+# ---- bytes ([Note: MXFP4 storage]) ----------------------------------------------------------
+
+
+def quantize(x: torch.Tensor) -> MXFP4Data:
+    """MXFP4 bytes of x (any float dtype) in 1x32 blocks along its last dim: the codes and
+    exponents of `decompose`, scale code 255 for a block holding NaN or +-Inf."""
+    codes, e = decompose(x)
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    bad = ~torch.isfinite(blocks).all(-1)
+    scale = torch.where(bad, torch.full_like(e, NAN_CODE), e + SCALE_BIAS).to(torch.uint8)
+    return MXFP4Data(pack_fp4(codes), scale)
+
+
+def scale_exponents(scale: torch.Tensor) -> torch.Tensor:
+    """int32 block exponents c - 127 of UE8M0 codes (code 255 gives 127: mask it with NaN)."""
+    return scale.to(torch.int32).clamp(max=NAN_CODE - 1) - SCALE_BIAS
+
+
+def dequantize(qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values [..., K] of MXFP4 bytes: value(q) * 2**(c - 127), exact (at most 2
+    significant bits times a power of two in [2**-127, 2**127]); code 255 blocks are NaN."""
+    codes = unpack_fp4(qdata)
+    out = compose(codes, scale_exponents(scale))
+    blocks = out.reshape(*out.shape[:-1], out.shape[-1] // BLOCK, BLOCK)
+    nan = (scale == NAN_CODE)[..., None]
+    return blocks.masked_fill(nan, float("nan")).reshape(out.shape)

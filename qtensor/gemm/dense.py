@@ -2,7 +2,8 @@
 
 [Note: emulated GEMM]
 Each operand enters as its exact "unit" values in fp32: NVFP4 `value(q) * s_b` (at most 5
-significant bits), MXFP8 `e4m3 * 2**(code - 127)`, a high-precision operand as itself. The fp32
+significant bits), MXFP8 `e4m3 * 2**(code - 127)`, MXFP4 `value(q) * 2**(code - 127)`, a
+high-precision operand as itself. The fp32
 product `acc = units_a @ units_b` is what a bf16-tensor-core kernel with fp32 accumulation
 computes, up to accumulation order. The epilogue then applies, in this order, in fp32:
     acc * (A_a * inv)  then  * A_b  then  + bias, then the cast to the output dtype,
@@ -29,7 +30,9 @@ operand's when the right one is high precision:
 FP8 block operands (FP8BlockTensor, 1x128 blocks or 128x128 tiles) have no Triton kernel: their
 products run qtensor::fp8_block_mm (its exact reference, inside the opaque op on every device)
 unless the tensors ask for `scaled_mm`, then torch._scaled_mm with fp32 block scales on sm_90+
-(opt-in: docs/qat.md, "Status").
+(opt-in: docs/qat.md, "Status"). MXFP4 operands (MXFP4Tensor) have no kernel either: their
+products, dense and grouped, run qtensor::mxfp4_mm / mxfp4_grouped_mm (the exact reference, on
+every device) whatever backend the tensors name (docs/gemm.md).
 A product a backend has no kernel for (a quantized left operand times a high-precision right
 one, an fp32 / fp16 activation, more than 3 dims, a CPU operand) runs on the reference: the
 same numbers, never a different precision. `gemm_plan(a, b)` says which path a product takes.
@@ -44,7 +47,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from qtensor.backends import GEMM_BACKENDS, GemmBackend, gemm_backend_problem
 from qtensor.ops import gemm_ops
-from qtensor.ops.gemm_ops import FP8_BLOCK, Side
+from qtensor.ops.gemm_ops import FP8_BLOCK, MXFP4, NO_KERNEL, Side
 from qtensor.gemm.scaled_mm import fp8_block_scaled_mm, scaled_mm_args, scaled_mm_problem
 from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.common import ROWWISE
@@ -144,9 +147,9 @@ def _run_dense(fmt, a: Side, b: Side, bias, out_dtype, lead, backend: GemmBacken
     """The product on `backend`: the qtensor op on the CPU and for the triton backend (its CUDA
     kernel runs Triton), the reference itself for the emulated backend on other devices."""
     args = gemm_ops.dense_args(fmt, a, b, bias, out_dtype)
-    # The FP8 block op has no Triton kernel: its exact reference runs inside the opaque op on
-    # every device, so eager and compiled programs multiply in the same fp32 matmul.
-    if fmt == FP8_BLOCK or backend is GemmBackend.TRITON or \
+    # The FP8 block and MXFP4 ops have no Triton kernel: their exact reference runs inside the
+    # opaque op on every device, so eager and compiled programs multiply in the same fp32 matmul.
+    if fmt in NO_KERNEL or backend is GemmBackend.TRITON or \
             a.data.device.type in ("cpu", "meta"):
         out = gemm_ops.call(f"{fmt}_mm", *args)
     else:
@@ -200,6 +203,8 @@ def plan(a_op, b_op, bias, out_dtype, sides=None, *, grouped: bool = False) -> G
     (dense_sides(a_op, b_op); the grouped layer's own for a grouped product, which must pass
     them)."""
     backend = product_backend(a_op, b_op)
+    if _format(a_op, b_op) == MXFP4:  # no kernel of any backend yet: the op's reference
+        return GemmBackend.EMULATED
     if _format(a_op, b_op) == FP8_BLOCK:  # no Triton kernel: native, or the op's reference
         if backend is GemmBackend.SCALED_MM and not grouped and \
                 scaled_mm_problem(a_op, b_op, bias) is None:

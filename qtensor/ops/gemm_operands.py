@@ -13,12 +13,15 @@ from __future__ import annotations
 import torch
 
 from qtensor.formats import fp8_block as fp8_block_ref
+from qtensor.formats import mxfp4 as mxfp4_ref
 from qtensor.formats import mxfp8 as mxfp8_ref
 from qtensor.formats import nvfp4 as nvfp4_ref
 from qtensor.formats.elements import fdiv
 from qtensor.formats.fields import either
 
-NVFP4, MXFP8, FP8_BLOCK = "nvfp4", "mxfp8", "fp8_block"
+NVFP4, MXFP8, FP8_BLOCK, MXFP4 = "nvfp4", "mxfp8", "fp8_block", "mxfp4"
+# Formats with no Triton kernel: their ops run the exact reference on every device.
+NO_KERNEL = (FP8_BLOCK, MXFP4)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # r(1 / denom) in fp32 for every epilogue denominator (36 B_a B_b, or 6 B with one NVFP4
@@ -80,22 +83,25 @@ def unpack_args(fmt: str, args, grouped: bool):
 
 
 # Where the two operands sit in an op's arguments (the bias is always second to last).
-B_POSITION = {NVFP4: 3, MXFP8: 2}
+B_POSITION = {NVFP4: 3, MXFP8: 2, MXFP4: 2}
 
 
 def reduction_k(fmt: str, side: Side) -> int:
     """The reduction length K an operand stands for."""
     k = side.data.shape[-1]
-    return 2 * k if fmt == NVFP4 and side.quantized else k
+    return 2 * k if fmt in (NVFP4, MXFP4) and side.quantized else k  # two codes a byte
 
 
 def units(fmt: str, side: Side) -> torch.Tensor:
     """The exact fp32 values [.., R, K] a GEMM multiplies: NVFP4 value(q) * s_b, MXFP8
-    e4m3 * 2**(code - 127), a high-precision operand as itself."""
+    e4m3 * 2**(code - 127), MXFP4 value(q) * 2**(code - 127), a high-precision operand as
+    itself."""
     if not side.quantized:
         return side.data.float()
     if fmt == NVFP4:
         return nvfp4_ref.unit_values(side.data, side.scale)
+    if fmt == MXFP4:
+        return mxfp4_ref.dequantize(side.data, side.scale)
     if fmt == FP8_BLOCK:
         return fp8_block_ref.dequantize(side.data, side.scale, FP8_TILES if side.tiles else
                                         FP8_ROWS)
@@ -143,6 +149,14 @@ def apply_epilogue(acc, left, right, bias, out_dtype) -> torch.Tensor:
 
 # ---- argument checks (shared by every implementation, the fake one included) -----------------
 
+# Per format: (data dtype, scale dtype) of a quantized operand, and data columns per scale
+# column (NVFP4: 16 elements = 8 bytes; MXFP8: 32 elements = 32 bytes; MXFP4: 32 = 16 bytes).
+_QUANTIZED_OPERAND = {
+    NVFP4: ((torch.uint8, torch.float8_e4m3fn), 8),
+    MXFP8: ((torch.float8_e4m3fn, torch.float8_e8m0fnu), 32),
+    MXFP4: ((torch.uint8, torch.uint8), 16),
+}
+
 
 def _fail(op: str, what: str) -> None:
     raise ValueError(f"qtensor::{op}: {what}")
@@ -157,9 +171,7 @@ def _check_side(op: str, fmt: str, name: str, s: Side) -> None:
             _fail(op, f"a high-precision operand {name} must be float32, bfloat16 or float16; "
                       f"got {d.dtype}.")
         return
-    want = (torch.uint8, torch.float8_e4m3fn) if fmt == NVFP4 else (
-        torch.float8_e4m3fn, torch.float8_e8m0fnu)
-    block = 8 if fmt == NVFP4 else 32  # scale columns per data column
+    want, block = _QUANTIZED_OPERAND[fmt]
     if d.dtype != want[0] or s.scale.dtype != want[1]:
         _fail(op, f"{fmt} operand {name} needs {want[0]} data and {want[1]} scales; got "
                   f"{d.dtype} and {s.scale.dtype}.")

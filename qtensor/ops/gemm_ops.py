@@ -13,6 +13,7 @@
                               Tensor? bias, ScalarType out_dtype) -> Tensor
     qtensor::fp8_block_mm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool b_tiles,
                           Tensor? bias, ScalarType out_dtype) -> Tensor
+    qtensor::mxfp4_mm, qtensor::mxfp4_grouped_mm: the schemas of mxfp8_mm, mxfp8_grouped_mm
 
 Both operands come as "rows along K": a is [.., M, K*], b is [.., N, K*], and the dense ops
 compute out[.., m, n] = epilogue(sum_k A[.., m, k] * B[.., n, k]) ([Note: emulated GEMM] in
@@ -21,6 +22,8 @@ is given:
 - NVFP4: packed E2M1 codes uint8 [.., R, K/2], E4M3 block scales [.., R, K/16], an fp32 amax
   (0-d, or [.., R] when row-scaled) and its E4M3 bound (448 or 256);
 - MXFP8: E4M3 data [.., R, K], UE8M0 scales float8_e8m0fnu [.., R, K/32];
+- MXFP4: packed E2M1 codes uint8 [.., R, K/2] (element 2j in the low nibble), UE8M0 scale
+  codes uint8 [.., R, K/32] ([Note: MXFP4 storage] in qtensor/formats/mxfp4.py);
 - otherwise a high-precision float tensor [.., R, K] (its bound argument is ignored).
 - FP8 block (the FP8 host of MXFP4 QAT, qtensor/formats/fp8_block.py): E4M3 data [R, K] and
   fp32 power-of-two scales, 1x128 blocks [R, K/128]; b's may instead be 128x128 tiles
@@ -35,9 +38,9 @@ Implementations:
   torch.matmul, the epilogue.
 - CUDA: the Triton kernels of qtensor/kernels for what they take (a quantized right operand, a
   bf16 or same-format left one, sm_80+); anything else runs the same reference on the GPU. The
-  FP8 block op has no kernel: it runs its reference on every device, as an opaque op so that
-  eager and compiled programs multiply in the same fp32 matmul (Inductor would otherwise pick
-  its own layouts for the decoded operands, and cuBLAS another summation order).
+  FP8 block and MXFP4 ops have no kernel: they run their reference on every device, as opaque
+  ops so that eager and compiled programs multiply in the same fp32 matmul (Inductor would
+  otherwise pick its own layouts for the decoded operands, and cuBLAS another summation order).
 - Meta: the output's shape and dtype (torch.compile traces through it).
 - Autograd: the gradient of a high-precision operand and of the bias (the derivative of the
   fp32 epilogue: dY * left * right, times the other operand's exact unit values); quantized
@@ -61,7 +64,9 @@ from qtensor.ops.gemm_operands import (
     B_POSITION,
     FLOAT_DTYPES,
     FP8_BLOCK,
+    MXFP4,
     MXFP8,
+    NO_KERNEL,
     NVFP4,
     FP8_ROWS,
     FP8_TILES,
@@ -94,6 +99,8 @@ SCHEMAS = {
     "fp8_block_mm": "(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool b_tiles, "
                     "Tensor? bias, ScalarType out_dtype) -> Tensor",
 }
+SCHEMAS["mxfp4_mm"] = SCHEMAS["mxfp8_mm"]
+SCHEMAS["mxfp4_grouped_mm"] = SCHEMAS["mxfp8_grouped_mm"]
 
 
 # ---- the reference (CPU kernel; also the fallback of the CUDA kernel) --------------------------
@@ -201,7 +208,7 @@ def prepare_dense(fmt: str, a: Side, b: Side, bias, out_dtype, out_shape=None):
     at most DECODE_FIRST_M rows and b 2-D. The same launches as `triton_mm`, so the same bits."""
     from qtensor.kernels import qgemm
 
-    if a.quantized or a.data.dim() != 2 or b.data.dim() != 2:
+    if fmt in NO_KERNEL or a.quantized or a.data.dim() != 2 or b.data.dim() != 2:
         return None
     m, n, k = a.data.shape[0], b.data.shape[0], reduction_k(fmt, b)
     if m > qgemm.DECODE_FIRST_M or triton_problem(a, b, bias, out_dtype) or not _device_ok(a):
@@ -228,7 +235,8 @@ def _dense_kernels(fmt: str):
 
     def cuda(*args):
         a, b, bias, out_dtype = checked(args)
-        if triton_problem(a, b, bias, out_dtype) is None and _device_ok(a):
+        if fmt not in NO_KERNEL and triton_problem(a, b, bias, out_dtype) is None and \
+                _device_ok(a):
             return triton_mm(fmt, a, b, bias, out_dtype)
         return reference_mm(fmt, a, b, bias, out_dtype)
 
@@ -252,7 +260,8 @@ def _grouped_kernels(fmt: str):
 
     def cuda(*args):
         a, b, offs, bias, out_dtype = checked(args)
-        if triton_problem(a, b, None, out_dtype, grouped=True) is None and _device_ok(a):
+        if fmt not in NO_KERNEL and triton_problem(a, b, None, out_dtype, grouped=True) is None \
+                and _device_ok(a):
             return triton_grouped_mm(fmt, a, b, offs, bias, out_dtype)
         return reference_grouped_mm(fmt, a, b, offs, bias, out_dtype)
 
@@ -384,7 +393,8 @@ KERNELS: dict[str, dict[str, object]] = {}
 
 
 def _register() -> None:
-    for fmt in (NVFP4, MXFP8):
+    # MXFP4's CUDA kernels are its reference until an MXFP4 Triton kernel exists (docs/gemm.md).
+    for fmt in (NVFP4, MXFP8, MXFP4):
         _define(f"{fmt}_mm", *_dense_kernels(fmt), *_dense_backward(fmt))
         _define(f"{fmt}_grouped_mm", *_grouped_kernels(fmt), *_grouped_backward(fmt))
     _define("fp8_block_mm", reference_fp8_block_mm, reference_fp8_block_mm, _fp8_block_fake,

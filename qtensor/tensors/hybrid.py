@@ -15,6 +15,7 @@ import dataclasses
 import torch
 
 from qtensor.formats.fp8_block import FP8BlockSpec
+from qtensor.formats.mxfp4 import MXFP4Spec
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.tensors.base import QuantizedTensor
@@ -27,11 +28,12 @@ from qtensor.tensors.common import (
 )
 from qtensor.tensors.fp8_block import FP8BlockTensor
 from qtensor.tensors.layout import flat_view
+from qtensor.tensors.mxfp4 import MXFP4Tensor
 from qtensor.tensors.mxfp8 import MXFP8Tensor
 from qtensor.tensors.nvfp4 import NVFP4Tensor
 
 aten = torch.ops.aten
-Spec = NVFP4Spec | MXFP8Spec | FP8BlockSpec
+Spec = NVFP4Spec | MXFP8Spec | FP8BlockSpec | MXFP4Spec
 SOURCES = ("original", "rowwise_dequantized")
 
 
@@ -51,8 +53,10 @@ def tensor_class(spec: Spec) -> type[QuantizedTensor]:
         return MXFP8Tensor
     if isinstance(spec, FP8BlockSpec):
         return FP8BlockTensor
+    if isinstance(spec, MXFP4Spec):
+        return MXFP4Tensor
     raise TypeError(
-        f"expected an NVFP4Spec, MXFP8Spec or FP8BlockSpec; got {type(spec).__name__}."
+        f"expected an NVFP4Spec, MXFP8Spec, FP8BlockSpec or MXFP4Spec; got {type(spec).__name__}."
     )
 
 
