@@ -126,14 +126,19 @@ def test_row_scaled_activations_export_with_calibrated_amax(tmp_path):
 
 
 class Experts(nn.Module):
-    """gpt-oss style expert weights [E, N, K]."""
+    """gpt-oss style expert weights: the parameter [E, K, N] is the right operand of x @ W; the
+    checkpoint stores it [E, N, K], blocked along K."""
 
     def __init__(self):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        w = torch.randn(4, 64, 96, generator=g) * torch.logspace(-3, 2, 96)
-        self.gate_up_proj = nn.Parameter(w.to(torch.bfloat16))
+        w = torch.randn(4, 64, 96, generator=g) * torch.logspace(-3, 2, 96)  # [E, N, K]
+        self.gate_up_proj = nn.Parameter(w.transpose(1, 2).contiguous().to(torch.bfloat16))
         self.router = nn.Linear(96, 4)
+
+    def stored(self) -> torch.Tensor:
+        """The parameter as the checkpoint holds it, [E, N, K]."""
+        return self.gate_up_proj.detach().float().transpose(1, 2)
 
 
 def test_mxfp4_export_decodes_with_ml_dtypes(tmp_path):
@@ -147,7 +152,7 @@ def test_mxfp4_export_decodes_with_ml_dtypes(tmp_path):
     vals = _e2m1(_unpack(blocks))  # [E, N, K/32, 32]
     s = scales.numpy().view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
     decoded = torch.from_numpy((vals * s[..., None]).reshape(4, 64, 96))
-    want = mxfp4.fake_quantize_values(model.gate_up_proj.detach().float())
+    want = mxfp4.fake_quantize_values(model.stored())
     assert torch.equal(decoded, want)
 
 
@@ -192,5 +197,5 @@ def test_mxfp4_export_with_transformers_gpt_oss_reader(tmp_path):
     sd = load_file(tmp_path / "model.safetensors")
     got = convert_moe_packed_tensors(sd["gate_up_proj_blocks"], sd["gate_up_proj_scales"],
                                      dtype=torch.float32)
-    want = mxfp4.fake_quantize_values(model.gate_up_proj.detach().float())
-    assert torch.equal(got, want.transpose(1, 2))  # gpt-oss keeps experts as [E, K, N]
+    want = mxfp4.fake_quantize_values(model.stored())
+    assert torch.equal(got, want.transpose(1, 2))  # back in the parameter's [E, K, N]

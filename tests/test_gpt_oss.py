@@ -266,3 +266,25 @@ def test_export_mxfp4_linear_weights_load_rowwise(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(served(TOKENS).logits, model(TOKENS).logits, rtol=1e-4,
                                    atol=1e-5)
+
+
+def test_export_mxfp4_of_gpt_oss_experts_loads_back(tmp_path):
+    """export_mxfp4 of a gpt-oss model's expert parameters [E, K, N] writes them as gpt-oss
+    stores them ([E, N, K], blocked along K, the reduction dim) and qtensor.from_pretrained reads
+    them back to exactly the values MXFP4 QAT projects them to (mxfp4.fake_quantize_values
+    along K), whatever the shape: the tiny config's down_proj is square (H = I)."""
+    from qtensor.checkpoint import export_mxfp4
+    from qtensor.formats import mxfp4
+
+    config = tiny_config()
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(config).float().eval()
+    export_mxfp4(model, tmp_path, select=lambda k, t: k.endswith(EXPERTS),
+                 config=config.to_dict())
+    served = qtensor.from_pretrained(tmp_path, dtype=torch.float32)
+    for layer, src in zip(served.model.layers, model.model.layers):
+        for name in ("gate_up_proj", "down_proj"):
+            got, w = getattr(layer.mlp.experts, name), getattr(src.mlp.experts, name).detach()
+            assert type(got) is MXFP4Tensor and got.shape == w.shape
+            want = mxfp4.fake_quantize_values(w.transpose(-1, -2)).transpose(-1, -2)
+            assert torch.equal(got.dequantize(torch.float32), want), name

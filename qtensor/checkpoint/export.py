@@ -179,10 +179,22 @@ def export_mxfp4(
     config: Mapping | None = None,
 ) -> dict:
     """Write the parameters that select(name, tensor) picks as MXFP4 blocks + scales (the
-    values qtensor.formats.mxfp4.fake_quantize trained against), the rest as they are."""
+    values qtensor.formats.mxfp4.fake_quantize trained against), the rest as they are. An
+    nn.Linear weight [N, K] is blocked along its last dim; any other parameter (an experts
+    tensor [E, K, N] that enters `x @ W`) is stored transposed, blocked along K."""
     tensors, picked = {}, set()
+    linear_weights = {f"{n}.weight" if n else "weight" for n, m in model.named_modules()
+                      if isinstance(m, nn.Linear)}
     for key, t in model.state_dict().items():
         if select(key, t):
+            if key not in linear_weights:
+                # Any other parameter is the right operand of `x @ W` [.., K, N]: stored
+                # transposed, blocks along K, as gpt-oss stores its experts and as
+                # qtensor.from_pretrained reads them ([Note: reading gpt-oss MXFP4 checkpoints]).
+                if t.dim() < 2:
+                    raise CheckpointError(f"{key!r}: MXFP4 export takes a matrix; got shape "
+                                          f"{tuple(t.shape)}.")
+                t = t.transpose(-1, -2).contiguous()
             tensors.update(mxfp4_tensors(key, t))
             picked.add(key)
     if not picked:
