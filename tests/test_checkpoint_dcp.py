@@ -1,7 +1,8 @@
 """Sharded checkpoints (torch.distributed.checkpoint) on CPU gloo, localhost: save on N ranks,
 load on M, and into a non-distributed model, bit for bit; quantized inference weights (row
 shards as DTensors, the form FSDP2 holds them in) and an FSDP2 training run (master weights +
-Adam state); an interrupted save."""
+Adam state); a save interrupted between its renames (a rank killed while writing:
+tests/test_checkpoint_fsdp.py)."""
 
 import datetime
 import os
@@ -151,20 +152,8 @@ def _check_training(model, opt, ref):
     assert all(torch.equal(after[k], ref["after"][k]) for k in after)
 
 
-def _interrupted(rank, world, mesh, tmp):
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    if rank == 1:  # dies while writing its shards, after planning with rank 0
-        FileSystemWriter.write_data = lambda *a, **k: os._exit(3)
-    try:
-        qdcp.save(_quantized_state(1, mesh), os.path.join(tmp, "q2"))
-    except Exception:
-        os._exit(0)  # rank 0 sees the collective time out, as a real job would
-    os._exit(4)
-
-
 def _run(world, tmp, task):
-    timeout = datetime.timedelta(seconds=4 if task is _interrupted else 60)
+    timeout = datetime.timedelta(seconds=60)
     run_local(_worker, world, str(tmp), task, timeout=timeout)
 
 
@@ -220,17 +209,34 @@ def test_metadata_mismatch_is_refused_before_loading(saved):
     assert all(torch.equal(a, b) for a, b in zip(before, [b for v in sd.values() for b in _bytes(v)]))
 
 
-def test_interrupted_save_keeps_previous_checkpoint(saved, tmp_path):
-    import shutil
+def test_save_killed_between_renames_loads_a_complete_checkpoint(tmp_path, monkeypatch):
+    """Rank 0 dies after moving the previous checkpoint aside and before renaming the new one
+    into place ([Note: complete checkpoints]): both are complete, PATH is missing; `load(PATH)`
+    reads the new one, and the next save to PATH completes and clears the leftovers. (A rank
+    killed while writing its shards: tests/test_checkpoint_fsdp.py.)"""
+    path = tmp_path / "ckpt"
+    first, second = _quantized_state(0, None), _quantized_state(1, None)
+    qdcp.save(first, path)
+    rename = os.replace
 
-    shutil.copytree(saved / "q2", tmp_path / "q2")
-    with pytest.raises(Exception):
-        _run(2, tmp_path, _interrupted)
-    assert (tmp_path / "q2.incomplete").is_dir()  # rank 0's shards, no marker
-    assert not qdcp.is_complete(tmp_path / "q2.incomplete")
-    with pytest.raises(CheckpointError, match="not a complete qtensor checkpoint"):
-        qdcp.load(_quantized_state(1, None), tmp_path / "q2.incomplete")
-    sd = _quantized_state(1, None)
-    qdcp.load(sd, tmp_path / "q2")  # the previous checkpoint is intact
-    want = _quantized_state(0, None)
-    assert all(_same(sd[k], want[k]) for k in sd)
+    def dies_after_moving_aside(src, dst):
+        rename(src, dst)
+        if os.fspath(dst).endswith(".old"):
+            raise SystemExit("rank 0 killed")  # nothing after this line of save runs
+
+    monkeypatch.setattr(os, "replace", dies_after_moving_aside)
+    with pytest.raises(SystemExit):
+        qdcp.save(second, path)
+    monkeypatch.undo()
+    assert not path.exists()
+    assert qdcp.is_complete(tmp_path / "ckpt.old") and qdcp.is_complete(tmp_path / "ckpt.incomplete")
+    sd = _quantized_state(2, None)
+    with pytest.warns(UserWarning, match="died while renaming"):
+        qdcp.load(sd, path)
+    assert all(_same(sd[k], second[k]) for k in sd)
+    qdcp.save(first, path)
+    assert qdcp.is_complete(path)
+    assert not (tmp_path / "ckpt.old").exists() and not (tmp_path / "ckpt.incomplete").exists()
+    sd = _quantized_state(2, None)
+    qdcp.load(sd, path)
+    assert all(_same(sd[k], first[k]) for k in sd)

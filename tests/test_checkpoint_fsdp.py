@@ -1,7 +1,9 @@
-"""Sharded checkpoints of real FSDP2 models (qtensor.distributed.fully_shard) on CPU gloo.
+"""Sharded checkpoints of real FSDP2 models (qtensor.distributed.fully_shard), 2 ranks.
 
-One spawned group of 2 ranks runs every distributed check; the 1-rank runs use a process group
-of rank 0 alone (rank 1 waits at a barrier), so no second group is spawned:
+The workers take the device: here they run on the CPU over gloo, tests/test_fsdp_gpu.py runs
+them on 2 GPUs over NCCL. One spawned group of 2 ranks runs every distributed check; the
+1-rank runs use a process group of rank 0 alone (rank 1 waits at a barrier), so no second
+group is spawned:
 
 - inference: a model with NVFP4 (4over6 bound 256, row-scaled, 16x16 tiles), MXFP8 and
   HybridTensor weights, `fully_shard`ed, saved with qtensor.checkpoint.dcp on 2 ranks and on 1;
@@ -9,9 +11,13 @@ of rank 0 alone (rank 1 waits at a barrier), so no second group is spawned:
   Outputs after loading equal the saved model's bit for bit.
 - training: the NVFP4 recipe with quantize-on-gather master weights (qtensor/distributed/
   master.py), Adam, stochastic rounding (its `sr_state` buffers, saved with
-  `dcp.sr_states`) and a quantized buffer; saved after one step on 2 ranks and on 1, resumed on
-  the other world size in a model built from another seed. The next step's loss, master
+  `dcp.sr_states`) and a quantized buffer; saved after two steps on 2 ranks and on 1, resumed
+  on 2 ranks and on 1 in a model built from another seed. The next step's loss, master
   weights, Adam state and buffers equal those of the run that was not interrupted, bit for bit.
+- a rank killed mid-save (a second group, spawned first): after checkpoint 1, rank 1 exits
+  (`os._exit`) while DCP writes checkpoint 2 to the same path. Checkpoint 1 is still there,
+  loads on 2 ranks and resumes bit for bit; the half-written directory is refused. The other
+  window of the save, rank 0 dying between its two renames, is checked in one process.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ def inference_model(seed: int) -> Zoo:
 def shard_inference(zoo: Zoo, mesh) -> Zoo:
     from qtensor.distributed import fully_shard
 
+    zoo.to(mesh.device_type)
     for mlp in zoo.mlps.values():
         for lin in (mlp[0], mlp[2]):
             fully_shard(lin, mesh=mesh)
@@ -89,7 +96,11 @@ def x_inference() -> torch.Tensor:
 
 @torch.no_grad()
 def outputs(zoo: Zoo) -> dict[str, torch.Tensor]:
-    return zoo(x_inference())
+    return zoo(x_inference().to(_device(zoo)))
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 # ---- training -----------------------------------------------------------------------------------
@@ -111,8 +122,9 @@ def training_model(mesh, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     from qtensor.distributed import fully_shard, quantize_on_gather
     from qtensor.training import NVFP4TrainingRecipe, TrainingConfig
 
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # the same weights on every device: made on the CPU, then moved
     model = nn.Sequential(FrozenProjection(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 128))
+    model.to(mesh.device_type)
     qtensor.quantize_(model, TrainingConfig(NVFP4TrainingRecipe()))  # fp32 masters, SR on
     quantize_on_gather(model)
     for lin in (model[1], model[3]):
@@ -126,6 +138,7 @@ def train_step(model, opt, step: int) -> torch.Tensor:
 
     x = torch.randn(32, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(step))
     precompute_amaxes(model)
+    x = x.to(_device(model))
     loss = model(x).float().square().mean()
     loss.backward()
     opt.step()
@@ -171,28 +184,28 @@ def full_training_state(model, opt) -> list[torch.Tensor]:
 # ---- the 2-rank worker -----------------------------------------------------------------------
 
 
-def one_rank_group():
+def one_rank_group(device: str):
     """(mesh, group) of rank 0 alone; rank 1 gets (None, None). Collective on every rank."""
     from torch.distributed.device_mesh import DeviceMesh
 
     group = dist.new_group([0])
     if dist.get_rank() != 0:
         return None, None
-    return DeviceMesh.from_group(group, "cpu"), group
+    return DeviceMesh.from_group(group, device), group
 
 
-def worker(rank: int, world: int, tmp: str) -> dict:
+def worker(rank: int, world: int, tmp: str, device: str = "cpu") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh2 = init_device_mesh("cpu", (world,))
-    mesh1, group1 = one_rank_group()
+    mesh2 = init_device_mesh(device, (world,))
+    mesh1, group1 = one_rank_group(device)
     result = {}
 
     # inference: save from 2 ranks and from 1, load each on 2 ranks and on 1
-    models = inference_model(0)
+    models = inference_model(0).to(device)
     want = outputs(models)
     if rank == 0:
-        torch.save(want, os.path.join(tmp, "want.pt"))
+        torch.save({k: v.cpu() for k, v in want.items()}, os.path.join(tmp, "want.pt"))
     qdcp.save(shard_inference(models, mesh2).state_dict(), os.path.join(tmp, "inf2"))
     result["saved_sharded_equal"] = _equal(outputs(models), want)
     if rank == 0:
@@ -209,36 +222,81 @@ def worker(rank: int, world: int, tmp: str) -> dict:
             result[f"{src}->1"] = _equal(outputs(fresh), want)
         dist.barrier()
 
-    # training: step 1, save, step 2 (the reference); resume on the other world size
+    # training: steps 1..N, save, step N+1 (the reference); resume on 2 ranks and on 1
     result.update(_training(rank, mesh2, mesh1, group1, tmp))
+    # the run whose second save was killed: its first checkpoint resumes on 2 ranks
+    killed = os.path.join(tmp, "killed")
+    if os.path.isdir(killed):
+        model, opt = training_model(mesh2, 1)
+        resume(model, opt, os.path.join(killed, "ckpt"), None)
+        got = (train_step(model, opt, STEPS + 1), full_training_state(model, opt))
+        result["killed->2"] = _equal_step(got, torch.load(os.path.join(killed, "ref.pt")))
     return result
+
+
+STEPS = 2  # training steps before the checkpoint
+
+
+def _train_and_save(mesh, group, path) -> tuple:
+    """Steps 1..STEPS, save to `path`, then step STEPS + 1: (its loss, the full state after
+    it), on the CPU: what a resumed run must reproduce."""
+    model, opt = training_model(mesh, 0)
+    for step in range(1, STEPS + 1):
+        train_step(model, opt, step)
+    qdcp.save(training_state(model, opt), path, process_group=group)
+    return _cpu((train_step(model, opt, STEPS + 1), full_training_state(model, opt))), model, opt
+
+
+def _cpu(step) -> tuple:
+    loss, state = step
+    return loss.cpu(), [t.cpu() for t in state]
 
 
 def _training(rank, mesh2, mesh1, group1, tmp) -> dict:
-    """Save after step 1 on 2 ranks and on 1, remember step 2 of the uninterrupted runs, then
-    resume each checkpoint on the other world size (in a model built from another seed) and
-    take step 2 there."""
+    """Save after STEPS steps on 2 ranks and on 1, remember the next step of the uninterrupted
+    runs, then resume each checkpoint on 2 ranks and on 1 (in a model built from another seed)
+    and take that step there."""
     runs = [("train2", mesh2, None)] + ([("train1", mesh1, group1)] if rank == 0 else [])
     ref = {}
     for name, mesh, group in runs:
-        model, opt = training_model(mesh, 0)
-        train_step(model, opt, 1)
-        qdcp.save(training_state(model, opt), os.path.join(tmp, name), process_group=group)
-        ref[name] = (train_step(model, opt, 2), full_training_state(model, opt))
+        ref[name] = _train_and_save(mesh, group, os.path.join(tmp, name))[0]
         dist.barrier(group)
     dist.barrier()
     result = {"sr_states": sorted(qdcp.sr_states(training_model(mesh2, 0)[0]))}
-    model, opt = training_model(mesh2, 1)
-    resume(model, opt, os.path.join(tmp, "train1"), None)
-    got = (train_step(model, opt, 2), full_training_state(model, opt))
+    for src in ("train1", "train2"):
+        model, opt = training_model(mesh2, 1)
+        resume(model, opt, os.path.join(tmp, src), None)
+        got = (train_step(model, opt, STEPS + 1), full_training_state(model, opt))
+        if rank == 0:
+            result[f"{src}->2"] = _equal_step(got, ref[src])
     if rank == 0:
-        result["train1->2"] = _equal_step(got, ref["train1"])
-        model, opt = training_model(mesh1, 1)
-        resume(model, opt, os.path.join(tmp, "train2"), group1)
-        got = (train_step(model, opt, 2), full_training_state(model, opt))
-        result["train2->1"] = _equal_step(got, ref["train2"])
+        for src in ("train1", "train2"):
+            model, opt = training_model(mesh1, 1)
+            resume(model, opt, os.path.join(tmp, src), group1)
+            got = (train_step(model, opt, STEPS + 1), full_training_state(model, opt))
+            result[f"{src}->1"] = _equal_step(got, ref[src])
     dist.barrier()
     return result
+
+
+def killed_worker(rank: int, world: int, tmp: str, device: str = "cpu") -> None:
+    """Checkpoint 1 after STEPS steps; the next step's result (the reference a resume must
+    reproduce) to ref.pt; then rank 1 exits while DCP writes checkpoint 2 to the same path."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.device_mesh import init_device_mesh
+
+    path = os.path.join(tmp, "ckpt")
+    ref, model, opt = _train_and_save(init_device_mesh(device, (world,)), None, path)
+    if rank == 0:
+        torch.save(ref, os.path.join(tmp, "ref.pt"))
+    dist.barrier()
+    if rank == 1:  # dies while writing its shards, after planning with rank 0
+        FileSystemWriter.write_data = lambda *a, **k: os._exit(3)
+    try:
+        qdcp.save(training_state(model, opt), path)
+    except Exception:
+        os._exit(0)  # rank 0 sees the collective fail, as a real job would
+    os._exit(4)  # not reached: the save cannot complete without rank 1
 
 
 def _equal(a: dict, b: dict) -> dict[str, bool]:
@@ -246,9 +304,25 @@ def _equal(a: dict, b: dict) -> dict[str, bool]:
 
 
 def _equal_step(got, ref) -> list[bool]:
-    loss, state = got
+    loss, state = _cpu(got)
     return [torch.equal(loss, ref[0])] + [torch.equal(x, y) for x, y in zip(state, ref[1],
                                                                             strict=True)]
+
+
+def run_killed_save(tmp: str, device: str = "cpu", backend: str = "gloo") -> None:
+    """The killed save in tmp/killed: run_local raises (a rank exited), and must."""
+    import datetime
+
+    killed = os.path.join(tmp, "killed")
+    os.makedirs(killed)
+    try:
+        # When rank 1 exits, the spawn ends rank 0 at once: the timeout only bounds a hang,
+        # and leaves a GPU's first-call kernel compiles time before the first collectives.
+        run_local(killed_worker, 2, killed, device, backend=backend,
+                  timeout=datetime.timedelta(seconds=120))
+    except Exception:
+        return
+    raise AssertionError("the save with a killed rank finished")
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +332,7 @@ def saved(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp_dcp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        run_killed_save(str(tmp))
         results = run_local(worker, 2, str(tmp))
     return tmp, results
 
@@ -286,8 +361,9 @@ def test_inference_checkpoint_into_unsharded_model(saved, src):
     assert _equal(outputs(models), want) == {k: True for k in KINDS}
 
 
-@pytest.mark.parametrize("route", ["train2->1", "train1->2"])
-def test_training_resumes_on_another_world_size(saved, route):
+@pytest.mark.parametrize("route", ["train2->1", "train1->2", "train2->2", "train1->1",
+                                   "killed->2"])
+def test_training_resumes_bitwise(saved, route):
     _, results = saved
     checks = results[0][route]
     # the loss; 4 parameters x (master, Adam exp_avg, exp_avg_sq, step); 3 buffers (the frozen
@@ -320,3 +396,15 @@ def test_master_weights_load_unwrapped_and_drop_their_amax(tmp_path):
     for f in stored:
         with open(tmp_path / "ckpt" / f, "rb") as fh:
             assert b"QuantizeOnGatherWeight" not in fh.read()
+
+
+def test_killed_save_leaves_the_previous_checkpoint(saved):
+    """After the killed save: checkpoint 1 complete in place (it resumed bit for bit on 2
+    ranks: killed->2 above), checkpoint 2's directory without the marker and refused."""
+    tmp, _ = saved
+    ckpt = tmp / "killed" / "ckpt"
+    assert qdcp.is_complete(ckpt)
+    assert (tmp / "killed" / "ckpt.incomplete").is_dir()  # rank 0's shards, no marker
+    assert not qdcp.is_complete(tmp / "killed" / "ckpt.incomplete")
+    with pytest.raises(qdcp.CheckpointError, match="not a complete qtensor checkpoint"):
+        qdcp.read_entries(tmp / "killed" / "ckpt.incomplete")

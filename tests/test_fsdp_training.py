@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from qtensor import NVFP4Tensor
 from qtensor.distributed.master import columnwise_from_2d
 from qtensor.formats.nvfp4 import NVFP4Spec
+from qtensor.testing.collectives import CollectiveCounter
 from qtensor.testing.launch import run_local
 
 RECIPES = {
@@ -55,32 +55,6 @@ def test_high_precision_override_is_refused():
         quantize_on_gather(model)
 
 
-class Counter:
-    """Wraps a torch.distributed function; records the bytes of its tensor argument."""
-
-    def __init__(self, name, arg):
-        self.name, self.arg, self.calls = name, arg, []
-
-    def __enter__(self):
-        self.original = getattr(dist, self.name)
-
-        def wrapped(*args, **kwargs):
-            t = args[self.arg]
-            self.calls.append(t.numel() * t.element_size())
-            return self.original(*args, **kwargs)
-
-        setattr(dist, self.name, wrapped)
-        return self
-
-    def __exit__(self, *exc):
-        setattr(dist, self.name, self.original)
-
-
-def all_gather_counter():
-    return Counter("all_gather_single" if hasattr(dist, "all_gather_single") else
-                   "all_gather_into_tensor", 1)
-
-
 def train_two_steps(rank, world, recipe, reshard, device="cpu"):
     from qtensor.distributed import fully_shard, precompute_amaxes, quantize_on_gather
 
@@ -94,9 +68,9 @@ def train_two_steps(rank, world, recipe, reshard, device="cpu"):
     result = {"equal": [], "stale": None}
     for step in range(2):
         x = torch.randn(32, 64, dtype=torch.bfloat16, generator=gen).to(device)
-        with Counter("all_reduce", 0) as reduces:
+        with CollectiveCounter("all_reduce", 0) as reduces:
             precompute_amaxes(model)
-        with all_gather_counter() as gathers:
+        with CollectiveCounter() as gathers:
             y = model(x)
         y_ref = ref(x)
         y.float().pow(2).sum().backward()
@@ -113,7 +87,7 @@ def train_two_steps(rank, world, recipe, reshard, device="cpu"):
             checks.append(torch.equal(local, p_ref.detach()[rows * rank:rows * (rank + 1)]))
         result["equal"].append(checks)
         result.setdefault("all_reduces", []).append(len(reduces.calls))
-        result.setdefault("forward_gather_bytes", []).append(gathers.calls)
+        result.setdefault("forward_gather_bytes", []).append(gathers.bytes)
     try:  # the weights changed in the last step and no amax was recomputed
         model(torch.randn(32, 64, dtype=torch.bfloat16, device=device))
     except RuntimeError as err:

@@ -14,8 +14,13 @@ where DCP's default planner would unpickle them without restriction.
 [Note: complete checkpoints]
 `save` writes into `PATH.incomplete`, then, after a barrier, rank 0 writes the marker
 `.qtensor_complete` last and renames the directory to PATH (the previous PATH is moved aside
-first and removed after). A save killed half-way leaves PATH as it was and `PATH.incomplete`
-without a marker; `load` refuses any directory without the marker.
+to `PATH.old` first and removed after). A save killed half-way leaves PATH as it was and
+`PATH.incomplete` without a marker; `load` refuses any directory without the marker.
+Two renames are not one atomic step: a rank 0 killed between them leaves no PATH, the
+previous checkpoint complete in `PATH.old` and the new one complete (marker written) in
+`PATH.incomplete`. `load(PATH)` then reads the newest complete one, `PATH.incomplete`
+(`resolve`), and the next `save` to PATH finishes normally (it clears `PATH.incomplete` first
+and finds no PATH to move aside).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from typing import Any
 
 import torch
@@ -183,9 +189,25 @@ def is_complete(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), MARKER))
 
 
+def resolve(path: str | os.PathLike) -> str:
+    """The directory `load(path)` reads: `path`, unless a save died between its two renames
+    and left no `path` ([Note: complete checkpoints]); then the newest complete one of
+    `path.incomplete` (the new checkpoint, marker written) and `path.old` (the previous)."""
+    path = os.fspath(path)
+    if os.path.exists(path):
+        return path
+    for candidate in (f"{path}.incomplete", f"{path}.old"):
+        if is_complete(candidate):
+            warnings.warn(f"{path!r} does not exist: a save to it died while renaming; "
+                          f"loading the complete checkpoint {candidate!r} instead.",
+                          stacklevel=3)
+            return candidate
+    return path
+
+
 def read_entries(path: str | os.PathLike, process_group=None) -> tuple[dict, Any]:
     """({key: JSON entry}, DCP storage metadata) of a complete checkpoint (collective)."""
-    path = os.fspath(path)
+    path = resolve(path)
     if not is_complete(path):
         raise CheckpointError(
             f"{path!r} is not a complete qtensor checkpoint (no {MARKER} marker): its save was "
@@ -241,7 +263,7 @@ def load(state_dict: dict, path: str | os.PathLike, *, process_group=None) -> No
     """Load a checkpoint into `state_dict` in place, resharding as DCP does; every quantized
     entry is checked against its target before any byte is read (collective on every rank of
     `process_group`, default: the default group)."""
-    path = os.fspath(path)
+    path = resolve(path)
     entries, md = read_entries(path, process_group)
     flat, targets = split(state_dict)
     for key in targets:
