@@ -23,17 +23,17 @@ checkpoints and the GEMM layer ask the class instead of testing which class it i
 - `gemm_operand(side)`, `gemm_format`, `gemm_rows(...)`, `pair_problem(other)`: how it enters
   a product (qtensor/gemm/dense.py);
 - `spec`: the format spec it was quantized with, as a value.
+qtensor/tensors/layout.py derives leaves, rebuilding, shard checks and the FSDP2 storage ops from
+these; a new format implements them once in its class.
 
 [Note: spec on the tensor]
 A single-format tensor stores the spec it was quantized with as one attribute, `spec`, next to
 `axis`: `spec` says how the bytes were made (block_2d, row_scaled, 4over6, E4M3 bound, RHT; its
 `columnwise` is the direction at quantization), `axis` says which way the blocks run in this
 view (a transpose flips `axis` and keeps `spec`). Stochastic rounding is not kept: it is how
-the codes were rounded, not what they mean. The fields the layout reads are also
-attributes of the tensor (`t.block_2d` is `t.spec.block_2d`). Checkpoints store the spec as one
-value; their reader takes the unpacked attributes of version 1 files too.
-qtensor/tensors/layout.py derives leaves, rebuilding, shard checks and the FSDP2 storage ops from
-these; a new format implements them once in its class.
+the codes were rounded, not what they mean. The fields the layout reads are also attributes of
+the tensor (`t.block_2d` is `t.spec.block_2d`). Checkpoints store the spec as one value; their
+reader takes the unpacked attributes of version 1 files too.
 """
 
 from __future__ import annotations
