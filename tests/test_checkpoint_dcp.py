@@ -209,6 +209,38 @@ def test_metadata_mismatch_is_refused_before_loading(saved):
     assert all(torch.equal(a, b) for a, b in zip(before, [b for v in sd.values() for b in _bytes(v)]))
 
 
+def test_save_after_a_killed_rename_keeps_the_newest_checkpoint(tmp_path, monkeypatch):
+    """After rank 0 died between the two renames (PATH missing, PATH.incomplete the newest
+    complete checkpoint), the next save first finishes that rename: if it then dies while
+    writing, `load(PATH)` still reads the newest complete checkpoint, not the older one."""
+    path = tmp_path / "ckpt"
+    first, second = _quantized_state(0, None), _quantized_state(1, None)
+    qdcp.save(first, path)
+    rename = os.replace
+
+    def dies_after_moving_aside(src, dst):
+        rename(src, dst)
+        if os.fspath(dst).endswith(".old"):
+            raise SystemExit("rank 0 killed")
+
+    monkeypatch.setattr(os, "replace", dies_after_moving_aside)
+    with pytest.raises(SystemExit):
+        qdcp.save(second, path)
+    monkeypatch.undo()
+
+    def dies_writing(*args, **kwargs):
+        raise SystemExit("killed while writing shards")
+
+    monkeypatch.setattr(qdcp.dcp, "save", dies_writing)
+    with pytest.raises(SystemExit):
+        qdcp.save(_quantized_state(3, None), path)
+    monkeypatch.undo()
+    assert qdcp.is_complete(path)
+    sd = _quantized_state(2, None)
+    qdcp.load(sd, path)
+    assert all(_same(sd[k], second[k]) for k in sd)
+
+
 def test_save_killed_between_renames_loads_a_complete_checkpoint(tmp_path, monkeypatch):
     """Rank 0 dies after moving the previous checkpoint aside and before renaming the new one
     into place ([Note: complete checkpoints]): both are complete, PATH is missing; `load(PATH)`

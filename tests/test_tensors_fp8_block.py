@@ -133,3 +133,30 @@ def test_non_finite_input_is_reported():
         FP8BlockTensor.from_spec(x, ROWS)
     poisoned = FP8BlockTensor.from_spec(x, ROWS, check_finite=False)
     assert torch.isnan(poisoned.scale[3, 0]) and not torch.isnan(poisoned.scale[4, 0])
+
+
+def test_explicit_gemm_backend_asks_the_format(monkeypatch):
+    """with_gemm_backend checks scaled_mm against the operand's own format (FP8 blocks run
+    natively from sm_90, MX/NVFP4 from sm_100) and refuses triton for formats without a Triton
+    kernel, instead of letting the product fall back to the reference unasked."""
+    from qtensor.backends import ScaledMMFormat
+    from qtensor.gemm import dense
+    from qtensor.tensors import MXFP4Tensor
+
+    asked = []
+
+    def capable(backend, device, scaled=ScaledMMFormat.MX_BLOCK):
+        asked.append(scaled)
+        return None
+
+    monkeypatch.setattr(dense, "gemm_backend_problem", capable)
+    tiles = FP8BlockTensor.from_spec(_x(256, 384), TILES)
+    assert dense.with_gemm_backend(tiles, "scaled_mm").gemm_backend == "scaled_mm"
+    assert asked == [ScaledMMFormat.FP8_BLOCK128]
+    with pytest.raises(ValueError, match="no Triton kernel for fp8_block"):
+        dense.with_gemm_backend(tiles, "triton")
+    mx = MXFP4Tensor.from_hp(_x(64, 96))
+    with pytest.raises(ValueError, match="no Triton kernel for mxfp4"):
+        dense.with_gemm_backend(mx, "triton")
+    with pytest.raises(ValueError, match="no native MXFP4 GEMM"):
+        dense.with_gemm_backend(mx, "scaled_mm")

@@ -163,7 +163,13 @@ def save(state_dict: dict, path: str | os.PathLike, *, process_group=None) -> No
     path = os.fspath(path)
     tmp = f"{path}.incomplete"
     if _rank(process_group) == 0 and os.path.exists(tmp):
-        shutil.rmtree(tmp)  # what an interrupted save left behind
+        if not os.path.exists(path) and is_complete(tmp):
+            # A save died between its two renames: tmp is the newest complete checkpoint
+            # (what `load` reads now). Finish that rename before writing the next one, so a
+            # death during this save still leaves it.
+            os.replace(tmp, path)
+        else:
+            shutil.rmtree(tmp)  # what an interrupted save left behind
     _barrier(process_group)
     flat, entries = split(state_dict)
     blob = header(entries).encode()

@@ -45,7 +45,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from qtensor.backends import GEMM_BACKENDS, GemmBackend, gemm_backend_problem
+from qtensor.backends import GEMM_BACKENDS, GemmBackend, ScaledMMFormat, gemm_backend_problem
 from qtensor.ops import gemm_ops
 from qtensor.ops.gemm_ops import FP8_BLOCK, MXFP4, NO_KERNEL, Side
 from qtensor.gemm.scaled_mm import fp8_block_scaled_mm, scaled_mm_args, scaled_mm_problem
@@ -247,7 +247,14 @@ def with_gemm_backend(x: QuantizedTensor, backend: GemmBackend | str) -> Quantiz
     backend = GemmBackend(backend)
 
     def force(part: QuantizedTensor) -> QuantizedTensor:
-        problem = gemm_backend_problem(backend, part.device)
+        fmt = part.gemm_format
+        scaled = ScaledMMFormat.FP8_BLOCK128 if fmt == FP8_BLOCK else ScaledMMFormat.MX_BLOCK
+        problem = gemm_backend_problem(backend, part.device, scaled)
+        if problem is None and backend is GemmBackend.TRITON and fmt in NO_KERNEL:
+            problem = (f"there is no Triton kernel for {fmt} operands yet (their products run "
+                       "the exact reference op); leave gemm_backend as it is")
+        if problem is None and backend is GemmBackend.SCALED_MM and fmt == MXFP4:
+            problem = "no native MXFP4 GEMM is wired (its products run the exact reference op)"
         if problem:
             raise ValueError(f"Cannot set gemm_backend={backend.value!r} on {part!r}: {problem}.")
         return part.replace(gemm_backend=backend.value)

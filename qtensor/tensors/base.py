@@ -204,7 +204,9 @@ class QuantizedTensor(torch.Tensor):
         """{inner name: (shape, dtype)} a tensor of this class, logical shape and attributes
         holds; for a part of a composite, the axis that part must have. Raises ValueError when
         no tensor of the class has that shape."""
-        raise NotImplementedError(f"{type(cls).__name__} declares no inner layout.")
+        raise NotImplementedError(
+            f"{cls.__name__} declares no inner layout (inner_layout), so it cannot be stored "
+            "in or checked against a checkpoint; implement the layout protocol for it.")
 
     def gemm_operand(self, side: str) -> "QuantizedTensor":
         """The operand a GEMM multiplies on `side` ("left": blocks along the last dim, "right":

@@ -22,7 +22,9 @@ Three 4over6 fields were renamed so that a scope of roles reads as one: `fourove
 old names still work wherever a recipe is built or read: as constructor keywords (so
 `from_env` overrides and torchao's `config_from_dict` of a config saved with the old keys), as
 attributes, and in pickles written before the rename. Each use raises a DeprecationWarning that
-names the new field; giving an old name and its new one together is a TypeError.
+names the new field; giving an old name and its new one together is a TypeError. The one place
+they do not work is `dataclasses.replace(recipe, fourover6=...)`: replace passes every field by
+its new name, so an old one always collides (the TypeError says to use the new name).
 """
 
 from __future__ import annotations
