@@ -209,11 +209,9 @@ def test_metadata_mismatch_is_refused_before_loading(saved):
     assert all(torch.equal(a, b) for a, b in zip(before, [b for v in sd.values() for b in _bytes(v)]))
 
 
-def test_save_after_a_killed_rename_keeps_the_newest_checkpoint(tmp_path, monkeypatch):
-    """After rank 0 died between the two renames (PATH missing, PATH.incomplete the newest
-    complete checkpoint), the next save first finishes that rename: if it then dies while
-    writing, `load(PATH)` still reads the newest complete checkpoint, not the older one."""
-    path = tmp_path / "ckpt"
+def _save_killed_between_renames(path, monkeypatch):
+    """Save `first`, then a second checkpoint whose rank 0 dies after moving the previous one
+    aside and before renaming the new one into place; returns (first, second)."""
     first, second = _quantized_state(0, None), _quantized_state(1, None)
     qdcp.save(first, path)
     rename = os.replace
@@ -221,12 +219,21 @@ def test_save_after_a_killed_rename_keeps_the_newest_checkpoint(tmp_path, monkey
     def dies_after_moving_aside(src, dst):
         rename(src, dst)
         if os.fspath(dst).endswith(".old"):
-            raise SystemExit("rank 0 killed")
+            raise SystemExit("rank 0 killed")  # nothing after this line of save runs
 
     monkeypatch.setattr(os, "replace", dies_after_moving_aside)
     with pytest.raises(SystemExit):
         qdcp.save(second, path)
     monkeypatch.undo()
+    return first, second
+
+
+def test_save_after_a_killed_rename_keeps_the_newest_checkpoint(tmp_path, monkeypatch):
+    """After rank 0 died between the two renames (PATH missing, PATH.incomplete the newest
+    complete checkpoint), the next save first finishes that rename: if it then dies while
+    writing, `load(PATH)` still reads the newest complete checkpoint, not the older one."""
+    path = tmp_path / "ckpt"
+    _, second = _save_killed_between_renames(path, monkeypatch)
 
     def dies_writing(*args, **kwargs):
         raise SystemExit("killed while writing shards")
@@ -247,19 +254,7 @@ def test_save_killed_between_renames_loads_a_complete_checkpoint(tmp_path, monke
     reads the new one, and the next save to PATH completes and clears the leftovers. (A rank
     killed while writing its shards: tests/test_checkpoint_fsdp.py.)"""
     path = tmp_path / "ckpt"
-    first, second = _quantized_state(0, None), _quantized_state(1, None)
-    qdcp.save(first, path)
-    rename = os.replace
-
-    def dies_after_moving_aside(src, dst):
-        rename(src, dst)
-        if os.fspath(dst).endswith(".old"):
-            raise SystemExit("rank 0 killed")  # nothing after this line of save runs
-
-    monkeypatch.setattr(os, "replace", dies_after_moving_aside)
-    with pytest.raises(SystemExit):
-        qdcp.save(second, path)
-    monkeypatch.undo()
+    first, second = _save_killed_between_renames(path, monkeypatch)
     assert not path.exists()
     assert qdcp.is_complete(tmp_path / "ckpt.old") and qdcp.is_complete(tmp_path / "ckpt.incomplete")
     sd = _quantized_state(2, None)

@@ -187,6 +187,17 @@ def normalize_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
+def transposed_storage_dim(axis: str, ndim: int, dim: int) -> tuple[int, bool]:
+    """(storage dim, is block dim) of logical `dim` for a format that stores a columnwise tensor
+    as its transpose (NVFP4, MXFP4: packed codes along the storage's last dim)."""
+    dim = normalize_dim(dim, ndim)
+    if axis == ROWWISE:
+        return dim, dim == ndim - 1
+    if dim == ndim - 2:
+        return ndim - 1, True
+    return (ndim - 2 if dim == ndim - 1 else dim), False
+
+
 def infer_shape(shape, numel: int) -> torch.Size:
     """Resolve one -1 in a view shape."""
     shape = list(shape)

@@ -19,7 +19,7 @@ from qtensor.backends import GemmBackend, QuantBackend
 from qtensor.formats import fp8_block as ref
 from qtensor.formats.fp8_block import FP8BlockData, FP8BlockSpec
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.tensors.layout import flat_view
+from qtensor.tensors.layout import trivial_view
 from qtensor.tensors.common import (
     COLUMNWISE,
     ROWWISE,
@@ -184,10 +184,9 @@ def _transpose(func, args, kwargs):
 def _view(func, args, kwargs):
     x = args[0]
     shape = infer_shape(args[1], x.numel())
-    if shape == x.shape:
-        return x.replace()
-    if len(shape) == 1 and x.dim() > 1:  # view(-1), as FSDP2 takes of every parameter
-        return flat_view(x)
+    same = trivial_view(x, shape)
+    if same is not None:
+        return same
     if x.block == TILES or x.axis != ROWWISE or len(shape) == 0 or shape[-1] != x.shape[-1]:
         raise ValueError(
             f"FP8BlockTensor can be reshaped only when it has 1x128 rowwise blocks and keeps "

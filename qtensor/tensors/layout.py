@@ -161,6 +161,16 @@ def _as_strided(func, args, kwargs):
     return x.replace()
 
 
+def trivial_view(x: QuantizedTensor, shape: torch.Size):
+    """The views every class takes the same way, or None: the identity (a view op returns a new
+    tensor even then) and `view(-1)`, as FSDP2 takes of every parameter (`flat_view`)."""
+    if shape == x.shape:
+        return x.replace()
+    if len(shape) == 1 and x.dim() > 1:
+        return flat_view(x)
+    return None
+
+
 def flat_view(x: QuantizedTensor):
     """`x.view(-1)`: the class's 1-D reading where its blocks stay whole, else a
     QuantizedStorageView."""

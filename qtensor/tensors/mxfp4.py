@@ -31,8 +31,9 @@ from qtensor.tensors.common import (
     normalize_dim,
     require_finite,
     slice_bounds,
+    transposed_storage_dim,
 )
-from qtensor.tensors.layout import flat_view
+from qtensor.tensors.layout import trivial_view
 
 aten = torch.ops.aten
 BLOCK = ref.BLOCK
@@ -142,13 +143,7 @@ class MXFP4Tensor(QuantizedTensor):
 
     def storage_dim(self, dim: int) -> tuple[int, bool]:
         """(storage dim, is block dim) for a logical dim."""
-        nd = self.dim()
-        dim = normalize_dim(dim, nd)
-        if self.axis == ROWWISE:
-            return dim, dim == nd - 1
-        if dim == nd - 2:
-            return nd - 1, True
-        return (nd - 2 if dim == nd - 1 else dim), False
+        return transposed_storage_dim(self.axis, self.dim(), dim)
 
     def shard_dims(self) -> dict[str, int | None]:
         sdim, _ = self.storage_dim(0)
@@ -193,10 +188,9 @@ def _transpose(func, args, kwargs):
 def _view(func, args, kwargs):
     x = args[0]
     shape = infer_shape(args[1], x.numel())
-    if shape == x.shape:
-        return x.replace()
-    if len(shape) == 1 and x.dim() > 1:  # view(-1), as FSDP2 takes of every parameter
-        return flat_view(x)
+    same = trivial_view(x, shape)
+    if same is not None:
+        return same
     if x.axis != ROWWISE or len(shape) == 0 or shape[-1] != x.shape[-1]:
         raise ValueError(
             f"MXFP4Tensor can be reshaped only when it is rowwise and keeps its last dim "

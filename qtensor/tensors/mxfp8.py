@@ -14,7 +14,7 @@ from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.backends import resolve_gemm_backend
 from qtensor.ops import quant
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.tensors.layout import flat_view
+from qtensor.tensors.layout import trivial_view
 from qtensor.tensors.common import (
     COLUMNWISE,
     ROWWISE,
@@ -158,10 +158,9 @@ def _transpose(func, args, kwargs):
 def _view(func, args, kwargs):
     x = args[0]
     shape = infer_shape(args[1], x.numel())
-    if shape == x.shape:
-        return x.replace()
-    if len(shape) == 1 and x.dim() > 1:  # view(-1), as FSDP2 takes of every parameter
-        return flat_view(x)
+    same = trivial_view(x, shape)
+    if same is not None:
+        return same
     if x.axis != ROWWISE or len(shape) == 0 or shape[-1] != x.shape[-1]:
         raise ValueError(
             f"MXFP8Tensor can be reshaped only when it is rowwise and keeps its last dim "

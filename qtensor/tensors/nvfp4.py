@@ -30,8 +30,9 @@ from qtensor.tensors.common import (
     normalize_dim,
     require_finite,
     slice_bounds,
+    transposed_storage_dim,
 )
-from qtensor.tensors.layout import flat_view
+from qtensor.tensors.layout import trivial_view
 
 aten = torch.ops.aten
 BLOCK = ref.BLOCK
@@ -264,13 +265,7 @@ class NVFP4Tensor(QuantizedTensor):
 
     def storage_dim(self, dim: int) -> tuple[int, bool]:
         """(storage dim, is block dim) for a logical dim."""
-        nd = self.dim()
-        dim = normalize_dim(dim, nd)
-        if self.axis == ROWWISE:
-            return dim, dim == nd - 1
-        if dim == nd - 2:
-            return nd - 1, True
-        return (nd - 2 if dim == nd - 1 else dim), False
+        return transposed_storage_dim(self.axis, self.dim(), dim)
 
 
 def _transposed(x: NVFP4Tensor) -> NVFP4Tensor:
@@ -289,12 +284,11 @@ def _transpose(func, args, kwargs):
 
 @NVFP4Tensor.implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
 def _view(func, args, kwargs):
-    x, shape = args[0], list(args[1])
-    shape = infer_shape(shape, x.numel())
-    if shape == x.shape:
-        return x.replace()
-    if len(shape) == 1 and x.dim() > 1:  # view(-1), as FSDP2 takes of every parameter
-        return flat_view(x)
+    x = args[0]
+    shape = infer_shape(args[1], x.numel())
+    same = trivial_view(x, shape)
+    if same is not None:
+        return same
     if x.axis != ROWWISE or len(shape) == 0 or shape[-1] != x.shape[-1] or x.block_2d:
         raise ValueError(
             f"NVFP4Tensor can be reshaped only when it is rowwise, 1D-blocked and keeps its "
