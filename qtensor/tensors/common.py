@@ -187,6 +187,16 @@ def normalize_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
+def block_dim_size(shape, axis: str, block: int) -> int:
+    """The size of the dim a tensor of logical `shape` runs its `block`-element blocks along
+    (the last dim rowwise, dim -2 columnwise); ValueError when it cannot hold them (the
+    checkpoint reader's shape rule)."""
+    col = axis == COLUMNWISE
+    if not shape or (col and len(shape) < 2) or (shape[-2] if col else shape[-1]) % block:
+        raise ValueError(f"{list(shape)} cannot hold {axis} {block}-element blocks.")
+    return shape[-2] if col else shape[-1]
+
+
 def transposed_storage_dim(axis: str, ndim: int, dim: int) -> tuple[int, bool]:
     """(storage dim, is block dim) of logical `dim` for a format that stores a columnwise tensor
     as its transpose (NVFP4, MXFP4: packed codes along the storage's last dim)."""

@@ -25,6 +25,7 @@ from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.common import (
     COLUMNWISE,
     ROWWISE,
+    block_dim_size,
     check_hp_input,
     flips_last_two,
     infer_shape,
@@ -162,9 +163,7 @@ class MXFP4Tensor(QuantizedTensor):
     @classmethod
     def inner_layout(cls, shape: torch.Size, attrs: dict) -> dict:
         col = attrs["axis"] == COLUMNWISE
-        if not shape or (col and len(shape) < 2) or (shape[-2] if col else shape[-1]) % BLOCK:
-            raise ValueError(f"{list(shape)} cannot hold {attrs['axis']} {BLOCK}-element blocks.")
-        bdim = shape[-2] if col else shape[-1]
+        bdim = block_dim_size(shape, attrs["axis"], BLOCK)
         rows = [*shape[:-2], shape[-1]] if col else list(shape[:-1])
         return {"qdata": (torch.Size([*rows, bdim // 2]), torch.uint8),
                 "scale": (torch.Size([*rows, bdim // BLOCK]), torch.uint8)}

@@ -18,6 +18,7 @@ from qtensor.tensors.layout import trivial_view
 from qtensor.tensors.common import (
     COLUMNWISE,
     ROWWISE,
+    block_dim_size,
     check_hp_input,
     flips_last_two,
     infer_shape,
@@ -127,8 +128,7 @@ class MXFP8Tensor(QuantizedTensor):
     @classmethod
     def inner_layout(cls, shape: torch.Size, attrs: dict) -> dict:
         col = attrs["axis"] == COLUMNWISE
-        if not shape or (col and len(shape) < 2) or (shape[-2] if col else shape[-1]) % BLOCK:
-            raise ValueError(f"{list(shape)} cannot hold {attrs['axis']} {BLOCK}-element blocks.")
+        block_dim_size(shape, attrs["axis"], BLOCK)  # raises for a shape without whole blocks
         c = shape[-1]
         scale = [*shape[:-2], shape[-2] // BLOCK, c] if col else [*shape[:-1], c // BLOCK]
         return {"qdata": (shape, torch.float8_e4m3fn),

@@ -23,6 +23,7 @@ from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.common import (
     COLUMNWISE,
     ROWWISE,
+    block_dim_size,
     bytes_spec,
     check_hp_input,
     flips_last_two,
@@ -234,13 +235,8 @@ class NVFP4Tensor(QuantizedTensor):
     @classmethod
     def inner_layout(cls, shape: torch.Size, attrs: dict) -> dict:
         col = attrs["axis"] == COLUMNWISE
-        if not shape or (col and len(shape) < 2):
-            raise ValueError(f"{list(shape)} cannot hold {attrs['axis']} {BLOCK}-element blocks.")
-        lead, c = shape[:-2], shape[-1]
-        bdim = shape[-2] if col else c
-        if bdim % BLOCK:
-            raise ValueError(f"{list(shape)} cannot hold {attrs['axis']} {BLOCK}-element blocks.")
-        rows = [*lead, c] if col else list(shape[:-1])  # storage rows (a columnwise one's columns)
+        bdim = block_dim_size(shape, attrs["axis"], BLOCK)
+        rows = [*shape[:-2], shape[-1]] if col else list(shape[:-1])  # storage rows (a columnwise one's columns)
         return {
             "qdata": (torch.Size([*rows, bdim // 2]), torch.uint8),
             "scale": (torch.Size([*rows, bdim // BLOCK]), torch.float8_e4m3fn),
