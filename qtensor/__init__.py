@@ -11,8 +11,8 @@ from qtensor.formats import MXFP4Spec, MXFP8Spec, NVFP4Spec
 from qtensor.formats.fp8_block import FP8BlockSpec
 from qtensor import gemm as _gemm  # noqa: F401  registers the GEMM handlers and F.linear
 from qtensor.gemm import quantized_mm
-from qtensor.tensors import (FP8BlockTensor, HybridTensor, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor,
-                             QuantizedTensor)
+from qtensor.tensors import (DecodeWeight, FP8BlockTensor, HybridTensor, MXFP4Tensor, MXFP8Tensor,
+                             NVFP4Tensor, QuantizedTensor, to_decode_layout)
 
 from qtensor.version import __version__  # noqa: E402
 
@@ -23,6 +23,7 @@ _torch.serialization.add_safe_globals(
 )
 
 _LAZY = {  # these import torchao or transformers, so they load on first use
+    "MXFP4WeightOnlyConfig": "qtensor.quantize",
     "MXFP8DynamicActivationMXFP8WeightConfig": "qtensor.quantize",
     "MXFP8WeightOnlyConfig": "qtensor.quantize",
     "NVFP4DynamicActivationNVFP4WeightConfig": "qtensor.quantize",
@@ -41,11 +42,13 @@ def __getattr__(name):
 
 
 __all__ = [
+    "DecodeWeight",
     "FP8BlockSpec",
     "FP8BlockTensor",
     "HybridTensor",
     "MXFP4Spec",
     "MXFP4Tensor",
+    "MXFP4WeightOnlyConfig",
     "MXFP8DynamicActivationMXFP8WeightConfig",
     "MXFP8Spec",
     "MXFP8Tensor",
@@ -62,6 +65,7 @@ __all__ = [
     "quantized_mm",
     "save_file",
     "save_pretrained",
+    "to_decode_layout",
 ]
 
 # transformers learns quant_method "qtensor" when (and only if) it is imported, before or after

@@ -18,10 +18,11 @@ import qtensor._torchao  # noqa: F401  (torchao without its import-time noise)
 from torchao.core.config import AOBaseConfig
 from torchao.quantization.transform_module import register_quantize_module_handler
 
-from qtensor.formats.fields import check_field_types
+from qtensor.formats.fields import check_field_types, either
+from qtensor.formats.mxfp4 import MXFP4Spec
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
-from qtensor.tensors import QuantizedTensor, quantize_spec
+from qtensor.tensors import QuantizedTensor, quantize_spec, to_decode_layout
 from qtensor.tensors.common import NonFiniteInputError
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -57,9 +58,19 @@ class _InferenceConfig(AOBaseConfig):
             _check_inference_spec(spec, role)
         if getattr(getattr(self, "activation", None), "block_2d", False):
             raise ValueError("2D (16x16) blocks are for weights; set activation.block_2d=False.")
+        layout = getattr(self, "layout", "auto")
+        if layout not in LAYOUTS:
+            raise ValueError(f"{type(self).__name__}.layout is {either(LAYOUTS)}; got {layout!r}.")
 
     def specs(self):
         return self.weight, getattr(self, "activation", None)
+
+
+# How a weight-only config stores its weights ([Note: decode weights] in qtensor/tensors/decode.py):
+# "auto" packs them into the decode layout where the decode GEMM kernel is built for their
+# device (qtensor.ops.decode_mm.kernel_problem), "decode" packs them on every device (the
+# reference multiplies them where no kernel exists), "canonical" never packs.
+LAYOUTS = ("auto", "decode", "canonical")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +81,7 @@ class NVFP4WeightOnlyConfig(_InferenceConfig):
     weight: NVFP4Spec = NVFP4Spec()
     # Leave layers whose shapes NVFP4 cannot take in high precision instead of raising.
     skip_incompatible: bool = False
+    layout: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +101,17 @@ class MXFP8WeightOnlyConfig(_InferenceConfig):
     spec_type: ClassVar[type] = MXFP8Spec
     weight: MXFP8Spec = MXFP8Spec()
     skip_incompatible: bool = False
+    layout: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP4WeightOnlyConfig(_InferenceConfig):
+    """MXFP4 weights (OCP MX: E2M1 codes, a UE8M0 scale per 32), high-precision activations."""
+
+    spec_type: ClassVar[type] = MXFP4Spec
+    weight: MXFP4Spec = MXFP4Spec()
+    skip_incompatible: bool = False
+    layout: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +129,7 @@ CONFIGS = (
     NVFP4DynamicActivationNVFP4WeightConfig,
     MXFP8WeightOnlyConfig,
     MXFP8DynamicActivationMXFP8WeightConfig,
+    MXFP4WeightOnlyConfig,
 )
 
 
@@ -114,7 +138,7 @@ def linear_shape_error(module: nn.Linear, config) -> str | None:
     weight_spec, _ = config.specs()
     n, k = module.weight.shape
     block = 16 if isinstance(weight_spec, NVFP4Spec) else 32
-    fmt = "NVFP4" if block == 16 else "MXFP8"
+    fmt = {NVFP4Spec: "NVFP4", MXFP8Spec: "MXFP8", MXFP4Spec: "MXFP4"}[type(weight_spec)]
     if k % block:
         return f"{fmt} needs in_features divisible by {block}; got {k}"
     if getattr(weight_spec, "block_2d", False) and n % 16:
@@ -155,8 +179,19 @@ def quantize_linear(module: nn.Linear, config, name: str = "") -> nn.Module:
     if act_spec is not None:
         w = w.replace(act_spec=act_spec)
     module.weight = nn.Parameter(w, requires_grad=False)
+    if _packs(getattr(config, "layout", "canonical"), w):
+        to_decode_layout(module)
     module.extra_repr = _extra_repr.__get__(module)
     return module
+
+
+def _packs(layout: str, w) -> bool:
+    """Whether a weight-only config's `layout` packs this weight into the decode layout."""
+    if layout == "auto":
+        from qtensor.ops.decode_mm import device_kernel_problem
+
+        return device_kernel_problem(w.device, w.gemm_format) is None
+    return layout == "decode"
 
 
 def _extra_repr(self) -> str:

@@ -107,6 +107,7 @@ def _encode_value(v):
 
 def encode(key: str, t: QuantizedTensor) -> tuple[dict, dict[str, torch.Tensor]]:
     """(JSON entry, {flat name: inner tensor}) of one quantized tensor stored under `key`."""
+    t = t.stored()
     if type(t).__name__ not in CLASSES:
         raise CheckpointError(f"{key!r}: {type(t).__name__} is not a storable class.")
     flat: dict[str, torch.Tensor] = {}

@@ -51,6 +51,7 @@ from qtensor.ops.gemm_ops import FP8_BLOCK, MXFP4, NO_KERNEL, Side
 from qtensor.gemm.scaled_mm import fp8_block_scaled_mm, scaled_mm_args, scaled_mm_problem
 from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.common import ROWWISE
+from qtensor.tensors.decode import DecodeWeight
 from qtensor.tensors.hybrid import quantize_spec
 from qtensor.tensors.layout import map_parts
 
@@ -301,6 +302,8 @@ def linear(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
     """F.linear with a quantized weight. A weight with an act_spec quantizes x first; when
     autograd needs x's or the bias's gradient it is straight-through the activation quantizer
     (`DynamicActivationLinear`). The output is a tensor of its own, as nn.Linear's is."""
+    if isinstance(weight, DecodeWeight):
+        return _decode_linear(x, weight, bias)
     out = _prepared_linear(x, weight, bias)
     if out is not None:
         return out
@@ -312,6 +315,26 @@ def linear(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
         # layer; a non-finite activation poisons its amax and decodes to NaN instead.
         x = quantize_spec(x, spec, check_finite=False)
     return _linear_quantized(x, weight, bias)
+
+
+def _decode_linear(x, weight: DecodeWeight, bias) -> torch.Tensor:
+    """F.linear with a weight in the decode layout: qtensor::decode_mm on the packed bytes
+    ([Note: decode weights] in qtensor/tensors/decode.py)."""
+    from qtensor.ops.decode_mm import decode_mm
+
+    if isinstance(x, QuantizedTensor) or not x.is_floating_point():
+        raise TypeError(f"a weight in the decode layout multiplies a high-precision float "
+                        f"activation; got {type(x).__name__} {x.dtype}. Use weight.canonical() "
+                        "for quantized activations.")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"F.linear: the activation's last dim is {x.shape[-1]}, the weight "
+                         f"{tuple(weight.shape)} takes K = {k}.")
+    lead = x.shape[:-1]
+    x2 = x.reshape(math.prod(lead), k)
+    out = decode_mm(x2, weight.codes, weight.scales, weight.amax, bias, weight.fmt, n, k,
+                    weight.bound, x.dtype)
+    return gemm_ops.fresh_reshape(out, (*lead, n)) if x.dim() != 2 else out
 
 
 def _linear_quantized(x, weight, bias) -> torch.Tensor:

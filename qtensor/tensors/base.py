@@ -22,7 +22,9 @@ checkpoints and the GEMM layer ask the class instead of testing which class it i
   shape and attributes (a checkpoint must hold exactly these);
 - `gemm_operand(side)`, `gemm_format`, `gemm_rows(...)`, `pair_problem(other)`: how it enters
   a product (qtensor/gemm/dense.py);
-- `spec`: the format spec it was quantized with, as a value.
+- `spec`: the format spec it was quantized with, as a value;
+- `stored()`: the tensor as checkpoints hold it (itself, but for a serving layout such as
+  DecodeWeight, which gives its canonical tensor).
 qtensor/tensors/layout.py derives leaves, rebuilding, shard checks and the FSDP2 storage ops from
 these; a new format implements them once in its class.
 
@@ -227,6 +229,11 @@ class QuantizedTensor(torch.Tensor):
         operand (its rows are the tensor's columns). amax and bound are None where the format
         has no per-tensor factor."""
         raise NotImplementedError(f"{type(self).__name__} has no GEMM operand of its own.")
+
+    def stored(self) -> "QuantizedTensor":
+        """The tensor checkpoints store for this one: itself, or for a serving layout (the
+        decode layout) the canonical tensor it was packed from."""
+        return self
 
     def pair_problem(self, other: "QuantizedTensor | None") -> str | None:
         """Why self cannot be multiplied with `other` (a quantized operand of the same class, or

@@ -1,0 +1,122 @@
+"""The decode layout: a weight's bytes in the order the decode GEMM loads them.
+
+[Note: decode layout]
+A 2-D weight W [N, K] with its blocks along K (the right operand of x @ W^T) is stored in the
+canonical layout of its format (docs/formats.md): codes [N, K/2] (NVFP4, MXFP4: element 2j in
+the low nibble) or [N, K] (MXFP8), block scales [N, K/16] or [N, K/32]. The decode layout holds
+the same bytes, permuted, and zero-padded to N a multiple of 64 and K a multiple of 64:
+- the weight is cut into super-tiles of 16 rows x 64 K, stored [N/16, K/64] row-major;
+- in a super-tile, lane l = 4g + t of a warp owns rows g and g + 8 at K offsets [16t, 16t + 16):
+  its 32 values are 16 bytes (32 for MXFP8, as two 16-byte vectors stored one warp-width
+  apart), ordered as the A fragments of four m16n8k16 MMAs want them;
+- its two scales, of row g and row g + 8 for that K range, are one uint16 (row g in the low
+  byte), so the scales are [N/16, K/64, 32] uint16. An MXFP4 or MXFP8 block covers two lanes'
+  ranges; each keeps a copy.
+Within a lane's 16 bytes of 4-bit codes, word s (one per MMA, K slots 16t + 4s + 0..3) holds
+nibble 4h + 2(1 - p) + (1 - r) for row g + 8r and element 16t + 4s + 2p + h; an MXFP8 lane's
+word 2s + p holds byte 2h + (1 - r) of the same element. csrc/decode_gemm_cuda.cu
+([Note: decode GEMM]) decodes these orders.
+
+`pack` and `unpack` are exact inverses on every canonical tensor (tests/test_decode_layout.py
+checks it bit for bit). The layout cannot hold an MXFP8 NaN code: the kernel's bit decode reads
+E4M3's NaN as a finite number, so `pack` refuses such a weight (it keeps its canonical layout).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FORMATS = ("nvfp4", "mxfp4", "mxfp8")  # the kernel's fmt argument is the index
+ROWS, SUPER_K = 64, 64  # padding of N (4 row tiles of 16, one CTA) and of K (one super-tile)
+
+
+def _block(fmt: str) -> int:
+    return 16 if fmt == "nvfp4" else 32
+
+
+def padded(n: int, k: int) -> tuple[int, int]:
+    return -(-n // ROWS) * ROWS, -(-k // SUPER_K) * SUPER_K
+
+
+def check(fmt: str, n: int, k: int) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"the decode layout holds {', '.join(FORMATS)} weights; got {fmt!r}.")
+    if n <= 0 or k <= 0 or k % _block(fmt):
+        raise ValueError(f"a {fmt} weight in the decode layout needs N > 0 and K > 0 divisible "
+                         f"by {_block(fmt)}; got N = {n}, K = {k}.")
+
+
+def packed_sizes(fmt: str, n: int, k: int) -> tuple[int, int]:
+    """Bytes of the packed codes and of the packed scales."""
+    np_, kp = padded(n, k)
+    tiles = (np_ // 16) * (kp // SUPER_K)
+    return tiles * 512 * (2 if fmt == "mxfp8" else 1), tiles * 64
+
+
+def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    if tuple(t.shape) == (rows, cols):
+        return t
+    out = t.new_zeros(rows, cols)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+def pack(fmt: str, data: torch.Tensor, scale: torch.Tensor, n: int, k: int):
+    """(codes, scales) of the decode layout, flat uint8, from canonical bytes (any uint8 view:
+    data [N, K/2] or [N, K], scale [N, K/16] or [N, K/32])."""
+    check(fmt, n, k)
+    data, scale = data.view(torch.uint8), scale.view(torch.uint8)
+    width = k if fmt == "mxfp8" else k // 2
+    if tuple(data.shape) != (n, width) or tuple(scale.shape) != (n, k // _block(fmt)):
+        raise ValueError(f"canonical {fmt} bytes of a [{n}, {k}] weight are codes [{n}, {width}] "
+                         f"and scales [{n}, {k // _block(fmt)}]; got {tuple(data.shape)} and "
+                         f"{tuple(scale.shape)}.")
+    if fmt == "mxfp8" and bool(((data & 0x7F) == 0x7F).any()):
+        raise ValueError("the decode layout cannot carry MXFP8 NaN codes (0x7F / 0xFF); this "
+                         "weight keeps its canonical layout.")
+    np_, kp = padded(n, k)
+    nt, kt = np_ // 16, kp // SUPER_K
+    if fmt == "mxfp8":
+        b = _pad(data, np_, kp).view(nt, 2, 8, kt, 4, 2, 2, 2, 2)  # r g | t jH jl p h
+        b = b.permute(0, 3, 5, 2, 4, 6, 7, 8, 1).flip(-1)  # nt kt jH g t jl p h (1 - r)
+        codes = b.reshape(-1)
+    else:
+        nib = torch.stack((data & 15, data >> 4), dim=-1).reshape(n, k)
+        b = _pad(nib, np_, kp).view(nt, 2, 8, kt, 4, 4, 2, 2)  # r g | t s p h
+        b = b.permute(0, 3, 2, 4, 5, 7, 6, 1).flip(-1, -2)  # nt kt g t s h (1 - p) (1 - r)
+        b = b.reshape(-1, 2)
+        codes = (b[:, 0] | (b[:, 1] << 4)).reshape(-1)
+    sc = _pad(scale, np_, kp // _block(fmt))
+    if fmt == "nvfp4":
+        sc = sc.view(nt, 2, 8, kt, 4)
+    else:  # one block per two lanes: each lane keeps a copy
+        sc = sc.view(nt, 2, 8, kt, 2, 1).expand(nt, 2, 8, kt, 2, 2).reshape(nt, 2, 8, kt, 4)
+    scales = sc.permute(0, 3, 2, 4, 1).reshape(-1)  # nt kt g t r
+    return codes.contiguous(), scales.contiguous()
+
+
+def unpack(fmt: str, codes: torch.Tensor, scales: torch.Tensor, n: int, k: int):
+    """The canonical (data, scale) uint8 tensors that `pack` made these bytes from."""
+    check(fmt, n, k)
+    sizes = packed_sizes(fmt, n, k)
+    if codes.dtype != torch.uint8 or scales.dtype != torch.uint8 or \
+            (codes.numel(), scales.numel()) != sizes:
+        raise ValueError(f"a {fmt} [{n}, {k}] weight in the decode layout is {sizes[0]} code "
+                         f"bytes and {sizes[1]} scale bytes (uint8); got {codes.dtype} "
+                         f"{codes.numel()} and {scales.dtype} {scales.numel()}.")
+    np_, kp = padded(n, k)
+    nt, kt = np_ // 16, kp // SUPER_K
+    if fmt == "mxfp8":
+        b = codes.view(nt, kt, 2, 8, 4, 2, 2, 2, 2).flip(-1)  # nt kt jH g t jl p h r
+        data = b.permute(0, 8, 3, 1, 4, 2, 5, 6, 7).reshape(np_, kp)[:n, :k]
+    else:
+        b = codes.view(-1, 1)
+        nib = torch.cat((b & 15, b >> 4), dim=1).view(nt, kt, 8, 4, 4, 2, 2, 2).flip(-1, -2)
+        nib = nib.permute(0, 7, 2, 1, 3, 4, 6, 5).reshape(np_, kp)[:n, :k]  # nt r g kt t s p h
+        pairs = nib.reshape(n, k // 2, 2)
+        data = pairs[..., 0] | (pairs[..., 1] << 4)
+    sc = scales.view(nt, kt, 8, 4, 2).permute(0, 4, 2, 1, 3)  # nt r g kt t
+    if fmt != "nvfp4":
+        sc = sc[..., ::2]
+    scale = sc.reshape(np_, -1)[:n, : k // _block(fmt)]
+    return data.contiguous(), scale.contiguous()

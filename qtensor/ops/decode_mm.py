@@ -1,0 +1,179 @@
+"""qtensor::decode_mm: a high-precision activation times a weight in the decode layout.
+
+    qtensor::decode_mm(Tensor x, Tensor w, Tensor s, Tensor? amax, Tensor? bias, str fmt,
+                       int n, int k, int bound, ScalarType out_dtype) -> Tensor
+
+x is [M, K]; (w, s) are the weight [N, K]'s codes and scales in the decode layout
+([Note: decode layout], qtensor/formats/decode_layout.py) of `fmt` ("nvfp4", "mxfp4",
+"mxfp8"); amax and bound are NVFP4's per-tensor (0-d) or per-row ([N]) amax and E4M3 bound. The
+result is out[M, N] = epilogue(x @ W^T), the epilogue of [Note: emulated GEMM] (a weight-only
+product: acc * r(1 / (6 B)) * amax for NVFP4, then + bias).
+
+Implementations:
+- CPU (and the CUDA fallback): the exact reference, on the canonical bytes `unpack` gives back.
+- CUDA: the decode GEMM of csrc/decode_gemm_cuda.cu ([Note: decode GEMM]) for a bf16
+  activation (fp16 too with NVFP4 weights, whose unit values fp16 holds exactly). Up to
+  DECODE_M rows in one launch; up to CHUNKED_M rows in launches of DECODE_M rows, each
+  streaming the weight again; above that the weight is unpacked and the dense Triton product
+  runs (it decodes the weight to bf16 once and multiplies on the bf16 kernel). An fp16
+  activation with an MX weight, an fp32 one, or a GPU without the kernel runs the reference.
+- Meta: the output's shape and dtype. Autograd: the gradient of x and of the bias.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from qtensor.backends import has_kernel
+from qtensor.formats import decode_layout
+from qtensor.ops import gemm_ops
+from qtensor.ops.gemm_operands import BOUNDS, FLOAT_DTYPES, INV, Side, apply_epilogue, units
+
+SCHEMA = ("(Tensor x, Tensor w, Tensor s, Tensor? amax, Tensor? bias, str fmt, int n, int k, "
+          "int bound, ScalarType out_dtype) -> Tensor")
+DECODE_M = 64  # rows one launch of the decode kernel takes
+# Rows up to which launches of DECODE_M rows beat unpacking for the dense kernel (each launch
+# streams the weight once: benchmarks/RESULTS.md, "decode GEMM").
+CHUNKED_M = 128
+_CANONICAL_DTYPES = {"nvfp4": (torch.uint8, torch.float8_e4m3fn),
+                     "mxfp4": (torch.uint8, torch.uint8),
+                     "mxfp8": (torch.float8_e4m3fn, torch.float8_e8m0fnu)}
+
+
+def canonical(fmt: str, w, s, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The canonical (codes, scales) of a packed weight, in the dtypes the GEMM ops take."""
+    data, scale = decode_layout.unpack(fmt, w, s, n, k)
+    data_dtype, scale_dtype = _CANONICAL_DTYPES[fmt]
+    return data.view(data_dtype), scale.view(scale_dtype)
+
+
+def weight_side(fmt, w, s, amax, n, k, bound) -> Side:
+    data, scale = canonical(fmt, w, s, n, k)
+    return Side(data, scale, amax, bound)
+
+
+def _check(x, w, s, amax, bias, fmt, n, k, bound, out_dtype) -> None:
+    decode_layout.check(fmt, n, k)
+    if x.dim() != 2 or x.shape[1] != k or x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"qtensor::decode_mm takes a float activation [M, K = {k}]; got "
+                         f"{x.dtype} {tuple(x.shape)}.")
+    sizes = decode_layout.packed_sizes(fmt, n, k)
+    if w.dtype != torch.uint8 or s.dtype != torch.uint8 or (w.numel(), s.numel()) != sizes:
+        raise ValueError(f"qtensor::decode_mm: a {fmt} [{n}, {k}] weight in the decode layout "
+                         f"is {sizes[0]} code and {sizes[1]} scale bytes (uint8); got "
+                         f"{w.dtype} {w.numel()} and {s.dtype} {s.numel()}.")
+    if (amax is not None) != (fmt == "nvfp4"):
+        raise ValueError(f"qtensor::decode_mm: an amax goes with NVFP4 weights only; fmt {fmt}, "
+                         f"amax {'given' if amax is not None else 'missing'}.")
+    if amax is not None and (amax.dtype != torch.float32 or
+                             tuple(amax.shape) not in ((), (n,))):
+        raise ValueError(f"qtensor::decode_mm: the NVFP4 amax is float32, 0-d or [N = {n}]; "
+                         f"got {amax.dtype} {tuple(amax.shape)}.")
+    if fmt == "nvfp4" and bound not in BOUNDS:
+        raise ValueError(f"qtensor::decode_mm: the E4M3 bound is 448 or 256; got {bound}.")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"qtensor::decode_mm: the bias is [N = {n}]; got {tuple(bias.shape)}.")
+    if out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"qtensor::decode_mm writes float32, bfloat16 or float16; got "
+                         f"{out_dtype}.")
+
+
+def reference(x, w, s, amax, bias, fmt, n, k, bound, out_dtype) -> torch.Tensor:
+    _check(x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
+    return gemm_ops.reference_mm(fmt, Side(x), weight_side(fmt, w, s, amax, n, k, bound), bias,
+                                 out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def device_kernel_problem(device: torch.device, fmt: str) -> str | None:
+    """Why no decode kernel multiplies `fmt` weights on `device` (chosen once per device), or
+    None: the layout `auto` packs a weight exactly where this is None."""
+    if fmt not in decode_layout.FORMATS:
+        return f"the decode layout holds {', '.join(decode_layout.FORMATS)}; got {fmt}"
+    if torch.device(device).type != "cuda":
+        return "the decode kernel is a CUDA kernel"
+    if not has_kernel("decode_gemm", "CUDA"):
+        return "the extension has no CUDA decode kernel (built without nvcc or from an older tree)"
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return "the kernel uses thread-block clusters (sm_90+)"
+    return None
+
+
+def kernel_problem(x, fmt, out_dtype) -> str | None:
+    """Why the CUDA decode kernel cannot run this product (the reference then does), or None."""
+    problem = device_kernel_problem(x.device, fmt)
+    if problem:
+        return problem
+    if x.dtype != torch.bfloat16 and not (x.dtype == torch.float16 and fmt == "nvfp4"):
+        return (f"the kernel multiplies bfloat16 activations (float16 with NVFP4 weights); got "
+                f"{x.dtype}")
+    return None
+
+
+def _launch(x, w, s, amax, bias, fmt, n, k, bound, out_dtype, splits=0):
+    inv = INV[6.0 * bound] if fmt == "nvfp4" else 1.0
+    return torch.ops.qtensor.decode_gemm.default(
+        x, w, s, amax, bias, decode_layout.FORMATS.index(fmt), n, k, inv, splits, out_dtype)
+
+
+def cuda(x, w, s, amax, bias, fmt, n, k, bound, out_dtype) -> torch.Tensor:
+    _check(x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
+    if x.numel() == 0 or kernel_problem(x, fmt, out_dtype) is not None:
+        return reference(x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
+    m = x.shape[0]
+    if m <= DECODE_M:
+        return _launch(x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
+    if m <= CHUNKED_M:
+        return torch.cat([_launch(x[i:i + DECODE_M], w, s, amax, bias, fmt, n, k, bound,
+                                  out_dtype) for i in range(0, m, DECODE_M)])
+    b = weight_side(fmt, w, s, amax, n, k, bound)
+    if fmt in gemm_ops.NO_KERNEL or gemm_ops.triton_problem(Side(x), b, bias, out_dtype):
+        return gemm_ops.reference_mm(fmt, Side(x), b, bias, out_dtype)
+    return gemm_ops.triton_mm(fmt, Side(x), b, bias, out_dtype)
+
+
+def fake(x, w, s, amax, bias, fmt, n, k, bound, out_dtype) -> torch.Tensor:
+    _check(x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
+    return x.new_empty((x.shape[0], n), dtype=out_dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    x, w, s, amax, bias, fmt, n, k, bound, _ = inputs
+    ctx.save_for_backward(x, w, s, amax, bias)
+    ctx.meta = (fmt, n, k, bound)
+
+
+def _backward(ctx, grad):
+    """dx = (dY * r(1 / (6 B)) * amax) @ units(W) in fp32, then x's dtype; d bias = sum of dY."""
+    x, w, s, amax, bias = ctx.saved_tensors
+    fmt, n, k, bound = ctx.meta
+    b = weight_side(fmt, w, s, amax, n, k, bound)
+    left, right = gemm_ops.epilogue_factors(fmt, Side(x), b)
+    dx = dbias = None
+    if ctx.needs_input_grad[0]:
+        d = apply_epilogue(grad.float(), left, right, None, torch.float32)
+        dx = (d @ units(fmt, b)).to(x.dtype)
+    if bias is not None and ctx.needs_input_grad[4]:
+        dbias = grad.float().sum(0).to(bias.dtype)
+    return dx, None, None, None, dbias, None, None, None, None, None
+
+
+_LIB = torch.library.Library("qtensor", "FRAGMENT")
+_LIB.define("decode_mm" + SCHEMA)
+_LIB.impl("decode_mm", reference, "CPU")
+_LIB.impl("decode_mm", cuda, "CUDA")
+torch.library.register_fake("qtensor::decode_mm", fake, lib=_LIB)
+torch.library.register_autograd("qtensor::decode_mm", _backward, setup_context=_setup_context,
+                                lib=_LIB)
+KERNELS = {"cpu": reference, "cuda": cuda}
+
+
+def decode_mm(x, w, s, amax, bias, fmt, n, k, bound, out_dtype) -> torch.Tensor:
+    """torch.ops.qtensor.decode_mm(...); in plain eager, its device kernel called directly."""
+    args = (x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
+    device = x.device.type
+    if device in KERNELS and gemm_ops._direct_ok(t for t in args if isinstance(t, torch.Tensor)):
+        return KERNELS[device](*args)
+    return torch.ops.qtensor.decode_mm.default(*args)

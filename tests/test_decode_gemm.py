@@ -1,0 +1,227 @@
+"""The decode layout and the decode GEMM (qtensor::decode_mm, csrc/decode_gemm_cuda.cu).
+
+CPU (CI): `pack` / `unpack` are exact inverses, bit for bit, on every byte value and ragged
+shapes; the layout puts each value where the kernel's decode reads it (a bit-level emulation of
+the kernel's pair extraction, written here from [Note: decode GEMM], gives the reference's unit
+values); the op's CPU kernel is the emulated reference; bad arguments fail clearly.
+
+The CUDA kernel's own tests come with the kernel (docs/decode.md, "Status").
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qtensor.formats import decode_layout as dl
+from qtensor.formats import mxfp4 as mxfp4_ref
+from qtensor.formats import mxfp8 as mxfp8_ref
+from qtensor.formats import nvfp4 as nvfp4_ref
+from qtensor.ops import decode_mm as dmm
+from qtensor.ops import gemm_ops
+from qtensor.ops.gemm_operands import Side
+
+FORMATS = ("nvfp4", "mxfp4", "mxfp8")
+SHAPES = [(64, 64), (16, 32), (80, 96), (130, 320), (200, 2080)]
+
+
+def random_bytes(fmt: str, n: int, k: int, g: torch.Generator, *, all_values=False):
+    """Canonical (data, scale) uint8 of a random weight: every code pattern; scales over the
+    range the kernel's fast and two-multiply paths cover (NVFP4: every finite E4M3 byte)."""
+    width = k if fmt == "mxfp8" else k // 2
+    data = torch.randint(0, 256, (n, width), dtype=torch.uint8, generator=g)
+    if all_values:
+        flat = data.view(-1)
+        flat[: min(256, flat.numel())] = torch.arange(min(256, flat.numel()), dtype=torch.uint8)
+    if fmt == "mxfp8":
+        data[(data & 0x7F) == 0x7F] = 0x7E  # the layout refuses NaN codes (tested below)
+    blocks = k // (16 if fmt == "nvfp4" else 32)
+    if fmt == "nvfp4":
+        scale = torch.randint(0, 0x7F, (n, blocks), dtype=torch.uint8, generator=g)
+    else:
+        scale = torch.randint(100, 150, (n, blocks), dtype=torch.uint8, generator=g)
+    return data, scale
+
+
+def canonical_units(fmt: str, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if fmt == "nvfp4":
+        return nvfp4_ref.unit_values(data, scale.view(torch.float8_e4m3fn))
+    if fmt == "mxfp4":
+        return mxfp4_ref.dequantize(data, scale)
+    return mxfp8_ref.dequantize(data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu),
+                                columnwise=False)
+
+
+# ---- the layout --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_pack_unpack_is_bitwise_inverse(fmt, n, k):
+    if k % (16 if fmt == "nvfp4" else 32):
+        pytest.skip("K is not a whole number of blocks")
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    data, scale = random_bytes(fmt, n, k, g, all_values=True)
+    codes, scales = dl.pack(fmt, data, scale, n, k)
+    assert (codes.numel(), scales.numel()) == dl.packed_sizes(fmt, n, k)
+    d2, s2 = dl.unpack(fmt, codes, scales, n, k)
+    assert torch.equal(d2, data) and torch.equal(s2, scale)
+
+
+def test_pack_unpack_all_65536_nibble_pairs_of_rows():
+    """Every 16-bit pattern (two bytes, four E2M1 codes) placed at every K offset of a
+    super-tile's rows survives the round trip."""
+    n, k = 256, 1024  # 16 row tiles x 16 super-tiles: 65536 two-byte words
+    words = torch.arange(65536, dtype=torch.int32)
+    data = torch.stack(((words & 0xFF), (words >> 8)), dim=-1).to(torch.uint8).reshape(n, k // 2)
+    scale = torch.arange(n * k // 16, dtype=torch.int32).remainder(0x7F).to(torch.uint8)
+    scale = scale.reshape(n, k // 16)
+    d2, s2 = dl.unpack("nvfp4", *dl.pack("nvfp4", data, scale, n, k), n, k)
+    assert torch.equal(d2, data) and torch.equal(s2, scale)
+
+
+def _bf16(bits: torch.Tensor) -> torch.Tensor:
+    return (bits.to(torch.int32) << 16).view(torch.float32).double()
+
+
+def emulate_kernel_units(fmt: str, codes, scales, n: int, k: int) -> torch.Tensor:
+    """The weight values [N, K] the kernel forms from packed bytes: each lane's words, the
+    bit-level pair decode of [Note: decode GEMM], times the block's scale."""
+    np_, kp = dl.padded(n, k)
+    nt, kt = np_ // 16, kp // 64
+    vec = 2 if fmt == "mxfp8" else 1
+    words = codes.view(torch.int32).view(nt, kt, vec, 32, 4).long() & 0xFFFFFFFF
+    sc = scales.view(nt, kt, 32, 2).long()
+    out = torch.zeros(np_, kp, dtype=torch.float64)
+    tiles_r = torch.arange(nt)[:, None] * 16
+    tiles_k = torch.arange(kt)[None, :] * 64
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for s in range(4):
+            if fmt == "mxfp8":
+                v = words[:, :, s // 2, lane]
+                w0, w1 = v[..., 2 * (s % 2)], v[..., 2 * (s % 2) + 1]
+                pairs = [w0, w0 << 8, w1, w1 << 8]
+                mag, shift, factor = 0x7F007F00, 4, 2.0 ** 120
+            else:
+                q = words[:, :, 0, lane, s]
+                pairs = [q, q << 4, q << 8, q << 12]
+                mag, shift, factor = 0x70007000, 6, 2.0 ** 126
+            for p, q in enumerate(pairs):
+                q = q & 0xFFFFFFFF
+                bits = (q & 0x80008000) | ((q & mag) >> shift)
+                r = p % 2
+                code = sc[:, :, lane, r]
+                if fmt == "nvfp4":
+                    scale = code.to(torch.uint8).view(torch.float8_e4m3fn).double()
+                else:
+                    scale = torch.pow(2.0, code.double() - 127)
+                for h, half in ((0, bits & 0xFFFF), (1, bits >> 16)):
+                    col = 16 * t + 4 * s + 2 * (p // 2) + h
+                    out[tiles_r + g + 8 * r, tiles_k + col] = _bf16(half) * factor * scale
+    return out[:n, :k].float()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", [(64, 64), (80, 96), (130, 320)])
+def test_layout_is_where_the_kernel_decodes(fmt, n, k):
+    g = torch.Generator().manual_seed(7 * n + k)
+    data, scale = random_bytes(fmt, n, k, g, all_values=True)
+    codes, scales = dl.pack(fmt, data, scale, n, k)
+    assert torch.equal(emulate_kernel_units(fmt, codes, scales, n, k),
+                       canonical_units(fmt, data, scale))
+
+
+def test_pack_refuses_bad_input():
+    data = torch.zeros(64, 64, dtype=torch.uint8)
+    data[3, 5] = 0xFF
+    with pytest.raises(ValueError, match="NaN codes"):
+        dl.pack("mxfp8", data, torch.zeros(64, 2, dtype=torch.uint8), 64, 64)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        dl.pack("nvfp4", data, data, 64, 40)
+    with pytest.raises(ValueError, match=r"codes \[64, 32\]"):
+        dl.pack("nvfp4", data, torch.zeros(64, 4, dtype=torch.uint8), 64, 64)
+    with pytest.raises(ValueError, match="holds nvfp4, mxfp4, mxfp8"):
+        dl.pack("int4", data, data, 64, 64)
+    with pytest.raises(ValueError, match="code bytes"):
+        dl.unpack("nvfp4", torch.zeros(10, dtype=torch.uint8), torch.zeros(10, dtype=torch.uint8),
+                  64, 64)
+
+
+# ---- the op ------------------------------------------------------------------------------------
+
+
+def _problem(fmt, m, n, k, device, *, row_scaled=False, bound=448, bias=False, x_dtype=None,
+             seed=0, weights="random"):
+    g = torch.Generator().manual_seed(seed)
+    data, scale = random_bytes(fmt, n, k, g)
+    if weights == "zero":
+        data.zero_()
+    if weights == "outliers" and fmt != "nvfp4":
+        scale[::7, ::3] = 200  # blocks past the one-multiply path (two multiplies)
+    amax = None
+    if fmt == "nvfp4":
+        amax = (torch.rand(n, generator=g) * 10 + 0.1) if row_scaled else torch.tensor(3.5)
+    x = torch.randn(m, k, generator=g)
+    if weights == "outliers":
+        x[:, ::97] *= 1000
+    x = x.to(x_dtype or torch.bfloat16)
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    codes, scales = dl.pack(fmt, data, scale, n, k)
+    move = (lambda t: None if t is None else t.to(device))
+    return (move(x), move(codes), move(scales), move(amax), move(b), fmt, n, k, bound)
+
+
+def _reference(args, out_dtype):
+    x, w, s, amax, bias, fmt, n, k, bound = [a.cpu() if isinstance(a, torch.Tensor) else a
+                                             for a in args]
+    return dmm.reference(x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
+
+
+def test_cpu_op_is_the_canonical_reference():
+    args = _problem("nvfp4", 5, 80, 96, "cpu", row_scaled=True, bias=True)
+    x, w, s, amax, bias, fmt, n, k, bound = args
+    out = torch.ops.qtensor.decode_mm(*args, torch.float32)
+    data, scale = dmm.canonical(fmt, w, s, n, k)
+    ref = gemm_ops.reference_mm(fmt, Side(x), Side(data, scale, amax, bound), bias,
+                                torch.float32)
+    assert torch.equal(out, ref)
+
+
+def test_cpu_op_gradient_matches_autograd_of_units():
+    args = list(_problem("mxfp8", 3, 64, 64, "cpu", bias=True))
+    x = args[0].float().requires_grad_()
+    bias = args[4].float().requires_grad_()
+    args[0], args[4] = x, bias
+    out = torch.ops.qtensor.decode_mm(*args, torch.float32)
+    out.square().sum().backward()
+    w = dmm.weight_side("mxfp8", args[1], args[2], None, 64, 64, 448)
+    x2, b2 = x.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+    (x2 @ canonical_units("mxfp8", w.data.view(torch.uint8), w.scale.view(torch.uint8)).t()
+     + b2).square().sum().backward()
+    assert torch.allclose(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(bias.grad, b2.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_op_errors_name_the_requirement():
+    args = list(_problem("nvfp4", 2, 64, 64, "cpu"))
+    with pytest.raises(ValueError, match=r"activation \[M, K = 64\]"):
+        torch.ops.qtensor.decode_mm(args[0][:, :32], *args[1:], torch.float32)
+    bad = list(args)
+    bad[3] = None
+    with pytest.raises(ValueError, match="amax goes with NVFP4"):
+        torch.ops.qtensor.decode_mm(*bad, torch.float32)
+    bad = list(args)
+    bad[1] = args[1][:-16]
+    with pytest.raises(ValueError, match="decode layout"):
+        torch.ops.qtensor.decode_mm(*bad, torch.float32)
+
+
+def test_fake_gives_shape_and_dtype():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = _problem("mxfp4", 7, 80, 96, "cpu")
+    with FakeTensorMode() as mode:
+        fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        out = torch.ops.qtensor.decode_mm(*fargs, torch.float16)
+    assert tuple(out.shape) == (7, 80) and out.dtype == torch.float16
