@@ -14,9 +14,10 @@ Implementations:
 - CUDA: the decode GEMM of csrc/decode_gemm_cuda.cu ([Note: decode GEMM]) for a bf16
   activation (fp16 too with NVFP4 weights, whose unit values fp16 holds exactly). Up to
   DECODE_M rows in one launch; up to CHUNKED_M rows in launches of DECODE_M rows, each
-  streaming the weight again; above that the weight is unpacked and the dense Triton product
-  runs (it decodes the weight to bf16 once and multiplies on the bf16 kernel). An fp16
-  activation with an MX weight, an fp32 one, or a GPU without the kernel runs the reference.
+  streaming the weight again. Above that, and for what the kernel does not take (an fp16
+  activation with an MX weight, an fp32 one, a GPU without the kernel), the weight is unpacked
+  for the call and the canonical product runs: the dense Triton kernels where they take it
+  (NVFP4 and MXFP8 with a bf16 activation), else the reference.
 - Meta: the output's shape and dtype. Autograd: the gradient of x and of the bias.
 """
 
@@ -120,16 +121,17 @@ def _launch(x, w, s, amax, bias, fmt, n, k, bound, out_dtype, splits=0):
 
 def cuda(x, w, s, amax, bias, fmt, n, k, bound, out_dtype) -> torch.Tensor:
     _check(x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
-    if x.numel() == 0 or kernel_problem(x, fmt, out_dtype) is not None:
-        return reference(x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
     m = x.shape[0]
-    if m <= DECODE_M:
-        return _launch(x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
-    if m <= CHUNKED_M:
+    if x.numel() and kernel_problem(x, fmt, out_dtype) is None and m <= CHUNKED_M:
+        if m <= DECODE_M:
+            return _launch(x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
         return torch.cat([_launch(x[i:i + DECODE_M], w, s, amax, bias, fmt, n, k, bound,
                                   out_dtype) for i in range(0, m, DECODE_M)])
+    # The canonical bytes' product: the dense Triton kernels where they take it, else the
+    # reference (the weight is unpacked for this call).
     b = weight_side(fmt, w, s, amax, n, k, bound)
-    if fmt in gemm_ops.NO_KERNEL or gemm_ops.triton_problem(Side(x), b, bias, out_dtype):
+    if fmt in gemm_ops.NO_KERNEL or gemm_ops.triton_problem(Side(x), b, bias, out_dtype) or \
+            not gemm_ops._device_ok(Side(x)):
         return gemm_ops.reference_mm(fmt, Side(x), b, bias, out_dtype)
     return gemm_ops.triton_mm(fmt, Side(x), b, bias, out_dtype)
 
