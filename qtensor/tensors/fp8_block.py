@@ -19,13 +19,12 @@ from qtensor.backends import GemmBackend, QuantBackend
 from qtensor.formats import fp8_block as ref
 from qtensor.formats.fp8_block import FP8BlockData, FP8BlockSpec
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.tensors.layout import trivial_view
+from qtensor.tensors.layout import view_op
 from qtensor.tensors.common import (
     COLUMNWISE,
     ROWWISE,
     check_hp_input,
     flips_last_two,
-    infer_shape,
     normalize_dim,
     require_finite,
     slice_bounds,
@@ -180,20 +179,8 @@ def _transpose(func, args, kwargs):
     )
 
 
-@FP8BlockTensor.implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
-def _view(func, args, kwargs):
-    x = args[0]
-    shape = infer_shape(args[1], x.numel())
-    same = trivial_view(x, shape)
-    if same is not None:
-        return same
-    if x.block == TILES or x.axis != ROWWISE or len(shape) == 0 or shape[-1] != x.shape[-1]:
-        raise ValueError(
-            f"FP8BlockTensor can be reshaped only when it has 1x128 rowwise blocks and keeps "
-            f"its last dim (blocks stay intact); got {tuple(x.shape)} -> {tuple(shape)}."
-        )
-    return x.replace(shape=shape, qdata=x.qdata.reshape(shape),
-                     scale=x.scale.reshape(*shape[:-1], x.scale.shape[-1]))
+FP8BlockTensor.implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])(
+    view_op)
 
 
 @FP8BlockTensor.implements(aten.slice.Tensor)

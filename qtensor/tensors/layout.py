@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from qtensor.tensors.base import QuantizedTensor
+from qtensor.tensors.common import ROWWISE, infer_shape
 
 aten = torch.ops.aten
 Path = tuple[str, ...]  # ("rowwise", "qdata"): attribute names from the outer tensor to a leaf
@@ -169,6 +170,32 @@ def trivial_view(x: QuantizedTensor, shape: torch.Size):
     if len(shape) == 1 and x.dim() > 1:
         return flat_view(x)
     return None
+
+
+def view_op(func, args, kwargs):
+    """aten.view / _unsafe_view / reshape of every single-format class: the trivial views, or
+    new leading dims on a rowwise tensor whose blocks run along the last dim alone
+    (`block_size` is 1 on every other dim) and that keeps that dim. Each inner tensor's leading
+    dims follow: [*lead, C] data and scales, a [*lead] per-row amax; a per-tensor amax stays."""
+    x, shape = args[0], infer_shape(args[1], args[0].numel())
+    same = trivial_view(x, shape)
+    if same is not None:
+        return same
+    nd = x.dim()
+    last_only = x.axis == ROWWISE and all(x.block_size(d) == 1 for d in range(nd - 1))
+    if not last_only or len(shape) == 0 or shape[-1] != x.shape[-1]:
+        raise ValueError(
+            f"{type(x).__name__} can be reshaped only when it is rowwise, with its blocks along "
+            f"the last dim alone, and keeps its last dim (blocks stay intact); got "
+            f"{tuple(x.shape)} -> {tuple(shape)} with {x!r}.")
+    lead = tuple(shape[:-1])
+
+    def follow(t):
+        if t is None or t.dim() == 0:
+            return t
+        return t.reshape(*lead, t.shape[-1]) if t.dim() == nd else t.reshape(lead)
+
+    return x.replace(shape=shape, **{n: follow(getattr(x, n)) for n in x.tensor_data_names})
 
 
 def flat_view(x: QuantizedTensor):

@@ -28,13 +28,12 @@ from qtensor.tensors.common import (
     block_dim_size,
     check_hp_input,
     flips_last_two,
-    infer_shape,
     normalize_dim,
     require_finite,
     slice_bounds,
     transposed_storage_dim,
 )
-from qtensor.tensors.layout import trivial_view
+from qtensor.tensors.layout import view_op
 
 aten = torch.ops.aten
 BLOCK = ref.BLOCK
@@ -183,21 +182,8 @@ def _transpose(func, args, kwargs):
                      axis=COLUMNWISE if x.axis == ROWWISE else ROWWISE)
 
 
-@MXFP4Tensor.implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
-def _view(func, args, kwargs):
-    x = args[0]
-    shape = infer_shape(args[1], x.numel())
-    same = trivial_view(x, shape)
-    if same is not None:
-        return same
-    if x.axis != ROWWISE or len(shape) == 0 or shape[-1] != x.shape[-1]:
-        raise ValueError(
-            f"MXFP4Tensor can be reshaped only when it is rowwise and keeps its last dim "
-            f"(blocks stay intact); got {tuple(x.shape)} -> {tuple(shape)} with {x!r}."
-        )
-    lead = shape[:-1]
-    return x.replace(shape=shape, qdata=x.qdata.reshape(*lead, x.qdata.shape[-1]),
-                     scale=x.scale.reshape(*lead, x.scale.shape[-1]))
+MXFP4Tensor.implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])(
+    view_op)
 
 
 @MXFP4Tensor.implements(aten.slice.Tensor)

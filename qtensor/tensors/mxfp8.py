@@ -14,14 +14,13 @@ from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.backends import resolve_gemm_backend
 from qtensor.ops import quant
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.tensors.layout import trivial_view
+from qtensor.tensors.layout import view_op
 from qtensor.tensors.common import (
     COLUMNWISE,
     ROWWISE,
     block_dim_size,
     check_hp_input,
     flips_last_two,
-    infer_shape,
     normalize_dim,
     require_finite,
     slice_bounds,
@@ -154,23 +153,8 @@ def _transpose(func, args, kwargs):
     )
 
 
-@MXFP8Tensor.implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
-def _view(func, args, kwargs):
-    x = args[0]
-    shape = infer_shape(args[1], x.numel())
-    same = trivial_view(x, shape)
-    if same is not None:
-        return same
-    if x.axis != ROWWISE or len(shape) == 0 or shape[-1] != x.shape[-1]:
-        raise ValueError(
-            f"MXFP8Tensor can be reshaped only when it is rowwise and keeps its last dim "
-            f"(blocks stay intact); got {tuple(x.shape)} -> {tuple(shape)}."
-        )
-    return x.replace(
-        shape=shape,
-        qdata=x.qdata.reshape(shape),
-        scale=x.scale.reshape(*shape[:-1], x.scale.shape[-1]),
-    )
+MXFP8Tensor.implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])(
+    view_op)
 
 
 @MXFP8Tensor.implements(aten.slice.Tensor)

@@ -27,13 +27,12 @@ from qtensor.tensors.common import (
     bytes_spec,
     check_hp_input,
     flips_last_two,
-    infer_shape,
     normalize_dim,
     require_finite,
     slice_bounds,
     transposed_storage_dim,
 )
-from qtensor.tensors.layout import trivial_view
+from qtensor.tensors.layout import view_op
 
 aten = torch.ops.aten
 BLOCK = ref.BLOCK
@@ -278,25 +277,8 @@ def _transpose(func, args, kwargs):
     return _transposed(x)
 
 
-@NVFP4Tensor.implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
-def _view(func, args, kwargs):
-    x = args[0]
-    shape = infer_shape(args[1], x.numel())
-    same = trivial_view(x, shape)
-    if same is not None:
-        return same
-    if x.axis != ROWWISE or len(shape) == 0 or shape[-1] != x.shape[-1] or x.block_2d:
-        raise ValueError(
-            f"NVFP4Tensor can be reshaped only when it is rowwise, 1D-blocked and keeps its "
-            f"last dim (blocks stay intact); got {tuple(x.shape)} -> {tuple(shape)} with {x!r}."
-        )
-    lead = shape[:-1]
-    return x.replace(
-        shape=shape,
-        qdata=x.qdata.reshape(*lead, x.qdata.shape[-1]),
-        scale=x.scale.reshape(*lead, x.scale.shape[-1]),
-        amax=x.amax.reshape(lead) if x.row_scaled else x.amax,
-    )
+NVFP4Tensor.implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])(
+    view_op)
 
 
 def _narrow(x: NVFP4Tensor, dim: int, start: int, length: int) -> NVFP4Tensor:
