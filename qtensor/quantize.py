@@ -23,6 +23,7 @@ from qtensor.formats.mxfp4 import MXFP4Spec
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.tensors import QuantizedTensor, quantize_spec, to_decode_layout
+from qtensor.tensors.decode import pack_problem
 from qtensor.tensors.common import NonFiniteInputError
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -68,8 +69,9 @@ class _InferenceConfig(AOBaseConfig):
 
 # How a weight-only config stores its weights ([Note: decode weights] in qtensor/tensors/decode.py):
 # "auto" packs them into the decode layout where the decode GEMM kernel is built for their
-# device (qtensor.ops.decode_mm.kernel_problem), "decode" packs them on every device (the
-# reference multiplies them where no kernel exists), "canonical" never packs.
+# device (qtensor.ops.decode_mm.device_kernel_problem), "decode" packs them on every device
+# (where no kernel exists each product unpacks the weight and runs the canonical product) and
+# refuses a weight the layout cannot hold, "canonical" never packs.
 LAYOUTS = ("auto", "decode", "canonical")
 
 
@@ -179,8 +181,10 @@ def quantize_linear(module: nn.Linear, config, name: str = "") -> nn.Module:
     if act_spec is not None:
         w = w.replace(act_spec=act_spec)
     module.weight = nn.Parameter(w, requires_grad=False)
-    if _packs(getattr(config, "layout", "canonical"), w):
-        to_decode_layout(module)
+    layout = getattr(config, "layout", "canonical")
+    if _packs(layout, w) and not to_decode_layout(module) and layout == "decode":
+        raise ValueError(f"{label}: layout='decode' cannot pack its weight: {pack_problem(w)}. "
+                         "Use layout='auto' to keep such weights canonical.")
     module.extra_repr = _extra_repr.__get__(module)
     return module
 
