@@ -119,6 +119,17 @@ def test_loading_packs_again(name, tmp_path):
     assert torch.equal(back.dequantize(), canonical[0].weight.dequantize())
 
 
+def test_a_file_naming_the_serving_class_is_refused(tmp_path):
+    from qtensor.checkpoint import schema
+
+    packed, _ = _models(CONFIGS["nvfp4"])
+    entry, _ = schema.encode("w", packed[0].weight)
+    assert entry["class"] == "NVFP4Tensor"  # the canonical tensor is what is stored
+    entry["class"] = "DecodeWeight"
+    with pytest.raises(schema.CheckpointError, match="must be one of"):
+        schema.decode("w", entry, lambda name, shape, dtype: None)
+
+
 def test_ops_outside_the_layout_raise_with_the_remedy():
     packed, _ = _models(CONFIGS["nvfp4"])
     w = packed[0].weight

@@ -204,8 +204,9 @@ def decode(key: str, entry: Any, fetch: Callable[[str, torch.Size, torch.dtype],
         raise CheckpointError(f"{key!r}: an entry needs exactly the fields {sorted(ENTRY_KEYS)};"
                               f" got {got}.")
     cls = CLASSES.get(entry["class"]) if isinstance(entry["class"], str) else None
-    if cls is None:
-        _fail(key, "class", f"must be one of {sorted(CLASSES)}; got {entry['class']!r}.")
+    if cls is None or not cls.storable:
+        names = sorted(n for n, c in CLASSES.items() if c.storable)
+        _fail(key, "class", f"must be one of {names}; got {entry['class']!r}.")
     if entry["dtype"] not in DTYPES or DTYPES[entry["dtype"]] not in (
         torch.float32, torch.bfloat16, torch.float16
     ):

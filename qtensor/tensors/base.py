@@ -68,6 +68,9 @@ class QuantizedTensor(torch.Tensor):
     # The attributes the class stored before its spec moved onto it (version 1 checkpoints,
     # earlier pickles); `upgrade_attributes` turns them into today's.
     legacy_attribute_names: ClassVar[tuple[str, ...]] = ()
+    # Whether checkpoints hold tensors of this class; a serving layout (DecodeWeight) is stored
+    # as the tensor `stored()` gives, and a file naming it is refused.
+    storable: ClassVar[bool] = True
 
     @staticmethod
     def __new__(cls, shape, dtype, device, **fields):

@@ -35,6 +35,7 @@ LAYOUT = "decode-v1"  # the layout version: [Note: decode layout]
 
 
 class DecodeWeight(QuantizedTensor):
+    storable = False  # checkpoints hold canonical()
     tensor_data_names = ("codes", "scales", "amax")
     tensor_attribute_names = (
         "fmt",  # "nvfp4", "mxfp4" or "mxfp8": the format of the bytes
