@@ -196,17 +196,91 @@ def sweep(n=8192, k=8192) -> None:
     emit(f"- M=4096 NVFP4 x NVFP4 decoded in registers, {cfg}: {ms * 1e3:.1f} us")
 
 
+def packed_weights(w: torch.Tensor):
+    """The decode-layout bytes of w in each format: {fmt: (codes, scales, amax)}."""
+    from qtensor import MXFP4Tensor
+    from qtensor.formats import decode_layout
+
+    n, k = w.shape
+    nv, mx = NVFP4Tensor.from_hp(w), MXFP8Tensor.from_hp(w)
+    m4 = MXFP4Tensor.from_hp(w)
+    out = {}
+    for fmt, data, scale, amax in (("nvfp4", nv.qdata, nv.scale, nv.amax),
+                                   ("mxfp4", m4.qdata, m4.scale, None),
+                                   ("mxfp8", mx.qdata, mx.scale, None)):
+        codes, scales = decode_layout.pack(fmt, data, scale, n, k)
+        out[fmt] = (codes, scales, amax)
+    return out
+
+
+def decode_section(n: int, k: int, ms_list, splits_sweep: bool) -> None:
+    """The decode GEMM (qtensor::decode_mm's CUDA kernel) on each weight format against bf16
+    F.linear, CUDA-graphed, with the bytes each streams per second."""
+    from qtensor.ops import decode_mm as dmm
+
+    g = torch.Generator("cuda").manual_seed(n + k)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    wb_copies, wb_next = rotating(lambda i: w.roll(i, 0).contiguous(), n * k * 2)
+    per = packed_weights(w)
+    copies = {fmt: rotating(lambda i, v=v: tuple(t.roll(i) if t is not None and t.dim() else t
+                                                  for t in v), v[0].numel() + v[1].numel())
+              for fmt, v in per.items()}
+    emit(f"\n### decode GEMM, weight {n}x{k} (N x K), CUDA-graphed\n")
+    emit("| M | path | us | vs bf16 | weight bytes/s (TB/s) |")
+    emit("|---|---|---|---|---|")
+    for m in ms_list:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        base = graph_ms(lambda: F.linear(x, wb_next()))
+        emit(f"| {m} | bf16 F.linear (cuBLAS) | {base * 1e3:.1f} | 1.00x | "
+             f"{n * k * 2 / base / 1e9:.2f} |")
+        for fmt, (cs, nxt) in copies.items():
+            codes, scales, amax = cs[0]
+            args = (x, codes, scales, amax, None, fmt, n, k, 448)
+            out = dmm.cuda(*args, torch.float32)
+            ref = dmm.reference(*args, torch.float32)  # the emulated reference, on the GPU
+            err = ((out - ref).norm() / ref.norm()).item()
+            assert err < 1e-5, f"{fmt} M={m}: relative error {err:.2e} vs the reference"
+
+            def run(nxt=nxt, fmt=fmt):
+                c, s_, a_ = nxt()
+                return dmm.cuda(x, c, s_, a_, None, fmt, n, k, 448, torch.bfloat16)
+
+            ms = graph_ms(run)
+            wbytes = codes.numel() + scales.numel()
+            emit(f"| {m} | qtensor bf16 x {fmt.upper()} decode GEMM | {ms * 1e3:.1f} | "
+                 f"{base / ms:.2f}x | {wbytes / ms / 1e9:.2f} |")
+        if splits_sweep and m in (1, 16):
+            codes, scales, amax = copies["nvfp4"][0][0]
+            row = []
+            for sp in range(1, 9):
+                ms = graph_ms(lambda sp=sp: dmm._launch(x, codes, scales, amax, None, "nvfp4", n,
+                                                        k, 448, torch.bfloat16, splits=sp))
+                row.append(f"{sp}: {ms * 1e3:.1f}")
+            emit(f"- NVFP4 M={m} by K splits (us, one weight, L2-warm above 50 MB only): "
+                 + ", ".join(row))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="markdown file for the tables")
     p.add_argument("--sweep", action="store_true", help="also sweep tile configs")
     p.add_argument("--ms", default="1,16,64,4096,16384", help="comma-separated M values")
     p.add_argument("--quick", action="store_true", help="8192x8192 only, no torchao or grouped")
+    p.add_argument("--decode", action="store_true",
+                   help="only the decode GEMM sections (M = 1, 4, 16, 64 unless --ms)")
     args = p.parse_args()
     ms_list = [int(v) for v in args.ms.split(",")]
     date = datetime.date.today().isoformat()
     emit(f"## GEMM benchmark, {date}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     emit(f"copy bandwidth: {copy_bandwidth():.2f} TB/s (read + write)")
+    if args.decode:
+        ms_dec = ms_list if "--ms" in sys.argv else [1, 4, 16, 64]
+        for n, k in [(8192, 8192), (28672, 8192), (8192, 28672)]:
+            decode_section(n, k, ms_dec, splits_sweep=(n, k) == (8192, 8192) and args.sweep)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write("\n".join(ROWS) + "\n")
+        return
     for n, k in [(8192, 8192)] if args.quick else [(8192, 8192), (28672, 8192), (8192, 28672)]:
         dense_section(n, k, ms_list, with_torchao=not args.quick)
     for experts in () if args.quick else (8, 64):

@@ -1,5 +1,6 @@
-// Every op schema of qtensor's kernels, defined once. Implementations: quant_cpu.cpp (CPU) and
-// quant_cuda.cu (CUDA); fake (meta) implementations for torch.compile: qtensor/ops/quant.py.
+// Every op schema of qtensor's kernels, defined once. Implementations: quant_cpu.cpp (CPU),
+// quant_cuda.cu and convert_cuda.cu (CUDA); fake (meta) implementations for torch.compile:
+// qtensor/ops/quant.py.
 //
 // Conventions. NVFP4 ops work on the quantized matrix: the input flattened to [M, K], or its
 // transpose [K, M] when `columnwise`; a 1-D `amax` means one amax per row of that matrix.
@@ -53,4 +54,10 @@ TORCH_LIBRARY(qtensor, m) {
       "mxfp4_qat_mxfp8(Tensor w, bool direct, bool rowwise, bool columnwise) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
   m.def("mxfp4_qat_fp8_block(Tensor w, bool direct) -> (Tensor, Tensor)");
+  // Weight-only decode GEMM (decode_gemm_cuda.cu; layout qtensor/formats/decode_layout.py):
+  // out [M, N] = epilogue(x [M <= 64, K] @ W^T) for a weight [N, K] packed in the decode layout,
+  // fmt 0 NVFP4 (amax, inv = r(1 / (6 B))), 1 MXFP4, 2 MXFP8; splits 0 lets the kernel choose.
+  m.def(
+      "decode_gemm(Tensor x, Tensor w, Tensor s, Tensor? amax, Tensor? bias, int fmt, int n, "
+      "int k, float inv, int splits, ScalarType out_dtype) -> Tensor");
 }

@@ -164,12 +164,18 @@ def test_default_recipe_steps_compile_on_cuda(kw):
     assert_one_graph()
 
 
-def test_compiled_graph_holds_the_gemm_op_on_cuda():
-    """The aten graph of a CUDA weight-only linear calls qtensor.nvfp4_mm, as on the CPU."""
+@pytest.mark.parametrize("layout", ["auto", "canonical"])
+def test_compiled_graph_holds_the_gemm_op_on_cuda(layout):
+    """The aten graph of a CUDA weight-only linear calls one registered GEMM op: the decode GEMM
+    where the layout `auto` packed the weight (a GPU with the decode kernel), else
+    qtensor.nvfp4_mm, as on the CPU."""
+    from qtensor import NVFP4WeightOnlyConfig, quantize_
+    from qtensor.ops.decode_mm import device_kernel_problem
     from test_compile_inference import forward_graph
 
     torch.manual_seed(0)
-    model = quantized(torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False)).to(
-        torch.bfloat16).cuda(), "nvfp4_weight_only")
+    model = quantize_(torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False)).to(
+        torch.bfloat16).cuda(), NVFP4WeightOnlyConfig(layout=layout))
     gm = forward_graph(model, torch.randn(8, 64, dtype=torch.bfloat16, device="cuda"))
-    assert _gemm_ops_in(gm) == {"qtensor.nvfp4_mm.default"}
+    packed = layout == "auto" and device_kernel_problem(torch.device("cuda"), "nvfp4") is None
+    assert _gemm_ops_in(gm) == {"qtensor.decode_mm.default" if packed else "qtensor.nvfp4_mm.default"}

@@ -5,7 +5,11 @@ shapes; the layout puts each value where the kernel's decode reads it (a bit-lev
 the kernel's pair extraction, written here from [Note: decode GEMM], gives the reference's unit
 values); the op's CPU kernel is the emulated reference; bad arguments fail clearly.
 
-The CUDA kernel's own tests come with the kernel (docs/decode.md, "Status").
+CUDA (marked): the kernel against the emulated reference, up to fp32 accumulation order
+([Tolerance] of test_gemm_triton.py: relative Frobenius error under 1e-5 in fp32; bf16 results
+equal but for rare one-ulp ties), on M = 1..64 (and the chunked M up to 128), N and K that are
+not multiples of the tiles, per-tensor and row-scaled NVFP4, bounds 448 and 256, bias, fp16
+and bf16 activations and outputs, zero weights, outliers, every split count.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qtensor.backends import has_kernel
 from qtensor.formats import decode_layout as dl
 from qtensor.formats import mxfp4 as mxfp4_ref
 from qtensor.formats import mxfp8 as mxfp8_ref
@@ -23,6 +28,9 @@ from qtensor.ops.gemm_operands import Side
 
 FORMATS = ("nvfp4", "mxfp4", "mxfp8")
 SHAPES = [(64, 64), (16, 32), (80, 96), (130, 320), (200, 2080)]
+needs_kernel = pytest.mark.skipif(
+    not (torch.cuda.is_available() and has_kernel("decode_gemm", "CUDA")),
+    reason="needs a GPU and the CUDA decode kernel")
 
 
 def random_bytes(fmt: str, n: int, k: int, g: torch.Generator, *, all_values=False):
@@ -137,6 +145,12 @@ def test_pack_refuses_bad_input():
     data[3, 5] = 0xFF
     with pytest.raises(ValueError, match="NaN codes"):
         dl.pack("mxfp8", data, torch.zeros(64, 2, dtype=torch.uint8), 64, 64)
+    codes = torch.zeros(64, 32, dtype=torch.uint8)
+    for bad in (0x7F, 0xFF, 0x80, 0xB8):  # NaN, -NaN, -0, -1
+        scale = torch.full((64, 4), 0x38, dtype=torch.uint8)
+        scale[7, 2] = bad
+        with pytest.raises(ValueError, match="NaN or negative scale"):
+            dl.pack("nvfp4", codes, scale, 64, 64)
     with pytest.raises(ValueError, match="divisible by 16"):
         dl.pack("nvfp4", data, data, 64, 40)
     with pytest.raises(ValueError, match=r"codes \[64, 32\]"):
@@ -225,3 +239,98 @@ def test_fake_gives_shape_and_dtype():
         fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         out = torch.ops.qtensor.decode_mm(*fargs, torch.float16)
     assert tuple(out.shape) == (7, 80) and out.dtype == torch.float16
+
+
+# ---- the CUDA kernel ---------------------------------------------------------------------------
+
+
+def _magnitude(args):
+    """|x| @ |W|^T in fp32: the sum of the absolute products each output element adds up."""
+    x, w, s, amax, bias, fmt, n, k, bound = [a.cpu() if isinstance(a, torch.Tensor) else a
+                                             for a in args]
+    data, scale = dmm.canonical(fmt, w, s, n, k)
+    bits = data.view(torch.uint8) & (0x7F if fmt == "mxfp8" else 0x77)  # clear the sign bits
+    data = bits.view(data.dtype)
+    return gemm_ops.reference_mm(fmt, Side(x.abs()), Side(data, scale, amax, bound), None,
+                                 torch.float32)
+
+
+def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, args) -> None:
+    """Equal up to the order of the fp32 additions: each of the two sums of K exact products is
+    within (K - 1) * 2**-24 * sum |products| of the exact one, so they differ by at most
+    K * 2**-23 times it; an output in bf16 or fp16 may round either side of that interval, one
+    unit in its last place."""
+    out = out.cpu()
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    k = args[7]
+    ref32 = _reference(args, torch.float32)
+    tol = k * 2.0**-23 * _magnitude(args)
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(out), finite)
+    o, r, tol = out[finite].float(), ref32[finite], tol[finite]
+    if out.dtype != torch.float32:
+        big = torch.maximum(o.abs(), r.abs())
+        tol = tol + torch.finfo(out.dtype).eps * big.clamp(min=torch.finfo(out.dtype).tiny)
+    excess = ((o - r).abs() - tol).max().item() if o.numel() else 0.0
+    assert excess <= 0, f"{out.dtype} results differ from the reference beyond the fp32 " \
+                        f"summation bound by {excess:.3e}"
+    if out.dtype != torch.float32 and int(finite.sum()) >= 1000:
+        # most elements round to the reference's own value
+        assert (out[finite] != ref[finite]).float().mean() < 0.02
+
+
+@pytest.mark.cuda
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 33, 64, 100, 128])
+@pytest.mark.parametrize("n,k", [(80, 96), (200, 2080), (1000, 1024)])
+def test_kernel_matches_reference(fmt, m, n, k):
+    args = _problem(fmt, m, n, k, "cuda", seed=m + n)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        assert_close_to_reference(dmm.cuda(*args, out_dtype), _reference(args, out_dtype), args)
+
+
+@pytest.mark.cuda
+@needs_kernel
+@pytest.mark.parametrize("case", ["row_scaled", "bound256", "bias", "fp16", "zero", "outliers",
+                                  "fp16_out"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernel_options(fmt, case):
+    if case in ("row_scaled", "bound256", "fp16") and fmt != "nvfp4":
+        pytest.skip("an NVFP4 option")
+    kw = dict(row_scaled=case == "row_scaled", bound=256 if case == "bound256" else 448,
+              bias=case in ("bias", "fp16_out"), x_dtype=torch.float16 if case == "fp16" else None,
+              weights={"zero": "zero", "outliers": "outliers"}.get(case, "random"))
+    args = _problem(fmt, 12, 272, 1088, "cuda", seed=5, **kw)
+    out_dtype = torch.float16 if case == "fp16_out" else torch.float32
+    out = dmm.cuda(*args, out_dtype)
+    ref = _reference(args, out_dtype)
+    if case == "zero":
+        assert torch.equal(out.cpu(), ref)
+    else:
+        assert_close_to_reference(out, ref, args)
+
+
+@pytest.mark.cuda
+@needs_kernel
+@pytest.mark.parametrize("splits", range(1, 9))
+def test_every_split_count_gives_the_same_result(splits):
+    args = _problem("nvfp4", 4, 320, 4096, "cuda", seed=11)
+    ref = _reference(args, torch.float32)
+    out = dmm._launch(*args, torch.float32, splits=splits)
+    assert_close_to_reference(out, ref, args)
+    assert torch.equal(out, dmm._launch(*args, torch.float32, splits=splits))  # deterministic
+
+
+@pytest.mark.cuda
+@needs_kernel
+def test_kernel_reads_strided_and_misaligned_activations():
+    args = list(_problem("nvfp4", 6, 128, 256, "cuda", seed=2))
+    wide = torch.zeros(6, 264, dtype=torch.bfloat16, device="cuda")
+    wide[:, 8:] = args[0]
+    args[0] = wide[:, 8:]  # row stride 264, 16-byte aligned
+    assert_close_to_reference(dmm.cuda(*args, torch.float32), _reference(args, torch.float32), args)
+    odd = torch.zeros(6 * 256 + 1, dtype=torch.bfloat16, device="cuda")
+    odd[1:] = args[0].reshape(-1)
+    args[0] = odd[1:].view(6, 256)  # 2-byte aligned: the kernel copies it
+    assert_close_to_reference(dmm.cuda(*args, torch.float32), _reference(args, torch.float32), args)

@@ -20,6 +20,7 @@ import torch
 
 import qtensor
 from qtensor.checkpoint import CheckpointError
+from qtensor.tensors.decode import DecodeWeight
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -429,7 +430,10 @@ def test_checkpoint_loads_onto_cuda_through_transformers(saved_dir, base_dir):
     fresh = AutoModelForCausalLM.from_pretrained(
         base_dir, dtype=torch.bfloat16, device_map="cuda",
         quantization_config=hf.QTensorConfig(qtensor.NVFP4WeightOnlyConfig()))
-    assert torch.equal(fresh.get_submodule(LAYER).weight.qdata.cpu(), w_cpu.qdata)
+    w_fresh = fresh.get_submodule(LAYER).weight  # the layout `auto` may pack it for the GPU
+    w_fresh = w_fresh.canonical() if isinstance(w_fresh, DecodeWeight) else w_fresh
+    assert type(w_fresh) is qtensor.NVFP4Tensor
+    assert torch.equal(w_fresh.qdata.cpu(), w_cpu.qdata)
     with torch.no_grad():
         a = cpu(tokens()).logits.float()
         b = gpu(tokens().cuda()).logits.float().cpu()

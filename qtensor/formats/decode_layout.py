@@ -18,8 +18,9 @@ word 2s + p holds byte 2h + (1 - r) of the same element. csrc/decode_gemm_cuda.c
 ([Note: decode GEMM]) decodes these orders.
 
 `pack` and `unpack` are exact inverses on every canonical tensor (tests/test_decode_layout.py
-checks it bit for bit). The layout cannot hold an MXFP8 NaN code: the kernel's bit decode reads
-E4M3's NaN as a finite number, so `pack` refuses such a weight (it keeps its canonical layout).
+checks it bit for bit). The layout cannot hold an E4M3 NaN, as an MXFP8 code or an NVFP4 block
+scale, nor a negative NVFP4 block scale (quantization writes neither): the kernel's bit decode
+would misread them, so `pack` refuses such a weight (it keeps its canonical layout).
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ def pack(fmt: str, data: torch.Tensor, scale: torch.Tensor, n: int, k: int):
     if fmt == "mxfp8" and bool(((data & 0x7F) == 0x7F).any()):
         raise ValueError("the decode layout cannot carry MXFP8 NaN codes (0x7F / 0xFF); this "
                          "weight keeps its canonical layout.")
+    if fmt == "nvfp4" and bool((((scale & 0x7F) == 0x7F) | (scale >= 0x80)).any()):
+        raise ValueError("the decode layout carries NVFP4 block scales that are non-negative "
+                         "numbers (E4M3 0x00-0x7E), as quantization writes them; this weight "
+                         "has a NaN or negative scale byte and keeps its canonical layout.")
     np_, kp = padded(n, k)
     nt, kt = np_ // 16, kp // SUPER_K
     if fmt == "mxfp8":

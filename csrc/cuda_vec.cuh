@@ -1,0 +1,93 @@
+// Device-side helpers shared by the CUDA kernels of quant_cuda.cu and convert_cuda.cu: the
+// float dtype dispatch, 16-byte vectors of each input dtype, and the aligned 2-D view of an input.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "quant_math.h"
+
+namespace qtensor {
+
+constexpr unsigned kFull = 0xFFFFFFFFu;
+
+template <typename F>
+void dispatch_float(at::ScalarType t, const char* op, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    case at::kHalf: f(at::Half{}); break;
+    default: TORCH_CHECK(false, op, ": unsupported dtype ", t, ".");
+  }
+}
+
+// ---- 16-byte vectors of each input dtype --------------------------------------------------------
+
+template <typename T>
+struct Vec;
+template <>
+struct Vec<float> {
+  static constexpr int kN = 4;
+  __device__ static void unpack(uint4 v, float* o) {
+    o[0] = __uint_as_float(v.x); o[1] = __uint_as_float(v.y);
+    o[2] = __uint_as_float(v.z); o[3] = __uint_as_float(v.w);
+  }
+  __device__ static void pack(const float* f, float* dst) {
+    *reinterpret_cast<float4*>(dst) = make_float4(f[0], f[1], f[2], f[3]);
+  }
+};
+template <>
+struct Vec<at::BFloat16> {
+  static constexpr int kN = 8;
+  __device__ static void unpack(uint4 v, float* o) {
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      o[2 * i] = __uint_as_float(w[i] << 16);
+      o[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+  }
+  __device__ static void pack(const float* f, at::BFloat16* dst) {
+    unsigned w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      w[i] = (f2u(bf16_round(f[2 * i])) >> 16) | (f2u(bf16_round(f[2 * i + 1])) & 0xFFFF0000u);
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
+template <>
+struct Vec<at::Half> {
+  static constexpr int kN = 8;
+  __device__ static void unpack(uint4 v, float* o) {
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      o[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xFFFFu)));
+      o[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
+    }
+  }
+  __device__ static void pack(const float* f, at::Half* dst) {
+    unsigned w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      w[i] = __half_as_ushort(__float2half_rn(f[2 * i])) |
+             (static_cast<unsigned>(__half_as_ushort(__float2half_rn(f[2 * i + 1]))) << 16);
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
+
+
+// Sixteen fp32 values to dst in T, rounded to nearest-even, with 16-byte stores.
+template <typename T>
+__device__ __forceinline__ void store16(T* dst, const float* v) {
+#pragma unroll
+  for (int i = 0; i < 16; i += Vec<T>::kN) Vec<T>::pack(v + i, dst + i);
+}
+
+// A contiguous, 16-byte aligned [M, K] view of x (a copy only when x is not already one).
+inline at::Tensor as_aligned_2d(const at::Tensor& x) {
+  at::Tensor c = x.reshape({-1, x.size(-1)}).contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone();
+  return c;
+}
+
+}  // namespace qtensor

@@ -1,0 +1,540 @@
+// Weight-only decode GEMM: out[M, N] = epilogue(x[M, K] @ W[N, K]^T) for a bf16 or fp16
+// activation of at most 64 rows and an NVFP4, MXFP4 or MXFP8 weight stored in the decode layout
+// (docs/decode.md; pack and unpack: qtensor/formats/decode_layout.py).
+//
+// [Note: decode GEMM]
+// The weight streams once; everything else is arranged so that its decode costs fewer
+// instructions per element than the memory leaves time for.
+// - Layout. The weight is cut into super-tiles of 16 rows x 64 K. Within one, lane (g, t) of a
+//   warp (g = lane / 4, t = lane % 4) owns rows g and g + 8 at K offsets [16t, 16t + 16): its 32
+//   codes are one 16-byte vector (two for MXFP8), already in the order of the A fragments of
+//   four m16n8k16 MMAs, and one NVFP4 block per row, so a lane needs two scales per super-tile.
+//   The MMA's K slots are a permutation of physical K (slot j of subtile s is element
+//   16t + 4s + ...), the same for the weight and the activation, so the activation a lane needs
+//   is also contiguous: 16 elements, two 16-byte loads per 8 tokens.
+// - Decode. An E2M1 code goes to the bits of its value times 2**-126 in bf16 (2**-14 in fp16)
+//   with two masks and a shift per pair of values; one bf16x2 multiply by F then gives
+//   value * scale. For NVFP4, F = s * 2**118 (bf16) or s * 2**7 (fp16), so the MMA multiplies
+//   (value * s) * 2**-8 (or 2**-7): exact, and exact again after the epilogue's multiply by
+//   2**8 (2**7), a power of two; the scale byte itself goes to bf16 bits the same way (its
+//   value times 2**-120) and two multiplies by 2**119 make F. For MXFP4 and MXFP8, F = 2**(code - 1) and
+//   2**(code - 7) fold both factors into one multiply while that power is a bf16 number (block
+//   scale codes up to 128 and 134); a super-tile holding a larger code takes two multiplies,
+//   chosen by a warp vote so that no lane diverges. An E4M3 byte goes to bf16 bits the same
+//   way (its value times 2**-120).
+// - Products. Every weight value is exact in the MMA's type (at most 6 significant bits; MXFP8
+//   as exact as bf16 holds it, as in the Triton kernels), the products are exact in fp32 and
+//   the tensor cores accumulate in fp32: the result differs from the emulated reference
+//   (qtensor/gemm/dense.py) only in the order of the fp32 additions, except where a product
+//   (value * scale * x) * 2**-8 falls below fp32's normal range, 2**-126, i.e. for activations
+//   below about 2**-108.
+// - Split-K. A CTA is 4 warps on 4 row tiles (64 rows) over one K range; the S CTAs that split
+//   the K of those rows form a thread-block cluster and sum their partial tiles through
+//   distributed shared memory, in rank order, so the result is deterministic, the reduction
+//   needs no workspace, counter or second kernel, and the epilogue runs once per element.
+// - Streaming. A CTA copies its weight vectors, scales and activation rows with cp.async into a
+//   ring of kStages shared-memory stages of U super-tiles, kStages - 1 of them in flight while
+//   it decodes the oldest; its warps meet at one barrier per stage. The kernel is bound by
+//   instructions issued, not by memory (docs/decode.md, "Status"): each one taken out of the
+//   per-super-tile path is time.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "checks.h"
+
+namespace qtensor {
+namespace {
+
+namespace cg = cooperative_groups;
+
+// Weight formats of the decode layout (qtensor/formats/decode_layout.py, FORMATS).
+constexpr int kNvfp4 = 0, kMxfp4 = 1, kMxfp8 = 2;
+constexpr int kWarps = 4;        // row tiles per CTA
+constexpr int kMaxSplits = 8;    // portable cluster size
+constexpr int kSuperK = 64;      // K per super-tile
+constexpr int kTileRows = 16;    // rows per super-tile
+
+struct DecodeArgs {
+  const uint16_t* x;       // [M, K] bf16 or fp16 bits, rows 16-byte aligned, ldx elements apart
+  int64_t ldx;
+  const uint4* w;          // [NT, KT, V, 32] 16-byte vectors (V = 1, or 2 for MXFP8)
+  const uint16_t* s;       // [NT, KT, 32]: scale of row g (low byte) and of row g + 8
+  const float* amax;       // NVFP4: 0-d or [N]; else null
+  int64_t amax_stride;     // 0 for a per-tensor amax
+  const void* bias;        // [N] or null
+  at::ScalarType bias_dtype;
+  void* out;               // [M, N]
+  at::ScalarType out_dtype;
+  int M, N, K, NT, KT;
+  float ep_scale;          // the power of two the decode took out of the weight
+  float inv;               // r(1 / (6 B)) for NVFP4 (multiplied when has_inv)
+  bool has_inv;
+};
+
+// ---- decode --------------------------------------------------------------------------------
+
+// The two values of a pair (nibbles 3 and 7 of q) as bf16 (HALF: fp16) bits of value * 2**-126
+// (2**-14): sign to bit 15, the three magnitude bits to the low exponent bits and the top
+// mantissa bit, in each 16-bit half.
+template <bool HALF>
+__device__ __forceinline__ uint32_t e2m1_pair(uint32_t q) {
+  return (q & 0x80008000u) | ((q & 0x70007000u) >> (HALF ? 3 : 6));
+}
+
+// Bytes 1 and 3 of q (E4M3) as bf16 bits of value * 2**-120.
+__device__ __forceinline__ uint32_t e4m3_pair(uint32_t q) {
+  return (q & 0x80008000u) | ((q & 0x7F007F00u) >> 4);
+}
+
+template <bool HALF>
+__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if constexpr (HALF) asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  else asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// bf16 2**(code - 127) of a UE8M0 code: 0 is 2**-127 (a bf16 subnormal), 255 is NaN.
+__device__ __forceinline__ uint32_t ue8m0_bf16(uint32_t code) {
+  return code == 0 ? 0x0040u : (code == 255 ? 0x7FC0u : code << 7);
+}
+
+// Bytes of v picked by `sel` (PRMT; selector nibbles 4-7 pick zero bytes).
+__device__ __forceinline__ uint32_t prmt2(uint32_t v, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(v), "r"(0u), "r"(sel));
+  return d;
+}
+
+// Both halves of a pair from half `h` of v (0: low, 1: high).
+__device__ __forceinline__ uint32_t splat_half(uint32_t v, int h) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(v), "r"(h ? 0x3232 : 0x1010));
+  return d;
+}
+
+// The multipliers of one super-tile for rows g (f[0]) and g + 8 (f[1]), from the two scale
+// bytes sc (row g low); for a super-tile the warp takes in two multiplies, f2 holds the second
+// pair and `two` is set.
+template <int FMT, bool HALF>
+struct Factors {
+  uint32_t f[2], f2[2];
+  bool two;
+  __device__ __forceinline__ void load(uint32_t sc) {
+    two = false;
+    // The two scale bytes to the low bytes of the halves: byte 0 -> bits 0-7, byte 1 -> 16-23.
+    uint32_t p = prmt2(sc, 0x4140);
+    if constexpr (FMT == kNvfp4) {
+      // A non-negative E4M3 byte placed in a bf16 half (<< 4) is its value * 2**-120,
+      // subnormals included; in an fp16 half (<< 7), its value * 2**-8. Powers of two then make
+      // F = s * 2**118 (bf16) or s * 2**7 (fp16), exactly. pack refuses the scales this would
+      // misread: NaN, and a set sign bit.
+      if constexpr (HALF) {
+        p = mul2<true>(p << 7, 0x78007800u);  // 2**15
+      } else {
+        p = mul2<false>(mul2<false>(p << 4, 0x7B007B00u), 0x7B007B00u);  // 2**119, twice
+      }
+    } else {
+      constexpr uint32_t kFast = FMT == kMxfp4 ? 128 : 134;   // largest code of the one-multiply path
+      constexpr uint32_t kBias = FMT == kMxfp4 ? 126 : 120;   // F = 2**(code + kBias - 127)
+      two = __any_sync(0xFFFFFFFFu, max(sc & 0xFFu, sc >> 8) > kFast);
+      if (!two) {
+        p = (p + (kBias | (kBias << 16))) << 7;
+      } else {
+        constexpr uint32_t kFirst = FMT == kMxfp4 ? 0x7E807E80u : 0x7B807B80u;  // 2**126, 2**120
+        const uint32_t q = ue8m0_bf16(sc & 0xFFu) | (ue8m0_bf16(sc >> 8) << 16);
+        p = kFirst;
+        f2[0] = splat_half(q, 0);
+        f2[1] = splat_half(q, 1);
+      }
+    }
+    f[0] = splat_half(p, 0);
+    f[1] = splat_half(p, 1);
+  }
+  __device__ __forceinline__ uint32_t apply(uint32_t bits, int r) const {
+    const uint32_t v = mul2<HALF>(bits, f[r]);
+    if constexpr (FMT == kNvfp4) return v;
+    else return two ? mul2<HALF>(v, f2[r]) : v;
+  }
+};
+
+template <bool HALF>
+__device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  if constexpr (HALF) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// One super-tile: its weight vectors wv, scales sc, and the lane's activation chunks xv[i]
+// (tokens 8i + g, 16 elements each as two vectors) into acc[i].
+template <int FMT, int MT, bool HALF>
+__device__ __forceinline__ void super_tile(const uint4* wv, uint16_t sc, const uint4 (*xv)[2],
+                                           float (*acc)[4]) {
+  Factors<FMT, HALF> fac;
+  fac.load(sc);
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    uint32_t a[4];
+    if constexpr (FMT == kMxfp8) {
+      // Subtile s: words 2s (pairs 0, 1) and 2s + 1 (pairs 2, 3) of the lane's 32 bytes.
+      const uint4 v = wv[s >> 1];
+      const uint32_t w0 = (s & 1) ? v.z : v.x, w1 = (s & 1) ? v.w : v.y;
+      a[0] = fac.apply(e4m3_pair(w0), 0);
+      a[1] = fac.apply(e4m3_pair(w0 << 8), 1);
+      a[2] = fac.apply(e4m3_pair(w1), 0);
+      a[3] = fac.apply(e4m3_pair(w1 << 8), 1);
+    } else {
+      const uint4 v = wv[0];
+      const uint32_t q = s == 0 ? v.x : s == 1 ? v.y : s == 2 ? v.z : v.w;
+      a[0] = fac.apply(e2m1_pair<HALF>(q), 0);
+      a[1] = fac.apply(e2m1_pair<HALF>(q << 4), 1);
+      a[2] = fac.apply(e2m1_pair<HALF>(q << 8), 0);
+      a[3] = fac.apply(e2m1_pair<HALF>(q << 12), 1);
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+      const uint4 x = xv[i][s >> 1];
+      const uint32_t b0 = (s & 1) ? x.z : x.x, b1 = (s & 1) ? x.w : x.y;
+      mma<HALF>(acc[i], a, b0, b1);
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float to_f32(const void* p, int64_t i) {
+  return static_cast<float>(static_cast<const T*>(p)[i]);
+}
+
+__device__ __forceinline__ float load_float(const void* p, at::ScalarType t, int64_t i) {
+  if (t == at::kFloat) return static_cast<const float*>(p)[i];
+  if (t == at::kBFloat16) return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16);
+  return __half2float(__ushort_as_half(static_cast<const uint16_t*>(p)[i]));
+}
+
+__device__ __forceinline__ void store_float(void* p, at::ScalarType t, int64_t i, float v) {
+  if (t == at::kFloat) static_cast<float*>(p)[i] = v;
+  else if (t == at::kBFloat16) static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+  else static_cast<__half*>(p)[i] = __float2half_rn(v);
+}
+
+// ---- asynchronous copies -------------------------------------------------------------------
+
+// 16 bytes global -> shared, bypassing L1; `full` false writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool full) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(gmem), "r"(full ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)); }
+
+// Pipeline stages in shared memory: a stage is U super-tiles of K for the CTA's 64 rows.
+constexpr int kStages = 3;
+
+// Bytes of one stage: the four warps' weight vectors, their scales, and the activation's M
+// rows of U * 64 elements, each row padded by 16 bytes so that the 8 token rows one
+// shared-memory phase reads fall in different banks.
+template <int FMT, int U>
+struct Stage {
+  static constexpr int V = FMT == kMxfp8 ? 2 : 1;
+  static constexpr int kW = kWarps * U * V * 512;
+  static constexpr int kS = kWarps * U * 64;
+  static constexpr int kXRow = U * 128 + 16;
+  static constexpr int bytes(int m) { return kW + kS + m * kXRow; }
+};
+
+// U: super-tiles per stage (the weight bytes a stage holds are the same for every format).
+// Every load is a cp.async into a ring of kStages stages, kStages - 1 of them in flight while
+// the CTA decodes the oldest: the weight streams without the warps waiting on each load.
+template <int FMT, int MT, bool HALF, int U>
+__global__ void __launch_bounds__(kWarps * 32) decode_gemm_kernel(const DecodeArgs a) {
+  using St = Stage<FMT, U>;
+  constexpr int V = St::V;
+  constexpr int TOK = 8 * MT;
+  extern __shared__ __align__(16) unsigned char smem[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int nt = blockIdx.x * kWarps + warp;
+  const int rank = static_cast<int>(cluster.block_rank()), splits = static_cast<int>(cluster.num_blocks());
+  const int kb = static_cast<int>((static_cast<int64_t>(a.KT) * rank) / splits);
+  const int ke = static_cast<int>((static_cast<int64_t>(a.KT) * (rank + 1)) / splits);
+  const int batches = (ke - kb + U - 1) / U;
+  const int stage_bytes = St::bytes(a.M);
+
+  const uint4* wp = a.w + static_cast<int64_t>(nt) * a.KT * V * 32 + lane;   // NT = 4 * gridDim.x
+  const uint16_t* sp = a.s + static_cast<int64_t>(nt) * a.KT * 32 + lane * 8;
+  // This thread's activation chunks of a stage, the same in every stage: chunk c = threadIdx.x +
+  // 128 i is row c / 8U, 16 bytes at K offset 8 (c % 8U) of the stage's first super-tile.
+  constexpr int kXChunks = (TOK * U * 8 + kWarps * 32 - 1) / (kWarps * 32);
+  const uint16_t* xsrc[kXChunks];
+  int xdst[kXChunks], xcol[kXChunks];
+#pragma unroll
+  for (int i = 0; i < kXChunks; ++i) {
+    const int c = threadIdx.x + i * kWarps * 32, row = c / (U * 8), q = c % (U * 8);
+    const bool used = row < a.M;
+    xcol[i] = used ? q * 8 : (1 << 30);  // never copied
+    xsrc[i] = a.x + static_cast<int64_t>(used ? row : 0) * a.ldx + q * 8;
+    xdst[i] = St::kW + St::kS + row * St::kXRow + q * 16;
+  }
+
+  // Stage j holds super-tiles kb + jU .. kb + jU + U - 1; a group is committed even when empty,
+  // so that the wait below counts stages.
+  auto issue = [&](int j) {
+    if (j < batches) {
+      unsigned char* st = smem + (j % kStages) * stage_bytes;
+      const int kt0 = kb + j * U, live = min(U, ke - kt0);
+      uint4* ws = reinterpret_cast<uint4*>(st) + warp * U * V * 32 + lane;
+      const uint4* wsrc = wp + static_cast<int64_t>(kt0) * V * 32;
+#pragma unroll
+      for (int u = 0; u < U * V; ++u)
+        if (u < live * V) cp_async16(ws + u * 32, wsrc + u * 32, true);
+      if (lane < 4 * live)  // U * 64 scale bytes of this warp's row tile, 16 per lane
+        cp_async16(st + St::kW + warp * U * 64 + lane * 16, sp + static_cast<int64_t>(kt0) * 32, true);
+#pragma unroll
+      for (int i = 0; i < kXChunks; ++i) {
+        const int col = kt0 * kSuperK + xcol[i];  // K is a multiple of 16: a chunk is all in or out
+        if (xcol[i] < live * kSuperK)
+          cp_async16(st + xdst[i], xsrc[i] + kt0 * kSuperK, col < a.K);
+      }
+    }
+    cp_async_commit();
+  };
+
+  float acc[MT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+
+#pragma unroll
+  for (int j = 0; j < kStages - 1; ++j) issue(j);
+  for (int j = 0; j < batches; ++j) {
+    cp_async_wait<kStages - 2>();  // stage j has landed (this thread's copies)
+    __syncthreads();               // ... and every thread's; stage j - 1 is free again
+    issue(j + kStages - 1);
+    const unsigned char* st = smem + (j % kStages) * stage_bytes;
+    const uint4* ws = reinterpret_cast<const uint4*>(st) + warp * U * V * 32 + lane;
+    const uint16_t* ss = reinterpret_cast<const uint16_t*>(st + St::kW) + warp * U * 32 + lane;
+    const unsigned char* xs = st + St::kW + St::kS + 32 * t;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (kb + j * U + u >= ke) break;  // uniform over the CTA
+      uint4 wv[V];
+#pragma unroll
+      for (int v = 0; v < V; ++v) wv[v] = ws[(u * V + v) * 32];
+      const uint16_t sc = ss[u * 32];
+      uint4 xv[MT][2];
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        const int row = 8 * i + g;
+        if (row < a.M) {
+          const uint4* p = reinterpret_cast<const uint4*>(xs + row * St::kXRow + u * 128);
+          xv[i][0] = p[0];
+          xv[i][1] = p[1];
+        } else {
+          xv[i][0] = xv[i][1] = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+      super_tile<FMT, MT, HALF>(wv, sc, xv, acc);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the stages are free: the partial tile reuses their memory
+
+  // Partial tile [64 rows][TOK tokens] of this CTA; fragment c0, c1: row g, tokens 2t, 2t + 1;
+  // c2, c3: row g + 8.
+  float* part = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    float* r0 = part + (warp * kTileRows + g) * TOK + 8 * i + 2 * t;
+    r0[0] = acc[i][0];
+    r0[1] = acc[i][1];
+    r0[8 * TOK] = acc[i][2];
+    r0[8 * TOK + 1] = acc[i][3];
+  }
+  cluster.sync();
+  // Rank r reduces the elements e = r (mod splits), summing the ranks' partials in rank order.
+  constexpr int kElems = kWarps * kTileRows * TOK;
+  for (int e = rank + splits * static_cast<int>(threadIdx.x); e < kElems; e += splits * kWarps * 32) {
+    const int row = blockIdx.x * kWarps * kTileRows + e / TOK, tok = e % TOK;
+    float v = *cluster.map_shared_rank(part + e, 0);
+    for (int q = 1; q < splits; ++q) v += *cluster.map_shared_rank(part + e, q);
+    if (row < a.N && tok < a.M) {
+      v = v * a.ep_scale;
+      if (a.has_inv) v = v * a.inv;
+      if (a.amax) v = v * a.amax[row * a.amax_stride];
+      if (a.bias) v = v + load_float(a.bias, a.bias_dtype, row);
+      store_float(a.out, a.out_dtype, static_cast<int64_t>(tok) * a.N + row, v);
+    }
+  }
+  cluster.sync();  // no CTA leaves while another still reads its shared memory
+}
+
+// ---- host ----------------------------------------------------------------------------------
+
+// K splits (the cluster size) when the caller leaves them to the kernel: as many as fill every SM
+// with one wave of resident CTAs, at most 8 and at most the super-tiles of K.
+int pick_splits(int groups, int KT, int per_sm, int sms) {
+  const int s = (sms * per_sm) / std::max(groups, 1);
+  return std::max(1, std::min({s, kMaxSplits, KT}));
+}
+
+template <int FMT, int MT, bool HALF, int U>
+void launch(const DecodeArgs& a, int splits, int device, cudaStream_t stream) {
+  using St = Stage<FMT, U>;
+  constexpr int TOK = 8 * MT;
+  constexpr int kPart = kWarps * kTileRows * TOK * 4;
+  auto kernel = decode_gemm_kernel<FMT, MT, HALF, U>;
+  const int smem = std::max(kStages * St::bytes(a.M), kPart);
+  // Per device (up to 16) and activation rows: resident CTAs per SM, found once per kernel.
+  static int per_sm[16][TOK + 1] = {}, sms[16] = {};
+  const int d = device & 15;
+  if (sms[d] == 0) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        std::max(kStages * St::bytes(TOK), kPart)));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms[d], cudaDevAttrMultiProcessorCount, device));
+  }
+  if (per_sm[d][a.M] == 0) {
+    int n = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWarps * 32, smem));
+    per_sm[d][a.M] = std::max(n, 1);
+  }
+  const int groups = (a.NT + kWarps - 1) / kWarps;
+  if (splits == 0) splits = pick_splits(groups, a.KT, per_sm[d][a.M], sms[d]);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(groups), static_cast<unsigned>(splits), 1);
+  cfg.blockDim = dim3(kWarps * 32, 1, 1);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = static_cast<unsigned>(splits);
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+}
+
+// Tokens per kernel (8 * MT) and super-tiles per stage: a stage holds 8 KB of weights up to 16
+// tokens, 4 KB above, where the activation rows take the shared memory.
+template <int FMT, bool HALF>
+void launch_mt(const DecodeArgs& a, int splits, int device, cudaStream_t stream) {
+  constexpr int U = FMT == kMxfp8 ? 2 : 4;
+  if (a.M <= 8) launch<FMT, 1, HALF, U>(a, splits, device, stream);
+  else if (a.M <= 16) launch<FMT, 2, HALF, U>(a, splits, device, stream);
+  else if (a.M <= 32) launch<FMT, 4, HALF, U / 2>(a, splits, device, stream);
+  else launch<FMT, 8, HALF, U / 2>(a, splits, device, stream);
+}
+
+at::Tensor decode_gemm_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
+                            const std::optional<at::Tensor>& amax, const std::optional<at::Tensor>& bias,
+                            int64_t fmt, int64_t n, int64_t k, double inv, int64_t splits,
+                            at::ScalarType out_dtype) {
+  const char* op = "qtensor.decode_gemm";
+  TORCH_CHECK(fmt == kNvfp4 || fmt == kMxfp4 || fmt == kMxfp8, op,
+              ": fmt is 0 (NVFP4), 1 (MXFP4) or 2 (MXFP8); got ", num(fmt), ".");
+  const bool half = x.scalar_type() == at::kHalf;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || (half && fmt == kNvfp4), op,
+              ": the activation must be bfloat16 (float16 with NVFP4 weights, whose values "
+              "float16 holds exactly); got ", x.scalar_type(), ".");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.size(0) <= 64, op,
+              ": takes an activation [M <= 64, K = ", num(k), "]; got ", shape_str(x),
+              ". Larger M runs the dense kernels.");
+  const int64_t block = fmt == kNvfp4 ? 16 : 32;
+  TORCH_CHECK(n > 0 && k > 0 && k % block == 0, op, ": needs N > 0 and K > 0 divisible by ",
+              num(block), "; got N = ", num(n), ", K = ", num(k), ".");
+  const int64_t NT = (n + 63) / 64 * 4, KT = (k + kSuperK - 1) / kSuperK;
+  const int64_t V = fmt == kMxfp8 ? 2 : 1;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == NT * KT * V * 512, op,
+              ": the packed weight must be contiguous uint8 of ", num(NT * KT * V * 512),
+              " bytes (decode layout of ", num(n), "x", num(k), "); got ", w.scalar_type(), " ",
+              shape_str(w), ". Pack it with qtensor.formats.decode_layout.pack.");
+  TORCH_CHECK(s.scalar_type() == at::kByte && s.is_contiguous() && s.numel() == NT * KT * 64, op,
+              ": the packed scales must be contiguous uint8 of ", num(NT * KT * 64), " bytes; got ",
+              s.scalar_type(), " ", shape_str(s), ".");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(s.data_ptr()) % 16 == 0,
+              op, ": the packed weight and scales must start on 16-byte boundaries (they are "
+              "copied in 16-byte vectors); pass them as allocated, or .clone() a view.");
+  check_same_device(x, w, op, "the packed weight");
+  check_same_device(x, s, op, "the packed scales");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf, op,
+              ": writes float32, bfloat16 or float16; got ", out_dtype, ".");
+  if (amax) {
+    TORCH_CHECK(fmt == kNvfp4 && amax->scalar_type() == at::kFloat &&
+                    (amax->dim() == 0 || (amax->dim() == 1 && amax->size(0) == n)),
+                op, ": amax is NVFP4's fp32 scalar or [N] vector; got ", shape_str(*amax), ".");
+    check_same_device(x, *amax, op, "amax");
+  }
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, op, ": the bias must be [N = ", num(n),
+                "]; got ", shape_str(*bias), ".");
+    check_same_device(x, *bias, op, "the bias");
+  }
+  TORCH_CHECK(splits >= 0 && splits <= kMaxSplits, op, ": splits is 0 (chosen) to 8; got ",
+              num(splits), ".");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(out_dtype));
+  if (x.size(0) == 0) return out;
+  // Rows must start on 16-byte boundaries: a copy only when they do not.
+  at::Tensor xc = x;
+  if (x.stride(1) != 1 || x.stride(0) % 8 != 0 || reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0)
+    xc = x.contiguous().clone();
+  at::Tensor am = amax ? amax->contiguous() : at::Tensor();
+  at::Tensor bs = bias ? bias->contiguous() : at::Tensor();
+  DecodeArgs a;
+  a.x = static_cast<const uint16_t*>(xc.data_ptr());
+  a.ldx = xc.stride(0);
+  a.w = reinterpret_cast<const uint4*>(w.data_ptr());
+  a.s = reinterpret_cast<const uint16_t*>(s.data_ptr());
+  a.amax = amax ? am.data_ptr<float>() : nullptr;
+  a.amax_stride = amax && am.dim() == 1 ? 1 : 0;
+  a.bias = bias ? bs.data_ptr() : nullptr;
+  a.bias_dtype = bias ? bs.scalar_type() : at::kFloat;
+  a.out = out.data_ptr();
+  a.out_dtype = out_dtype;
+  a.M = static_cast<int>(x.size(0));
+  a.N = static_cast<int>(n);
+  a.K = static_cast<int>(k);
+  a.NT = static_cast<int>(NT);
+  a.KT = static_cast<int>(KT);
+  a.ep_scale = fmt == kNvfp4 ? (half ? 0x1p7f : 0x1p8f) : 1.f;
+  a.inv = static_cast<float>(inv);
+  a.has_inv = fmt == kNvfp4;
+  const int sp = static_cast<int>(std::min<int64_t>(splits, KT));
+  const int dev = x.get_device();
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  if (fmt == kNvfp4) {
+    if (half) launch_mt<kNvfp4, true>(a, sp, dev, stream);
+    else launch_mt<kNvfp4, false>(a, sp, dev, stream);
+  } else if (fmt == kMxfp4) {
+    launch_mt<kMxfp4, false>(a, sp, dev, stream);
+  } else {
+    launch_mt<kMxfp8, false>(a, sp, dev, stream);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(qtensor, CUDA, m) { m.impl("decode_gemm", &decode_gemm_cuda); }
+
+}  // namespace qtensor
