@@ -70,6 +70,16 @@ def test_packed_model_compiles_with_inductor(name):
         assert torch.equal(torch.compile(packed, fullgraph=True)(token), canonical(token))
 
 
+def test_fully_shard_check_names_a_packed_weight_and_the_remedy():
+    from qtensor.distributed.fsdp import shard_problems
+
+    packed, canonical = _models(CONFIGS["nvfp4"])
+    assert shard_problems(canonical, 2) == []
+    problems = shard_problems(packed, 2)
+    assert len(problems) == 2 and problems[0].startswith("0.weight (DecodeWeight")
+    assert "layout='canonical'" in problems[0] and "weight.canonical()" in problems[0]
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_canonical_is_bitwise_the_packed_source(name):
     packed, canonical = _models(CONFIGS[name])

@@ -93,8 +93,9 @@ class DecodeWeight(QuantizedTensor):
 
     def shard_dims(self):
         raise NotImplementedError(
-            "a DecodeWeight is a serving layout and cannot be sharded; shard the canonical "
-            "weight (weight.canonical()) and pack after sharding, or keep it out of fully_shard.")
+            "a DecodeWeight is a serving layout and cannot be sharded: quantize the model with "
+            "layout='canonical' (NVFP4/MXFP4/MXFP8WeightOnlyConfig) before fully_shard, or "
+            "replace this weight by weight.canonical(), or keep it out of fully_shard.")
 
     def __repr__(self):
         return (f"DecodeWeight(shape={tuple(self.shape)}, dtype={self.dtype}, fmt={self.fmt}, "

@@ -71,8 +71,12 @@ def map_parts(x: QuantizedTensor, fn: Callable[[QuantizedTensor], QuantizedTenso
 def shard_problem(x: QuantizedTensor, shape, world_size: int, name: str) -> str | None:
     """Why a quantized tensor of the full `shape` (x's metadata) cannot be split into
     `world_size` dim-0 shards, or None."""
-    unit, rows = x.block_size(0), shape[0]
     label = f"{name} ({type(x).__name__}, shape {tuple(shape)})"
+    try:
+        leaves(x)  # a class that cannot be sharded at all says why in shard_dims
+    except NotImplementedError as e:
+        return f"{label}: {e}"
+    unit, rows = x.block_size(0), shape[0]
     remedy = (
         f"Give it a dim 0 divisible by {world_size * unit}, or keep it out of fully_shard "
         "(ignored_params)."
