@@ -266,6 +266,9 @@ struct Stage {
 // the CTA decodes the oldest: the weight streams without the warps waiting on each load.
 template <int FMT, int MT, bool HALF, int U>
 __global__ void __launch_bounds__(kWarps * 32) decode_gemm_kernel(const DecodeArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // clusters: sm_90 and newer (decode_mm never launches it on an older device)
+#else
   using St = Stage<FMT, U>;
   constexpr int V = St::V;
   constexpr int TOK = 8 * MT;
@@ -385,6 +388,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gemm_kernel(const DecodeAr
     }
   }
   cluster.sync();  // no CTA leaves while another still reads its shared memory
+#endif
 }
 
 // ---- host ----------------------------------------------------------------------------------
