@@ -4,6 +4,7 @@
 #
 #   benchmarks/gpu_check.sh [LOG_DIR]      (default: $OUT, else ./gpu_logs)
 #   QTENSOR_GPU_ONLY=fsdp benchmarks/gpu_check.sh   the build and the FSDP2 stanza only (2 GPUs)
+#   QTENSOR_GPU_ONLY=decode benchmarks/gpu_check.sh the build and the decode GEMM stanza only
 #
 # To add a benchmark, add one `step NAME command...` line below: its output lands in
 # LOG_DIR/NAME.log and its last line in the closing table.
@@ -33,20 +34,35 @@ step env python3 -c "import torch, qtensor.ops.quant as q; print(torch.cuda.get_
 # sharding of every format, quantize-before-all-gather training, DCP resume and a killed save,
 # the all-gather bytes), the FSDP2 example's log, bf16 vs NVFP4 step time. With fewer than 2
 # GPUs the tests skip and the other two are not run.
-GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-step fsdp_tests python3 -m pytest -m cuda -q -ra tests/test_fsdp_gpu.py
-if [ "$GPUS" -ge 2 ]; then
-  step fsdp_example python3 examples/fsdp2_training.py --nproc 2 --device cuda
-  step bench_fsdp python3 benchmarks/bench_fsdp.py --device cuda --out "$LOG/bench_fsdp.md"
+if [ "${QTENSOR_GPU_ONLY:-}" != decode ]; then
+  GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  step fsdp_tests python3 -m pytest -m cuda -q -ra tests/test_fsdp_gpu.py
+  if [ "$GPUS" -ge 2 ]; then
+    step fsdp_example python3 examples/fsdp2_training.py --nproc 2 --device cuda
+    step bench_fsdp python3 benchmarks/bench_fsdp.py --device cuda --out "$LOG/bench_fsdp.md"
+  fi
+  if [ "${QTENSOR_GPU_ONLY:-}" = fsdp ]; then
+    echo "== gpu_check (FSDP2 stanza only): logs in $LOG"
+    printf '%s\n' "${SUMMARY[@]}"
+    [ -f "$LOG/bench_fsdp.md" ] && cat "$LOG/bench_fsdp.md"
+    exit 0
+  fi
 fi
-if [ "${QTENSOR_GPU_ONLY:-}" = fsdp ]; then
-  echo "== gpu_check (FSDP2 stanza only): logs in $LOG"
+
+# The weight-only decode GEMM (docs/decode.md): its CUDA tests, its kernel against bf16 cuBLAS
+# with the K-split sweep, and (decode stanza) the compiled end-to-end decode.
+step decode_tests python3 -m pytest -m cuda -q -ra tests/test_decode_gemm.py tests/test_decode_weight.py
+step bench_gemm_decode python3 benchmarks/bench_gemm.py --decode --sweep --out "$LOG/bench_gemm_decode.md"
+if [ "${QTENSOR_GPU_ONLY:-}" = decode ]; then
+  step bench_decode python3 benchmarks/bench_decode.py --out "$LOG/bench_decode.md"
+  echo "== gpu_check (decode stanza only): logs in $LOG"
   printf '%s\n' "${SUMMARY[@]}"
-  [ -f "$LOG/bench_fsdp.md" ] && cat "$LOG/bench_fsdp.md"
+  [ -f "$LOG/bench_gemm_decode.md" ] && cat "$LOG/bench_gemm_decode.md"
+  [ -f "$LOG/bench_decode.md" ] && cat "$LOG/bench_decode.md"
   exit 0
 fi
 
-step tests python3 -m pytest -m cuda -q -ra --continue-on-collection-errors --ignore=tests/test_fsdp_gpu.py ${QTENSOR_GPU_TESTS:-tests/}
+step tests python3 -m pytest -m cuda -q -ra --continue-on-collection-errors --ignore=tests/test_fsdp_gpu.py --ignore=tests/test_decode_gemm.py --ignore=tests/test_decode_weight.py ${QTENSOR_GPU_TESTS:-tests/}
 step demo_cuda python3 -m qtensor demo --device cuda
 step bench_quantize python3 benchmarks/bench_quantize.py --out "$LOG/bench_quantize.md"
 step bench_gemm python3 benchmarks/bench_gemm.py --out "$LOG/bench_gemm.md"
