@@ -191,6 +191,12 @@ class QuantizedTensor(torch.Tensor):
             "sharded; keep this parameter out of fully_shard (ignored_params)."
         )
 
+    def storage_dim(self, dim: int) -> tuple[int, bool]:
+        """(storage dim of the inner tensors, is block dim) for logical `dim`; the default is for
+        classes whose codes and scales keep the logical dim order."""
+        dim = dim % max(self.dim(), 1)
+        return dim, self.block_size(dim) > 1
+
     def block_size(self, dim: int) -> int:
         """Elements one scale covers along logical `dim` (1 where no block runs along it): a
         slice or shard along `dim` must start and end at multiples of it."""

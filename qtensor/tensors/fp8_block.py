@@ -19,7 +19,7 @@ from qtensor.backends import GemmBackend, QuantBackend
 from qtensor.formats import fp8_block as ref
 from qtensor.formats.fp8_block import FP8BlockData, FP8BlockSpec
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.tensors.layout import view_op
+from qtensor.tensors.layout import slice_op, view_op
 from qtensor.tensors.common import (
     COLUMNWISE,
     ROWWISE,
@@ -27,7 +27,6 @@ from qtensor.tensors.common import (
     flips_last_two,
     normalize_dim,
     require_finite,
-    slice_bounds,
 )
 
 aten = torch.ops.aten
@@ -183,18 +182,4 @@ FP8BlockTensor.implements([aten.view.default, aten._unsafe_view.default, aten.re
     view_op)
 
 
-@FP8BlockTensor.implements(aten.slice.Tensor)
-def _slice(func, args, kwargs):
-    x, dim, start, length = slice_bounds(*args)
-    shape = list(x.shape)
-    shape[dim] = length
-    if dim not in x.block_dims():
-        return x.replace(shape=shape, qdata=x.qdata.narrow(dim, start, length),
-                         scale=x.scale.narrow(dim, start, length))
-    if start % BLOCK or length % BLOCK:
-        raise ValueError(
-            f"FP8BlockTensor slices along a block dim only at multiples of {BLOCK}; got start "
-            f"{start}, length {length} on dim {dim} of {tuple(x.shape)}."
-        )
-    return x.replace(shape=shape, qdata=x.qdata.narrow(dim, start, length),
-                     scale=x.scale.narrow(dim, start // BLOCK, length // BLOCK))
+FP8BlockTensor.implements(aten.slice.Tensor)(slice_op)

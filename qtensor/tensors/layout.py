@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.tensors.common import ROWWISE, infer_shape
+from qtensor.tensors.common import ROWWISE, infer_shape, slice_bounds
 
 aten = torch.ops.aten
 Path = tuple[str, ...]  # ("rowwise", "qdata"): attribute names from the outer tensor to a leaf
@@ -200,6 +200,26 @@ def view_op(func, args, kwargs):
         return t.reshape(*lead, t.shape[-1]) if t.dim() == nd else t.reshape(lead)
 
     return x.replace(shape=shape, **{n: follow(getattr(x, n)) for n in x.tensor_data_names})
+
+
+def slice_op(func, args, kwargs):
+    """aten.slice of a class whose inner tensors are codes and one scale per block (MXFP8,
+    MXFP4, FP8 block): any range along a dim no block runs along, whole blocks along a block
+    dim. The codes narrow by their elements per byte along that dim (2 for packed 4-bit codes),
+    read from the shapes."""
+    x, dim, start, length = slice_bounds(*args)
+    sdim, _ = x.storage_dim(dim)
+    unit = x.block_size(dim)
+    if start % unit or length % unit:
+        raise ValueError(
+            f"{type(x).__name__} slices along a block dim only at multiples of {unit}; got start "
+            f"{start}, length {length} on dim {dim} of {tuple(x.shape)}.")
+    stored = x.qdata.shape[sdim]
+    per = x.shape[dim] // stored if stored else 1
+    shape = list(x.shape)
+    shape[dim] = length
+    return x.replace(shape=shape, qdata=x.qdata.narrow(sdim, start // per, length // per),
+                     scale=x.scale.narrow(sdim, start // unit, length // unit))
 
 
 def flat_view(x: QuantizedTensor):

@@ -30,10 +30,9 @@ from qtensor.tensors.common import (
     flips_last_two,
     normalize_dim,
     require_finite,
-    slice_bounds,
     transposed_storage_dim,
 )
-from qtensor.tensors.layout import view_op
+from qtensor.tensors.layout import slice_op, view_op
 
 aten = torch.ops.aten
 BLOCK = ref.BLOCK
@@ -186,22 +185,7 @@ MXFP4Tensor.implements([aten.view.default, aten._unsafe_view.default, aten.resha
     view_op)
 
 
-@MXFP4Tensor.implements(aten.slice.Tensor)
-def _slice(func, args, kwargs):
-    x, dim, start, length = slice_bounds(*args)
-    sdim, is_block = x.storage_dim(dim)
-    shape = list(x.shape)
-    shape[dim] = length
-    if not is_block:
-        return x.replace(shape=shape, qdata=x.qdata.narrow(sdim, start, length),
-                         scale=x.scale.narrow(sdim, start, length))
-    if start % BLOCK or length % BLOCK:
-        raise ValueError(
-            f"MXFP4Tensor slices along its block dim only at multiples of {BLOCK}; got start "
-            f"{start}, length {length} on dim {dim} of {tuple(x.shape)}."
-        )
-    return x.replace(shape=shape, qdata=x.qdata.narrow(sdim, start // 2, length // 2),
-                     scale=x.scale.narrow(sdim, start // BLOCK, length // BLOCK))
+MXFP4Tensor.implements(aten.slice.Tensor)(slice_op)
 
 
 @MXFP4Tensor.implements(aten.select.int)

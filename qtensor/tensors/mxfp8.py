@@ -14,7 +14,7 @@ from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.backends import resolve_gemm_backend
 from qtensor.ops import quant
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.tensors.layout import view_op
+from qtensor.tensors.layout import slice_op, view_op
 from qtensor.tensors.common import (
     COLUMNWISE,
     ROWWISE,
@@ -23,7 +23,6 @@ from qtensor.tensors.common import (
     flips_last_two,
     normalize_dim,
     require_finite,
-    slice_bounds,
 )
 
 aten = torch.ops.aten
@@ -157,27 +156,7 @@ MXFP8Tensor.implements([aten.view.default, aten._unsafe_view.default, aten.resha
     view_op)
 
 
-@MXFP8Tensor.implements(aten.slice.Tensor)
-def _slice(func, args, kwargs):
-    x, dim, start, length = slice_bounds(*args)
-    shape = list(x.shape)
-    shape[dim] = length
-    if dim != x.block_dim():
-        return x.replace(
-            shape=shape,
-            qdata=x.qdata.narrow(dim, start, length),
-            scale=x.scale.narrow(dim, start, length),
-        )
-    if start % BLOCK or length % BLOCK:
-        raise ValueError(
-            f"MXFP8Tensor slices along its block dim only at multiples of {BLOCK}; got start "
-            f"{start}, length {length} on dim {dim} of {tuple(x.shape)}."
-        )
-    return x.replace(
-        shape=shape,
-        qdata=x.qdata.narrow(dim, start, length),
-        scale=x.scale.narrow(dim, start // BLOCK, length // BLOCK),
-    )
+MXFP8Tensor.implements(aten.slice.Tensor)(slice_op)
 
 
 @MXFP8Tensor.implements(aten.select.int)
