@@ -22,6 +22,17 @@ inline std::string shape_str(const at::Tensor& t) {
   return s + "]";
 }
 
+// f(T{}) for the float dtype t of an op's input (fp32, bf16, fp16), else the op's error.
+template <typename F>
+void dispatch_float(at::ScalarType t, const char* op, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    case at::kHalf: f(at::Half{}); break;
+    default: TORCH_CHECK(false, op, ": unsupported dtype ", t, ".");
+  }
+}
+
 // MXFP4 QAT weights: bf16 or fp32, 2-D [N, K] with N and K multiples of the host's block.
 inline void check_qat_weight(const at::Tensor& w, int64_t rows_mult, int64_t cols_mult,
                              const char* op) {

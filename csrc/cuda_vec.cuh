@@ -1,24 +1,16 @@
-// Device-side helpers shared by the CUDA kernels of quant_cuda.cu and convert_cuda.cu: the
-// float dtype dispatch, 16-byte vectors of each input dtype, and the aligned 2-D view of an input.
+// Device-side helpers shared by the CUDA kernels of quant_cuda.cu, convert_cuda.cu and
+// quant_rows_cuda.cu: 16-byte vectors of each input dtype (widened to fp32 exactly, and rounded
+// back), and the aligned 2-D view of an input. The dtype dispatch is checks.h's.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include "checks.h"
 #include "quant_math.h"
 
 namespace qtensor {
 
 constexpr unsigned kFull = 0xFFFFFFFFu;
-
-template <typename F>
-void dispatch_float(at::ScalarType t, const char* op, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(at::BFloat16{}); break;
-    case at::kHalf: f(at::Half{}); break;
-    default: TORCH_CHECK(false, op, ": unsupported dtype ", t, ".");
-  }
-}
 
 // ---- 16-byte vectors of each input dtype --------------------------------------------------------
 

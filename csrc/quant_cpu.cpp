@@ -29,16 +29,6 @@ QT_LANES float to_f32(at::BFloat16 v) {
 
 namespace {
 
-template <typename F>
-void dispatch_float(at::ScalarType t, const char* op, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(at::BFloat16{}); break;
-    case at::kHalf: f(at::Half{}); break;
-    default: TORCH_CHECK(false, op, ": unsupported dtype ", t, ".");
-  }
-}
-
 // x86 returns the first NaN operand of a product, so the reference's `x * inv` keeps the sign of
 // a NaN x (and its E4M3 byte is 0xFF for -NaN); spelled out so the compiler cannot swap operands.
 inline float mul_keep_nan(float x, float inv) { return is_nan(x) ? x : x * inv; }

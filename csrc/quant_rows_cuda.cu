@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_fp16.h>
 
+#include "cuda_vec.cuh"
 #include "quant_math.h"
 #include "quant_rows.h"
 #include "quant_rows_math.h"
@@ -19,59 +20,12 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kSlots = 2;  // 16-element blocks per thread: 2 x 32 B of bf16 in flight
-constexpr unsigned kFull = 0xFFFFFFFFu;
-
-template <typename F>
-void dispatch_dtype(at::ScalarType t, const char* op, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(at::BFloat16{}); break;
-    case at::kHalf: f(at::Half{}); break;
-    default: TORCH_CHECK(false, op, ": unsupported dtype ", t, ".");
-  }
-}
-
-// 16 bytes of each input dtype widened to fp32 (exact).
-template <typename T>
-struct In;
-template <>
-struct In<float> {
-  static constexpr int kN = 4;
-  __device__ static void unpack(uint4 r, float* o) {
-    o[0] = __uint_as_float(r.x); o[1] = __uint_as_float(r.y);
-    o[2] = __uint_as_float(r.z); o[3] = __uint_as_float(r.w);
-  }
-};
-template <>
-struct In<at::BFloat16> {
-  static constexpr int kN = 8;
-  __device__ static void unpack(uint4 r, float* o) {
-    const unsigned w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      o[2 * i] = __uint_as_float(w[i] << 16);
-      o[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-    }
-  }
-};
-template <>
-struct In<at::Half> {
-  static constexpr int kN = 8;
-  __device__ static void unpack(uint4 r, float* o) {
-    const unsigned w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      o[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xFFFFu)));
-      o[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
-    }
-  }
-};
 
 // The 16-element blocks first, first + kThreads, ...: in each slot a warp reads 32 consecutive
 // blocks (1 KB of bf16), one 32-byte sector per thread, both halves of it from L1 after one miss.
 template <typename T>
 struct Slots {
-  static constexpr int kC = 16 / In<T>::kN;  // 16-byte loads per block
+  static constexpr int kC = 16 / Vec<T>::kN;  // 16-byte loads per block
   uint4 raw[kSlots][kC];
   __device__ void load(const T* x, int64_t first, int64_t n) {
 #pragma unroll
@@ -79,13 +33,13 @@ struct Slots {
       const int64_t b = first + u * kThreads;
 #pragma unroll
       for (int c = 0; c < kC; ++c)
-        raw[u][c] = b < n ? __ldg(reinterpret_cast<const uint4*>(x + b * 16 + c * In<T>::kN))
+        raw[u][c] = b < n ? __ldg(reinterpret_cast<const uint4*>(x + b * 16 + c * Vec<T>::kN))
                           : make_uint4(0u, 0u, 0u, 0u);
     }
   }
   __device__ void unpack(int u, float* v) const {
 #pragma unroll
-    for (int c = 0; c < kC; ++c) In<T>::unpack(raw[u][c], v + c * In<T>::kN);
+    for (int c = 0; c < kC; ++c) Vec<T>::unpack(raw[u][c], v + c * Vec<T>::kN);
   }
 };
 
@@ -276,7 +230,7 @@ void nvfp4_rows_cuda(const at::Tensor& x2, const at::Tensor& amax, int64_t fouro
   const float* a = amax.const_data_ptr<float>();
   auto* qp = reinterpret_cast<uint2*>(q.data_ptr<uint8_t>());
   uint8_t* sp = s.data_ptr<uint8_t>();
-  dispatch_dtype(x2.scalar_type(), "qtensor.nvfp4_quantize", [&](auto tag) {
+  dispatch_float(x2.scalar_type(), "qtensor.nvfp4_quantize", [&](auto tag) {
     using T = decltype(tag);
     if (amax.dim() == 1) launch_nv<T, true>(x2, a, fourover6, static_cast<int>(bound), qp, sp);
     else launch_nv<T, false>(x2, a, fourover6, static_cast<int>(bound), qp, sp);
@@ -285,7 +239,7 @@ void nvfp4_rows_cuda(const at::Tensor& x2, const at::Tensor& amax, int64_t fouro
 
 void mxfp8_rows_cuda(const at::Tensor& x2, int64_t rule, at::Tensor& q, at::Tensor& s) {
   const int64_t nhalves = x2.numel() / 16;
-  dispatch_dtype(x2.scalar_type(), "qtensor.mxfp8_quantize", [&](auto tag) {
+  dispatch_float(x2.scalar_type(), "qtensor.mxfp8_quantize", [&](auto tag) {
     using T = decltype(tag);
     mx_rows_kernel<T><<<ceil_div(nhalves, kThreads * kSlots), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         x2.const_data_ptr<T>(), nhalves, static_cast<int>(rule), reinterpret_cast<uint4*>(q.data_ptr<uint8_t>()),
@@ -299,7 +253,7 @@ void amax_rows_cuda(const at::Tensor& x2, bool per_row, at::Tensor& out) {
   const auto* x = reinterpret_cast<const uint4*>(x2.const_data_ptr());
   const int64_t words = x2.numel() * x2.element_size() / 16;  // rows are whole words: K % 16 == 0
   auto stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_dtype(x2.scalar_type(), "qtensor.amax", [&](auto tag) {
+  dispatch_float(x2.scalar_type(), "qtensor.amax", [&](auto tag) {
     using T = decltype(tag);
     if (!per_row) {
       // 8 CTAs of 256 per SM fill it; more would only add atomics.
