@@ -249,7 +249,16 @@ def decode_section(n: int, k: int, ms_list, splits_sweep: bool) -> None:
             wbytes = codes.numel() + scales.numel()
             emit(f"| {m} | qtensor bf16 x {fmt.upper()} decode GEMM | {ms * 1e3:.1f} | "
                  f"{base / ms:.2f}x | {wbytes / ms / 1e9:.2f} |")
-        if splits_sweep and m in (1, 16):
+            if m >= 64 and fmt != "mxfp4":  # the crossover: unpack for the call + dense Triton
+
+                def dense(nxt=nxt, fmt=fmt):
+                    c, s_, a_ = nxt()
+                    return dmm.unpacked_mm(x, c, s_, a_, None, fmt, n, k, 448, torch.bfloat16)
+
+                ms = graph_ms(dense)
+                emit(f"| {m} | qtensor bf16 x {fmt.upper()} unpack + dense Triton | "
+                     f"{ms * 1e3:.1f} | {base / ms:.2f}x | {wbytes / ms / 1e9:.2f} |")
+        if splits_sweep and m in (1, 16, 64):
             codes, scales, amax = copies["nvfp4"][0][0]
             row = []
             for sp in range(1, 9):
@@ -267,14 +276,14 @@ def main() -> None:
     p.add_argument("--ms", default="1,16,64,4096,16384", help="comma-separated M values")
     p.add_argument("--quick", action="store_true", help="8192x8192 only, no torchao or grouped")
     p.add_argument("--decode", action="store_true",
-                   help="only the decode GEMM sections (M = 1, 4, 16, 64 unless --ms)")
+                   help="only the decode GEMM sections (M = 1, 4, 16, 64, 128 unless --ms)")
     args = p.parse_args()
     ms_list = [int(v) for v in args.ms.split(",")]
     date = datetime.date.today().isoformat()
     emit(f"## GEMM benchmark, {date}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     emit(f"copy bandwidth: {copy_bandwidth():.2f} TB/s (read + write)")
     if args.decode:
-        ms_dec = ms_list if "--ms" in sys.argv else [1, 4, 16, 64]
+        ms_dec = ms_list if "--ms" in sys.argv else [1, 4, 16, 64, 128]
         for n, k in [(8192, 8192), (28672, 8192), (8192, 28672)]:
             decode_section(n, k, ms_dec, splits_sweep=(n, k) == (8192, 8192) and args.sweep)
         if args.out:

@@ -28,15 +28,21 @@
 //   (qtensor/gemm/dense.py) only in the order of the fp32 additions, except where a product
 //   (value * scale * x) * 2**-8 falls below fp32's normal range, 2**-126, i.e. for activations
 //   below about 2**-108.
-// - Split-K. A CTA is 4 warps on 4 row tiles (64 rows) over one K range; the S CTAs that split
-//   the K of those rows form a thread-block cluster and sum their partial tiles through
-//   distributed shared memory, in rank order, so the result is deterministic, the reduction
-//   needs no workspace, counter or second kernel, and the epilogue runs once per element.
-// - Streaming. A CTA copies its weight vectors, scales and activation rows with cp.async into a
-//   ring of kStages shared-memory stages of U super-tiles, kStages - 1 of them in flight while
-//   it decodes the oldest; its warps meet at one barrier per stage. The kernel is bound by
-//   instructions issued, not by memory (docs/decode.md, "Status"): each one taken out of the
-//   per-super-tile path is time.
+// - Split-K. A CTA is 4 consumer warps on 4 row tiles (64 rows) over one K range, cut in whole
+//   stages; the S CTAs that split the K of those rows form a thread-block cluster and sum their
+//   partial tiles through distributed shared memory, in rank order, so the result is
+//   deterministic, the reduction needs no workspace, counter or second kernel, and the epilogue
+//   runs once per element. S is the size whose clusters all fit at once (one wave) and give each
+//   CTA the fewest stages.
+// - Streaming. A fifth warp fills a ring of kStages shared-memory stages of U super-tiles with
+//   bulk copies (cp.async.bulk: one per row tile for the weight and for the scales, one per
+//   activation row) as the consumers release them; a `full` mbarrier per stage counts its bytes
+//   in and an `empty` one counts the consumer warps out, so no warp waits at a CTA barrier. Every
+//   stage is computed whole (a partial last stage is zero-filled), so a stage's U super-tiles are
+//   one straight-line block that the compiler schedules across; with up to 16 tokens the MMAs
+//   alternate between two accumulators. The kernel is bound by the instructions it issues, not
+//   by memory (docs/decode.md, "Status"), so the per-super-tile path holds only its three shared
+//   loads, the decode and the MMAs.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -77,6 +83,7 @@ struct DecodeArgs {
   float ep_scale;          // the power of two the decode took out of the weight
   float inv;               // r(1 / (6 B)) for NVFP4 (multiplied when has_inv)
   bool has_inv;
+  int bar_offset;           // shared-memory bytes before the stages' mbarriers
 };
 
 // ---- decode --------------------------------------------------------------------------------
@@ -183,11 +190,17 @@ __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, ui
   }
 }
 
+// Accumulator chains: with one or two token tiles the four MMAs of a super-tile alternate
+// between two accumulators, so that consecutive MMAs do not wait on each other; they are summed
+// once at the end (fp32 additions in another order, within the bound of the reference).
+template <int MT>
+constexpr int kChains = MT <= 2 ? 2 : 1;
+
 // One super-tile: its weight vectors wv, scales sc, and the lane's activation chunks xv[i]
-// (tokens 8i + g, 16 elements each as two vectors) into acc[i].
+// (tokens 8i + g, 16 elements each as two vectors) into acc[subtile % chains][i].
 template <int FMT, int MT, bool HALF>
-__device__ __forceinline__ void super_tile(const uint4* wv, uint16_t sc, const uint4 (*xv)[2],
-                                           float (*acc)[4]) {
+__device__ __forceinline__ void super_tile(const uint4* wv, uint32_t sc, const uint4 (*xv)[2],
+                                           float (*acc)[MT][4]) {
   Factors<FMT, HALF> fac;
   fac.load(sc);
 #pragma unroll
@@ -213,7 +226,7 @@ __device__ __forceinline__ void super_tile(const uint4* wv, uint16_t sc, const u
     for (int i = 0; i < MT; ++i) {
       const uint4 x = xv[i][s >> 1];
       const uint32_t b0 = (s & 1) ? x.z : x.x, b1 = (s & 1) ? x.w : x.y;
-      mma<HALF>(acc[i], a, b0, b1);
+      mma<HALF>(acc[s % kChains<MT>][i], a, b0, b1);
     }
   }
 }
@@ -235,16 +248,42 @@ __device__ __forceinline__ void store_float(void* p, at::ScalarType t, int64_t i
   else static_cast<__half*>(p)[i] = __float2half_rn(v);
 }
 
-// ---- asynchronous copies -------------------------------------------------------------------
+// ---- bulk copies and barriers in shared memory -----------------------------------------
 
-// 16 bytes global -> shared, bypassing L1; `full` false writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool full) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(gmem), "r"(full ? 16 : 0));
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)); }
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n"
+      "WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT_%=;\n}\n"
+      ::"r"(bar), "r"(parity) : "memory");
+}
+// `bytes` (a multiple of 16, 16-byte aligned at both ends) global -> shared, completing on `bar`.
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t lds16(uint32_t addr) {
+  uint16_t v;
+  asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(addr) : "memory");
+  return v;
+}
 
 // Pipeline stages in shared memory: a stage is U super-tiles of K for the CTA's 64 rows.
 constexpr int kStages = 3;
@@ -262,10 +301,15 @@ struct Stage {
 };
 
 // U: super-tiles per stage (the weight bytes a stage holds are the same for every format).
-// Every load is a cp.async into a ring of kStages stages, kStages - 1 of them in flight while
-// the CTA decodes the oldest: the weight streams without the warps waiting on each load.
+// A fifth warp, the producer, fills a ring of kStages stages with bulk copies (one per row tile
+// for the weight and the scales, one per activation row) as soon as the four consumer warps have
+// released a stage: a stage's `full` mbarrier counts its bytes in, its `empty` mbarrier counts
+// the consumers out, and no warp waits at a CTA barrier in the loop. Per super-tile a consumer
+// thread issues only its decode: three shared loads, the scale and value decode, and the MMAs.
+constexpr int kThreads = (kWarps + 1) * 32;
+
 template <int FMT, int MT, bool HALF, int U>
-__global__ void __launch_bounds__(kWarps * 32) decode_gemm_kernel(const DecodeArgs a) {
+__global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // clusters: sm_90 and newer (decode_mm never launches it on an older device)
 #else
@@ -276,89 +320,115 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gemm_kernel(const DecodeAr
   cg::cluster_group cluster = cg::this_cluster();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int nt = blockIdx.x * kWarps + warp;
   const int rank = static_cast<int>(cluster.block_rank()), splits = static_cast<int>(cluster.num_blocks());
-  const int kb = static_cast<int>((static_cast<int64_t>(a.KT) * rank) / splits);
-  const int ke = static_cast<int>((static_cast<int64_t>(a.KT) * (rank + 1)) / splits);
+  // The K range of this rank, in whole stages of U super-tiles: only the last stage of the last
+  // rank can be partial, and every stage is one straight-line block of U super-tiles.
+  const int chunks = (a.KT + U - 1) / U;
+  const int kb = (chunks * rank) / splits * U;
+  const int ke = min(a.KT, (chunks * (rank + 1)) / splits * U);
   const int batches = (ke - kb + U - 1) / U;
   const int stage_bytes = St::bytes(a.M);
+  const uint32_t base = smem_addr(smem);
+  // The stages' barriers follow the stages and the partial tile (a.bar_offset, 8-byte aligned):
+  // kStages `full` barriers (one arrival, by the producer, plus the bytes), then kStages `empty`
+  // barriers (one arrival per consumer warp).
+  const uint32_t full = base + a.bar_offset, empty = full + 8 * kStages;
 
-  const uint4* wp = a.w + static_cast<int64_t>(nt) * a.KT * V * 32 + lane;   // NT = 4 * gridDim.x
-  const uint16_t* sp = a.s + static_cast<int64_t>(nt) * a.KT * 32 + lane * 8;
-  // This thread's activation chunks of a stage, the same in every stage: chunk c = threadIdx.x +
-  // 128 i is row c / 8U, 16 bytes at K offset 8 (c % 8U) of the stage's first super-tile.
-  constexpr int kXChunks = (TOK * U * 8 + kWarps * 32 - 1) / (kWarps * 32);
-  const uint16_t* xsrc[kXChunks];
-  int xdst[kXChunks], xcol[kXChunks];
+  if (threadIdx.x == 0) {
 #pragma unroll
-  for (int i = 0; i < kXChunks; ++i) {
-    const int c = threadIdx.x + i * kWarps * 32, row = c / (U * 8), q = c % (U * 8);
-    const bool used = row < a.M;
-    xcol[i] = used ? q * 8 : (1 << 30);  // never copied
-    xsrc[i] = a.x + static_cast<int64_t>(used ? row : 0) * a.ldx + q * 8;
-    xdst[i] = St::kW + St::kS + row * St::kXRow + q * 16;
-  }
-
-  // Stage j holds super-tiles kb + jU .. kb + jU + U - 1; a group is committed even when empty,
-  // so that the wait below counts stages.
-  auto issue = [&](int j) {
-    if (j < batches) {
-      unsigned char* st = smem + (j % kStages) * stage_bytes;
-      const int kt0 = kb + j * U, live = min(U, ke - kt0);
-      uint4* ws = reinterpret_cast<uint4*>(st) + warp * U * V * 32 + lane;
-      const uint4* wsrc = wp + static_cast<int64_t>(kt0) * V * 32;
-#pragma unroll
-      for (int u = 0; u < U * V; ++u)
-        if (u < live * V) cp_async16(ws + u * 32, wsrc + u * 32, true);
-      if (lane < 4 * live)  // U * 64 scale bytes of this warp's row tile, 16 per lane
-        cp_async16(st + St::kW + warp * U * 64 + lane * 16, sp + static_cast<int64_t>(kt0) * 32, true);
-#pragma unroll
-      for (int i = 0; i < kXChunks; ++i) {
-        const int col = kt0 * kSuperK + xcol[i];  // K is a multiple of 16: a chunk is all in or out
-        if (xcol[i] < live * kSuperK)
-          cp_async16(st + xdst[i], xsrc[i] + kt0 * kSuperK, col < a.K);
-      }
+    for (int i = 0; i < kStages; ++i) {
+      mbar_init(full + 8 * i, 1);
+      mbar_init(empty + 8 * i, kWarps);
     }
-    cp_async_commit();
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  // The producer fills stage j with super-tiles kb + jU .. of every row tile (NT = 4 * gridDim.x,
+  // so every consumer's row tile exists). Activation columns past K, and those of a partial stage's
+  // missing super-tiles, are written as zeros: every stage is computed whole, its weight there is
+  // zero padding or a stale (finite) decode, and a stale Inf or NaN would not vanish in the
+  // product.
+  auto issue = [&](int j) {
+    const int kt0 = kb + j * U, live = min(U, ke - kt0);
+    const uint32_t st = base + (j % kStages) * stage_bytes, bar = full + 8 * (j % kStages);
+    const int xcols = min(live * kSuperK, a.K - kt0 * kSuperK);  // activation columns copied
+    const uint32_t xbytes = static_cast<uint32_t>(xcols) * 2;
+    // The stage was last read (and zero-filled) through the generic proxy; order that before the
+    // copies.
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    // Zeros first: the arrival below releases them to the consumers with the copied bytes.
+    if (lane < kWarps && live < U) {  // a missing super-tile's scales are zeros: finite weights
+      const uint32_t sc = st + St::kW + lane * U * 64;
+      for (int c = live * 64; c < U * 64; c += 16)
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sc + c), "r"(0u) : "memory");
+    }
+    for (int r = lane; r < a.M; r += 32) {
+      const uint32_t row = st + St::kW + St::kS + r * St::kXRow;
+      for (int c = static_cast<int>(xbytes); c < U * 128; c += 16)
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(row + c), "r"(0u) : "memory");
+    }
+    __syncwarp();
+    if (lane == 0) mbar_expect(bar, kWarps * live * (V * 512 + 64) + a.M * xbytes);
+    __syncwarp();
+    if (lane < kWarps) {
+      const int64_t tile = static_cast<int64_t>(blockIdx.x * kWarps + lane) * a.KT + kt0;
+      bulk_copy(st + lane * U * V * 512, a.w + tile * V * 32, live * V * 512, bar);
+      bulk_copy(st + St::kW + lane * U * 64, a.s + tile * 32, live * 64, bar);
+    }
+    for (int r = lane; r < a.M; r += 32)
+      bulk_copy(st + St::kW + St::kS + r * St::kXRow,
+                a.x + static_cast<int64_t>(r) * a.ldx + kt0 * kSuperK, xbytes, bar);
   };
 
-  float acc[MT][4];
+  float acc[kChains<MT>][MT][4];
 #pragma unroll
-  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  for (int c = 0; c < kChains<MT>; ++c)
+#pragma unroll
+    for (int i = 0; i < MT; ++i) acc[c][i][0] = acc[c][i][1] = acc[c][i][2] = acc[c][i][3] = 0.f;
 
+  if (warp == kWarps) {
+    // The producer: stage j once the consumers have released its slot's previous use, j - kStages
+    // (use u of a slot completes the empty barrier's phase u, of parity u % 2).
+    for (int j = 0; j < batches; ++j) {
+      if (j >= kStages) mbar_wait(empty + 8 * (j % kStages), ((j / kStages) - 1) & 1);
+      issue(j);
+    }
+  }
+  // This thread's offsets within a stage: its weight vector, its scale pair, its activation.
+  const uint32_t w_off = (warp * U * V * 32 + lane) * 16;
+  const uint32_t s_off = St::kW + (warp * U * 32 + lane) * 2;
+  // Token rows past M read row M - 1 instead: a token is one column of the MMA's B operand, so
+  // they change only output columns the epilogue never writes.
+  uint32_t x_off[MT];
 #pragma unroll
-  for (int j = 0; j < kStages - 1; ++j) issue(j);
-  for (int j = 0; j < batches; ++j) {
-    cp_async_wait<kStages - 2>();  // stage j has landed (this thread's copies)
-    __syncthreads();               // ... and every thread's; stage j - 1 is free again
-    issue(j + kStages - 1);
-    const unsigned char* st = smem + (j % kStages) * stage_bytes;
-    const uint4* ws = reinterpret_cast<const uint4*>(st) + warp * U * V * 32 + lane;
-    const uint16_t* ss = reinterpret_cast<const uint16_t*>(st + St::kW) + warp * U * 32 + lane;
-    const unsigned char* xs = st + St::kW + St::kS + 32 * t;
+  for (int i = 0; i < MT; ++i) x_off[i] = St::kW + St::kS + min(8 * i + g, a.M - 1) * St::kXRow + 32 * t;
+  int slot = 0;
+  uint32_t parity = 0;
+  for (int j = warp < kWarps ? 0 : batches; j < batches; ++j) {
+    mbar_wait(full + 8 * slot, parity);
+    const uint32_t st = base + slot * stage_bytes;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (kb + j * U + u >= ke) break;  // uniform over the CTA
       uint4 wv[V];
 #pragma unroll
-      for (int v = 0; v < V; ++v) wv[v] = ws[(u * V + v) * 32];
-      const uint16_t sc = ss[u * 32];
+      for (int v = 0; v < V; ++v) wv[v] = lds128(st + w_off + (u * V + v) * 512);
+      const uint32_t sc = lds16(st + s_off + u * 64);
       uint4 xv[MT][2];
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
-        const int row = 8 * i + g;
-        if (row < a.M) {
-          const uint4* p = reinterpret_cast<const uint4*>(xs + row * St::kXRow + u * 128);
-          xv[i][0] = p[0];
-          xv[i][1] = p[1];
-        } else {
-          xv[i][0] = xv[i][1] = make_uint4(0u, 0u, 0u, 0u);
-        }
+        xv[i][0] = lds128(st + x_off[i] + u * 128);
+        xv[i][1] = lds128(st + x_off[i] + u * 128 + 16);
       }
       super_tile<FMT, MT, HALF>(wv, sc, xv, acc);
     }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + 8 * slot);  // this warp is done with the stage
+    if (++slot == kStages) {
+      slot = 0;
+      parity ^= 1u;
+    }
   }
-  cp_async_wait<0>();
   __syncthreads();  // the stages are free: the partial tile reuses their memory
 
   // Partial tile [64 rows][TOK tokens] of this CTA; fragment c0, c1: row g, tokens 2t, 2t + 1;
@@ -366,16 +436,21 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gemm_kernel(const DecodeAr
   float* part = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int i = 0; i < MT; ++i) {
+    if (warp == kWarps) break;  // the producer holds no tile
+#pragma unroll
+    for (int c = 1; c < kChains<MT>; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[0][i][e] += acc[c][i][e];
     float* r0 = part + (warp * kTileRows + g) * TOK + 8 * i + 2 * t;
-    r0[0] = acc[i][0];
-    r0[1] = acc[i][1];
-    r0[8 * TOK] = acc[i][2];
-    r0[8 * TOK + 1] = acc[i][3];
+    r0[0] = acc[0][i][0];
+    r0[1] = acc[0][i][1];
+    r0[8 * TOK] = acc[0][i][2];
+    r0[8 * TOK + 1] = acc[0][i][3];
   }
   cluster.sync();
   // Rank r reduces the elements e = r (mod splits), summing the ranks' partials in rank order.
   constexpr int kElems = kWarps * kTileRows * TOK;
-  for (int e = rank + splits * static_cast<int>(threadIdx.x); e < kElems; e += splits * kWarps * 32) {
+  for (int e = rank + splits * static_cast<int>(threadIdx.x); e < kElems; e += splits * kThreads) {
     const int row = blockIdx.x * kWarps * kTileRows + e / TOK, tok = e % TOK;
     float v = *cluster.map_shared_rank(part + e, 0);
     for (int q = 1; q < splits; ++q) v += *cluster.map_shared_rank(part + e, q);
@@ -393,11 +468,32 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gemm_kernel(const DecodeAr
 
 // ---- host ----------------------------------------------------------------------------------
 
-// K splits (the cluster size) when the caller leaves them to the kernel: as many as fill every SM
-// with one wave of resident CTAs, at most 8 and at most the super-tiles of K.
-int pick_splits(int groups, int KT, int per_sm, int sms) {
-  const int s = (sms * per_sm) / std::max(groups, 1);
-  return std::max(1, std::min({s, kMaxSplits, KT}));
+// The launch of `groups` clusters of `splits` CTAs (64 rows each, over one K range).
+inline cudaLaunchConfig_t cluster_config(int groups, int splits, int smem, cudaStream_t stream,
+                                         cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(groups), static_cast<unsigned>(splits), 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = 1;
+  attr->val.clusterDim.y = static_cast<unsigned>(splits);
+  attr->val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// K splits (the cluster size) when the caller leaves them to the kernel: among the sizes whose
+// clusters are all resident at once (one wave: a second wave would double the time), the one
+// that gives each CTA the fewest stages, and of those the smallest (the least to reduce).
+// `fits[s]` is the number of clusters of size s resident at once, from the occupancy API.
+inline int pick_splits(int groups, int chunks, const int* fits) {
+  int best = 1;
+  for (int s = 2; s <= std::min(kMaxSplits, chunks); ++s)
+    if (fits[s] >= groups && (chunks + s - 1) / s < (chunks + best - 1) / best) best = s;
+  return best;
 }
 
 template <int FMT, int MT, bool HALF, int U>
@@ -406,35 +502,32 @@ void launch(const DecodeArgs& a, int splits, int device, cudaStream_t stream) {
   constexpr int TOK = 8 * MT;
   constexpr int kPart = kWarps * kTileRows * TOK * 4;
   auto kernel = decode_gemm_kernel<FMT, MT, HALF, U>;
-  const int smem = std::max(kStages * St::bytes(a.M), kPart);
-  // Per device (up to 16) and activation rows: resident CTAs per SM, found once per kernel.
-  static int per_sm[16][TOK + 1] = {}, sms[16] = {};
-  const int d = device & 15;
-  if (sms[d] == 0) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        std::max(kStages * St::bytes(TOK), kPart)));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms[d], cudaDevAttrMultiProcessorCount, device));
-  }
-  if (per_sm[d][a.M] == 0) {
-    int n = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWarps * 32, smem));
-    per_sm[d][a.M] = std::max(n, 1);
-  }
+  DecodeArgs b = a;
+  b.bar_offset = (std::max(kStages * St::bytes(a.M), kPart) + 7) / 8 * 8;
+  const int smem = b.bar_offset + 2 * kStages * 8;
   const int groups = (a.NT + kWarps - 1) / kWarps;
-  if (splits == 0) splits = pick_splits(groups, a.KT, per_sm[d][a.M], sms[d]);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(groups), static_cast<unsigned>(splits), 1);
-  cfg.blockDim = dim3(kWarps * 32, 1, 1);
-  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-  cfg.stream = stream;
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = static_cast<unsigned>(splits);
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+  // Per device (up to 16) and activation rows: the resident clusters of each size, found once.
+  static int fits[16][TOK + 1][kMaxSplits + 1] = {};
+  static bool ready[16] = {};
+  const int d = device & 15;
+  if (!ready[d]) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (std::max(kStages * St::bytes(TOK), kPart) + 7) / 8 * 8 +
+                                            2 * kStages * 8));
+    ready[d] = true;
+  }
+  if (fits[d][a.M][1] == 0) {
+    for (int s = 1; s <= kMaxSplits; ++s) {
+      cudaLaunchConfig_t q = cluster_config(s, s, smem, stream, attr);
+      int n = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &q));
+      fits[d][a.M][s] = std::max(n, s == 1 ? 1 : 0);
+    }
+  }
+  if (splits == 0) splits = pick_splits(groups, (a.KT + U - 1) / U, fits[d][a.M]);
+  cudaLaunchConfig_t cfg = cluster_config(groups, splits, smem, stream, attr);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, b));
 }
 
 // Tokens per kernel (8 * MT) and super-tiles per stage: a stage holds 8 KB of weights up to 16

@@ -35,9 +35,11 @@ from qtensor.ops.gemm_operands import BOUNDS, FLOAT_DTYPES, INV, Side, apply_epi
 SCHEMA = ("(Tensor x, Tensor w, Tensor s, Tensor? amax, Tensor? bias, str fmt, int n, int k, "
           "int bound, ScalarType out_dtype) -> Tensor")
 DECODE_M = 64  # rows one launch of the decode kernel takes
-# Rows up to which launches of DECODE_M rows beat unpacking for the dense kernel (each launch
-# streams the weight once: benchmarks/RESULTS.md, "decode GEMM").
-CHUNKED_M = 128
+# Rows up to which launches of DECODE_M rows beat unpacking for the dense kernel: each launch
+# streams the weight once, and on the H200 one costs 1/6.6 to 1/8.3 of the unpack + dense
+# product on the benchmark's shapes (benchmarks/RESULTS.md, "the decode GEMM, bulk-copy
+# stages"), so six launches still win.
+CHUNKED_M = 384
 _CANONICAL_DTYPES = {"nvfp4": (torch.uint8, torch.float8_e4m3fn),
                      "mxfp4": (torch.uint8, torch.uint8),
                      "mxfp8": (torch.float8_e4m3fn, torch.float8_e8m0fnu)}
@@ -127,8 +129,12 @@ def cuda(x, w, s, amax, bias, fmt, n, k, bound, out_dtype) -> torch.Tensor:
             return _launch(x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
         return torch.cat([_launch(x[i:i + DECODE_M], w, s, amax, bias, fmt, n, k, bound,
                                   out_dtype) for i in range(0, m, DECODE_M)])
-    # The canonical bytes' product: the dense Triton kernels where they take it, else the
-    # reference (the weight is unpacked for this call).
+    return unpacked_mm(x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
+
+
+def unpacked_mm(x, w, s, amax, bias, fmt, n, k, bound, out_dtype) -> torch.Tensor:
+    """The canonical bytes' product: the dense Triton kernels where they take it, else the
+    reference (the weight is unpacked for this call)."""
     b = weight_side(fmt, w, s, amax, n, k, bound)
     if fmt in gemm_ops.NO_KERNEL or gemm_ops.triton_problem(Side(x), b, bias, out_dtype) or \
             not gemm_ops._device_ok(Side(x)):
