@@ -1,4 +1,4 @@
-"""The command line: `python -m qtensor {demo,analyze,bench}` (also the `qtensor` script).
+"""The command line: `python -m qtensor {demo,analyze,bench,study}` (also the `qtensor` script).
 
 [Note: command-line errors]
 A user on a common path (no CUDA when asking for it, a layer shape a format cannot take, a
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from qtensor.cli import analyze_cmd, bench, demo
+from qtensor.cli import analyze_cmd, bench, demo, study
 from qtensor.cli.common import OPTIONAL_PACKAGES, UsageError, quiet_loggers
 
 
@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="qtensor", description="NVFP4 / MXFP8 quantized tensors: demo, numerics, benchmarks."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (demo, analyze_cmd, bench):
+    for module in (demo, analyze_cmd, bench, study):
         module.add_parser(sub)
     return parser
 

@@ -1,0 +1,334 @@
+"""`qtensor study`: train a small decoder on real text with bf16 and each NVFP4 recipe, and
+compare their loss curves and gradient errors.
+
+With no arguments it runs the tiny CPU preset (2 seeds of every config in a few minutes on
+2 cores); `--device cuda --preset full` runs the real study. The text is the Python standard
+library of the running interpreter (every .py file, sorted, byte tokens; every 20th file held
+out), or `--data PATH`. Results accumulate per (config, seed) in OUT/study.json, so a study can
+be spread over several runs (`--configs`, `--seeds`); OUT/loss.png and OUT/grad_error.png are
+drawn from everything in the file, and the table is printed. docs/study.md has what each number
+means and the claims it checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from qtensor.cli.common import UsageError, resolve_device
+
+SCHEMA = 1  # version of study.json's layout
+
+
+def add_parser(sub) -> None:
+    from qtensor.cli.study_train import CONFIGS, PRESETS
+
+    p = sub.add_parser("study", help="train bf16 and every NVFP4 recipe on real text; loss "
+                       "curves and gradient errors", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="study", metavar="DIR",
+                   help="folder of study.json, loss.png and grad_error.png (default ./study)")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                   help="tiny (default: CPU, minutes) or full (GPU, about 25M parameters)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma-separated configs (default all: {', '.join(CONFIGS)})")
+    p.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
+    p.add_argument("--steps", type=int, default=None, help="override the preset's steps")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="a text file or folder instead of the standard library")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true",
+                   help="print the summary and the claims as JSON instead of the table")
+    p.set_defaults(run=run)
+
+
+def _parse(args):
+    from qtensor.cli.study_train import CONFIGS, PRESETS
+
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or not configs:
+        raise UsageError(f"--configs takes names from {', '.join(CONFIGS)}; got "
+                         f"{', '.join(unknown) or 'none'}.")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        raise UsageError(f"--seeds takes comma-separated non-negative ints; got {args.seeds!r}."
+                         ) from None
+    if not seeds or min(seeds) < 0:
+        raise UsageError(f"--seeds takes comma-separated non-negative ints; got {args.seeds!r}.")
+    preset = PRESETS[args.preset]
+    if args.steps is not None:
+        if args.steps < 1:
+            raise UsageError(f"--steps must be positive; got {args.steps}.")
+        grad_steps = tuple(sorted({min(s, args.steps - 1) for s in preset.grad_steps}))
+        preset = dataclasses.replace(preset, steps=args.steps, grad_steps=grad_steps,
+                                     eval_every=min(preset.eval_every, args.steps))
+    # bf16 first: every other config's gap is measured against it.
+    configs.sort(key=lambda c: c != "bf16")
+    return configs, seeds, preset
+
+
+def load_results(path: Path, preset: dict) -> dict:
+    """study.json's content, or a fresh one; results of another preset are not mixed in."""
+    if path.exists():
+        data = json.loads(path.read_text())
+        if data.get("schema") == SCHEMA and data.get("preset") == preset:
+            return data
+    return {"schema": SCHEMA, "preset": preset, "runs": {}}
+
+
+def run(args) -> int:
+    from qtensor.cli.study_train import load_splits, text_files, train_one
+
+    device = resolve_device(args.device)
+    configs, seeds, preset = _parse(args)
+    if not args.no_plots:
+        import matplotlib  # noqa: F401  (fail before the work, not after it)
+    try:
+        files = text_files(args.data)
+        data = load_splits(files, preset.max_bytes, preset.batch * (preset.seq + 1) + 1)
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "study.json"
+    results = load_results(path, json.loads(json.dumps(dataclasses.asdict(preset))))
+    results.update({
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+        "data": args.data or "python stdlib", "train_bytes": data[0].numel(),
+        "val_bytes": data[1].numel(), "command": _command(args),
+    })
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(configs) * len(seeds) * preset.steps, desc="study", unit="step",
+                   file=sys.stderr, disable=None)
+    try:
+        for config in configs:
+            for seed in seeds:
+                if bar is not None:
+                    bar.set_postfix_str(f"{config} seed {seed}")
+                try:
+                    r = train_one(config, seed, preset, data, device, progress=bar)
+                except ValueError as e:
+                    raise UsageError(f"{config}: {e}") from None
+                results["runs"][f"{config}/{seed}"] = r
+                path.write_text(json.dumps(results, indent=1) + "\n")  # after every run
+    finally:
+        if bar is not None:
+            bar.close()
+    summary = summarize(results)
+    results["summary"] = summary
+    results["claims"] = claims(summary)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    files_written = [path]
+    if not args.no_plots:
+        files_written += plot(results, out)
+    if args.json:
+        print(json.dumps({"summary": summary, "claims": results["claims"]}, indent=2))
+        return 0
+    print(f"qtensor study: {preset.layers} layers of width {preset.hidden}, {preset.steps} steps "
+          f"of {preset.batch}x{preset.seq} byte tokens on {results['device']}")
+    print(table(summary))
+    print()
+    for c in results["claims"]:
+        print(f"- {c['claim']}: {c['verdict']} ({c['numbers']})")
+    print("wrote " + ", ".join(str(f) for f in files_written))
+    return 0
+
+
+def _command(args) -> str:
+    """The command line that reproduces this run's settings."""
+    parts = ["python -m qtensor study", f"--preset {args.preset}", f"--device {args.device}",
+             f"--configs {args.configs}", f"--seeds {args.seeds}"]
+    if args.steps is not None:
+        parts.append(f"--steps {args.steps}")
+    if args.data is not None:
+        parts.append(f"--data {args.data}")
+    return " ".join(parts)
+
+
+# ---- summary, claims, table ------------------------------------------------------------------------
+
+def _mean_spread(values: list[float]) -> tuple[float, float]:
+    """Mean and half the range over seeds (0 for one seed)."""
+    return statistics.fmean(values), (max(values) - min(values)) / 2
+
+
+def _grad_error(run: dict, gemm: str) -> float:
+    """Mean over the measured steps and the layers of one GEMM's relative error."""
+    vals = [v[gemm] for g in run["grad_error"] for v in g["layers"].values()]
+    return statistics.fmean(vals) if vals else float("nan")
+
+
+def summarize(results: dict) -> dict:
+    """Per config: final validation loss, its gap to bf16 (per seed, then averaged), the mean
+    dgrad and wgrad errors and tokens/s, each as [mean, spread over seeds], and the per-seed
+    values the claims pair up."""
+    by_config: dict[str, list[dict]] = {}
+    for run in results["runs"].values():
+        by_config.setdefault(run["config"], []).append(run)
+    base = {r["seed"]: r["val_loss"][-1][1] for r in by_config.get("bf16", [])}
+    summary = {}
+    for config, runs in by_config.items():
+        runs.sort(key=lambda r: r["seed"])
+        per_seed = {str(r["seed"]): {"val_loss": r["val_loss"][-1][1],
+                                     "dgrad_error": _grad_error(r, "dgrad"),
+                                     "wgrad_error": _grad_error(r, "wgrad")} for r in runs}
+        gaps = [r["val_loss"][-1][1] - base[r["seed"]] for r in runs if r["seed"] in base]
+        summary[config] = {
+            "seeds": [r["seed"] for r in runs],
+            "val_loss": _mean_spread([v["val_loss"] for v in per_seed.values()]),
+            "gap_to_bf16": _mean_spread(gaps) if gaps else None,
+            "dgrad_error": _mean_spread([v["dgrad_error"] for v in per_seed.values()]),
+            "wgrad_error": _mean_spread([v["wgrad_error"] for v in per_seed.values()]),
+            "tokens_per_s": _mean_spread([r["tokens_per_s"] for r in runs]),
+            "per_seed": per_seed,
+        }
+    return summary
+
+
+def _paired(summary: dict, a: str, b: str, key: str):
+    """Mean and spread over the seeds both configs ran of a's value minus b's, or None with
+    fewer than two such seeds (one seed has no spread to judge a difference by)."""
+    pa, pb = summary[a]["per_seed"], summary[b]["per_seed"]
+    diffs = [pa[s][key] - pb[s][key] for s in pa if s in pb]
+    return _mean_spread(diffs) if len(diffs) >= 2 else None
+
+
+def _verdict(diff, claimed_negative: bool | None) -> str:
+    """On a paired difference (mean, spread): `within noise` when |mean| <= spread, else
+    `holds` or `does not hold` for a claimed sign (negative: a is lower); with no claimed sign
+    (a claim of no effect) `holds` within noise and `does not hold` beyond it."""
+    if diff is None:
+        return "needs at least 2 seeds of both configs"
+    mean, spread = diff
+    if abs(mean) <= spread:
+        return "holds (within noise)" if claimed_negative is None else "within noise"
+    if claimed_negative is None:
+        return f"does not hold ({'lower' if mean < 0 else 'higher'} beyond the seeds' spread)"
+    return "holds" if (mean < 0) == claimed_negative else "does not hold"
+
+
+# (claim, config a, config b, metric, claimed sign of a - b: True for lower, None for no effect)
+CLAIMS = (
+    ("MXFP8 dgrad has a lower input-gradient error than NVFP4 dgrad",
+     "dgrad_mxfp8", "nvfp4", "dgrad_error", True),
+    ("4over6 on gradients is roughly neutral (final validation loss; the gradient recipe also "
+     "turns stochastic rounding off, as it must)", "4over6_grad", "4over6", "val_loss", None),
+    ("4over6 brings NVFP4 training closer to the bf16 loss (final validation loss)",
+     "4over6", "nvfp4", "val_loss", True),
+)
+
+
+def claims(summary: dict) -> list[dict]:
+    """The design documents' claims, checked on these runs (those whose configs ran). Each
+    compares two configs seed by seed: same initial weights, same batches."""
+    out = []
+    for claim, a, b, key, negative in CLAIMS:
+        if a not in summary or b not in summary:
+            continue
+        diff = _paired(summary, a, b, key)
+        numbers = (f"{a} {summary[a][key][0]:.4f} vs {b} {summary[b][key][0]:.4f}; "
+                   + (f"paired difference {diff[0]:+.4f} +- {diff[1]:.4f}" if diff else "one seed"))
+        out.append({"claim": claim, "configs": [a, b], "metric": key,
+                    "difference": list(diff) if diff else None,
+                    "verdict": _verdict(diff, negative), "numbers": numbers})
+    return out
+
+
+def table(summary: dict) -> str:
+    """config | final val loss | gap to bf16 | dgrad / wgrad error | tokens/s (mean +- half
+    the range over seeds)."""
+    rows = ["| config | seeds | final val loss | gap to bf16 | dgrad error | wgrad error | tokens/s |",
+            "|---|---|---|---|---|---|---|"]
+    for config, s in summary.items():
+        gap = s["gap_to_bf16"]
+        rows.append(
+            f"| {config} | {len(s['seeds'])} | {s['val_loss'][0]:.4f} +- {s['val_loss'][1]:.4f} | "
+            + (f"{gap[0]:+.4f} +- {gap[1]:.4f}" if gap else "n/a") + " | "
+            f"{s['dgrad_error'][0]:.3f} | {s['wgrad_error'][0]:.3f} | "
+            f"{s['tokens_per_s'][0]:,.0f} |")
+    return "\n".join(rows)
+
+
+# ---- plots -------------------------------------------------------------------------------------
+
+def plot(results: dict, out: Path) -> list[Path]:
+    """loss.png (validation loss per config, mean over seeds, and its gap to bf16 on a second
+    axis) and grad_error.png (dgrad and wgrad errors per config)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    val: dict[str, dict[int, dict[int, float]]] = {}  # config -> step -> seed -> loss
+    train: dict[str, dict[int, list[float]]] = {}  # config -> step -> losses over seeds
+    for run in results["runs"].values():
+        v = val.setdefault(run["config"], {})
+        for step, loss in run["val_loss"]:
+            v.setdefault(step, {})[run["seed"]] = loss
+        t = train.setdefault(run["config"], {})
+        for step, loss in run["train_loss"]:
+            t.setdefault(step, []).append(loss)
+    fig, (ax, gap_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    base = val.get("bf16", {})
+    for config in val:
+        steps = sorted(val[config])
+        line, = ax.plot(steps, [statistics.fmean(val[config][s].values()) for s in steps],
+                        marker="o", ms=3, label=config)
+        t_steps = sorted(train[config])
+        window = max(1, len(t_steps) // 20)  # a running mean of the training loss, thin
+        t_mean = [statistics.fmean(train[config][s]) for s in t_steps]
+        smooth = [statistics.fmean(t_mean[max(0, k - window + 1):k + 1]) for k in range(len(t_mean))]
+        ax.plot(t_steps, smooth, color=line.get_color(), lw=0.7, alpha=0.5)
+        if config == "bf16" or not base:
+            continue
+        gaps = {s: [val[config][s][seed] - base[s][seed] for seed in val[config][s]
+                    if seed in base.get(s, {})] for s in steps}
+        common = [s for s in steps if gaps[s]]
+        gap_ax.plot(common, [statistics.fmean(gaps[s]) for s in common], marker="o", ms=3,
+                    color=line.get_color(), label=config)
+        gap_ax.fill_between(common, [min(gaps[s]) for s in common],
+                            [max(gaps[s]) for s in common], color=line.get_color(), alpha=0.15)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per byte)")
+    ax.set_title("validation loss (dots; mean over seeds), training loss (thin)")
+    ax.legend(fontsize=8)
+    gap_ax.axhline(0.0, color="black", lw=0.8)
+    gap_ax.set_xlabel("step")
+    gap_ax.set_ylabel("validation loss - bf16's, same seed")
+    gap_ax.set_title("gap to bf16 (band: range over seeds)")
+    fig.tight_layout()
+    loss_png = out / "loss.png"
+    fig.savefig(loss_png, dpi=120)
+    plt.close(fig)
+
+    summary = results["summary"]
+    names = list(summary)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.38
+    for i, (gemm, what) in enumerate((("dgrad", "input"), ("wgrad", "weight"))):
+        vals = [summary[n][f"{gemm}_error"][0] for n in names]
+        errs = [summary[n][f"{gemm}_error"][1] for n in names]
+        ax.bar([j + (i - 0.5) * width for j in range(len(names))], vals, width, yerr=errs,
+               label=f"{gemm} ({what} gradient)")
+    ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+    ax.set_ylabel("relative error vs bf16 replica")
+    ax.legend(fontsize=8)
+    ax.set_title("gradient error, mean over layers and measured steps")
+    fig.tight_layout()
+    grad_png = out / "grad_error.png"
+    fig.savefig(grad_png, dpi=120)
+    plt.close(fig)
+    return [loss_png, grad_png]
