@@ -118,8 +118,9 @@ def text_files(path: str | None) -> list[Path]:
 
 
 def load_splits(files: list[Path], max_bytes: int, min_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, validation) byte tensors: every VALIDATION_EVERY-th file is validation, the rest
-    training, each read up to its share of `max_bytes`. A single file is split 95/5 by bytes."""
+    """(train, validation) uint8 tensors: every VALIDATION_EVERY-th file is validation, the
+    rest training, files read in order until each split has its share of `max_bytes` (all of
+    them for the full preset). A single file is split 95/5 by bytes."""
     if len(files) == 1:
         data = files[0].read_bytes()[:max_bytes]
         cut = len(data) - max(len(data) // VALIDATION_EVERY, min_bytes)
@@ -135,8 +136,8 @@ def load_splits(files: list[Path], max_bytes: int, min_bytes: int) -> tuple[torc
             parts[split].append(b)
             sizes[split] += len(b)
         parts = tuple(b"\n".join(p) for p in parts)
-    tensors = tuple(torch.frombuffer(bytearray(p), dtype=torch.uint8).long() if p else
-                    torch.zeros(0, dtype=torch.long) for p in parts)
+    tensors = tuple(torch.frombuffer(bytearray(p), dtype=torch.uint8) if p else
+                    torch.zeros(0, dtype=torch.uint8) for p in parts)
     for name, t in zip(("training", "validation"), tensors):
         if t.numel() < min_bytes:
             raise ValueError(f"the {name} text has {t.numel()} bytes; a batch needs at least "
@@ -148,7 +149,7 @@ def batch_at(data: torch.Tensor, generator: torch.Generator, batch: int, seq: in
     """(inputs, targets) [batch, seq] at random offsets drawn from `generator`."""
     starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=generator)
     idx = starts[:, None] + torch.arange(seq + 1)
-    chunk = data[idx]
+    chunk = data[idx].long()
     return chunk[:, :-1], chunk[:, 1:]
 
 
@@ -222,7 +223,8 @@ def train_one(config: str, seed: int, preset: Preset, data, device: torch.device
     val_gen = torch.Generator().manual_seed(2000 + seed)
     val_batches = [tuple(t.to(device) for t in batch_at(val, val_gen, preset.batch, preset.seq))
                    for _ in range(preset.eval_batches)]
-    out = {"config": config, "seed": seed, "train_loss": [], "val_loss": [], "grad_error": []}
+    out = {"config": config, "seed": seed, "device": str(device), "train_loss": [],
+           "val_loss": [], "grad_error": []}
     out["val_loss"].append([0, _val_loss(model, val_batches)])  # at the initial weights
     tokens, seconds = 0, 0.0
     for step in range(preset.steps):
