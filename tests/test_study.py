@@ -137,6 +137,8 @@ def test_data_from_a_file_and_the_stdlib_split(tmp_path):
     assert torch.equal(torch.cat((train, val)).long(), torch.arange(256).repeat(200))
     files = study_train.stdlib_files()
     assert files == sorted(files) and all(f.suffix == ".py" for f in files)
+    assert not any("site-packages" in f.parts for f in files)
+    assert any(f.name == "functools.py" for f in files)
     # Validation is every 20th file: none of its bytes start a training file.
     train, val = study_train.load_splits(files[:40], 1 << 30, 10)
     held = files[19].read_bytes() + b"\n" + files[39].read_bytes()

@@ -100,9 +100,12 @@ CONFIGS = {
 # ---- the text ----------------------------------------------------------------------------------
 
 def stdlib_files() -> list[Path]:
-    """Every .py file of the running interpreter's standard library, sorted."""
+    """Every .py file of the running interpreter's standard library, sorted: its folder less
+    the installed packages (site-packages) that may live inside it."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if p.is_file())
+    installed = {"site-packages", "dist-packages"}
+    return sorted(p for p in root.rglob("*.py")
+                  if p.is_file() and not installed & set(p.relative_to(root).parts))
 
 
 def text_files(path: str | None) -> list[Path]:
