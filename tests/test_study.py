@@ -127,6 +127,14 @@ def test_results_accumulate_per_config_and_seed(capsys, tmp_path):
     assert run_main(capsys, "study", "--out", str(tmp_path), "--steps", "2", "--configs",
                     "bf16", "--seeds", "1", "--no-progress", "--no-plots")[0] == 0
     assert sorted(json.loads((tmp_path / "study.json").read_text())["runs"]) == ["bf16/1"]
+    # So does another text.
+    book = tmp_path / "book.txt"
+    book.write_bytes(bytes(range(256)) * 100)
+    assert run_main(capsys, "study", "--out", str(tmp_path), "--steps", "2", "--configs",
+                    "bf16", "--seeds", "2", "--data", str(book), "--no-progress",
+                    "--no-plots")[0] == 0
+    data = json.loads((tmp_path / "study.json").read_text())
+    assert sorted(data["runs"]) == ["bf16/2"] and data["data"] == str(book)
 
 
 def test_data_from_a_file_and_the_stdlib_split(tmp_path):

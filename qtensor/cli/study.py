@@ -76,13 +76,15 @@ def _parse(args):
     return configs, seeds, preset
 
 
-def load_results(path: Path, preset: dict) -> dict:
-    """study.json's content, or a fresh one; results of another preset are not mixed in."""
+def load_results(path: Path, preset: dict, text: str) -> dict:
+    """study.json's content, or a fresh one: runs of another preset or another text are not
+    mixed in."""
     if path.exists():
         data = json.loads(path.read_text())
-        if data.get("schema") == SCHEMA and data.get("preset") == preset:
+        if data.get("schema") == SCHEMA and data.get("preset") == preset and \
+                data.get("data") == text:
             return data
-    return {"schema": SCHEMA, "preset": preset, "runs": {}}
+    return {"schema": SCHEMA, "preset": preset, "data": text, "runs": {}}
 
 
 def run(args) -> int:
@@ -100,11 +102,12 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "study.json"
-    results = load_results(path, json.loads(json.dumps(dataclasses.asdict(preset))))
+    text = args.data or "python stdlib"
+    results = load_results(path, json.loads(json.dumps(dataclasses.asdict(preset))), text)
     results.update({
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-        "data": args.data or "python stdlib", "train_bytes": data[0].numel(),
+        "train_bytes": data[0].numel(),
         "val_bytes": data[1].numel(), "command": _command(args),
     })
     bar = None
@@ -118,10 +121,7 @@ def run(args) -> int:
             for seed in seeds:
                 if bar is not None:
                     bar.set_postfix_str(f"{config} seed {seed}")
-                try:
-                    r = train_one(config, seed, preset, data, device, progress=bar)
-                except ValueError as e:
-                    raise UsageError(f"{config}: {e}") from None
+                r = train_one(config, seed, preset, data, device, progress=bar)
                 results["runs"][f"{config}/{seed}"] = r
                 path.write_text(json.dumps(results, indent=1) + "\n")  # after every run
     finally:
