@@ -9,13 +9,12 @@ goes into `--out`; the model-level table is printed, or the whole report as JSON
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 from qtensor.cli.common import (UsageError, add_model_args, check_batch, configs_from_args,
-                         demo_config, resolve_device)
+                         demo_config, progress_bar, resolve_device)
 
 
 def add_parser(sub) -> None:
@@ -54,15 +53,6 @@ def _model_and_run(args, device):
     return model, (lambda m: m(input_ids=tokens, use_cache=False).logits), name, tuple(tokens.shape)
 
 
-def _progress_bar(args, total: int):
-    if args.no_progress:
-        return None
-    from tqdm import tqdm
-
-    # disable=None: drawn on a terminal, silent when stderr is a file or a pipe (CI logs).
-    return tqdm(total=total, desc="analyze", unit="step", file=sys.stderr, disable=None)
-
-
 def run(args) -> int:
     from qtensor.cli.analyze import analyze, progress_steps
     from qtensor.cli.report import model_table, write_report
@@ -75,7 +65,7 @@ def run(args) -> int:
     if not args.no_plots:
         import matplotlib  # noqa: F401  (fail before the work, not after it)
     model, run_model, name, shape = _model_and_run(args, device)
-    bar = _progress_bar(args, progress_steps(model, configs))
+    bar = progress_bar(args, progress_steps(model, configs), "analyze")
     try:
         report = analyze(model, run_model, configs, model_name=name, input_shape=shape,
                          skip_incompatible=args.skip_incompatible, progress=bar)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import sys
 
 import torch
 
@@ -111,3 +112,13 @@ def quiet_loggers(*names: str):
     finally:
         for log, level in zip(loggers, levels, strict=True):
             log.setLevel(level)
+
+
+def progress_bar(args, total: int, desc: str):
+    """A tqdm bar on stderr, or None with --no-progress. disable=None: drawn on a terminal,
+    silent when stderr is a file or a pipe (CI logs)."""
+    if args.no_progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, disable=None)

@@ -16,12 +16,11 @@ import dataclasses
 import datetime
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-from qtensor.cli.common import UsageError, resolve_device
+from qtensor.cli.common import UsageError, progress_bar, resolve_device
 
 SCHEMA = 1  # version of study.json's layout
 
@@ -110,12 +109,7 @@ def run(args) -> int:
         "train_bytes": data[0].numel(),
         "val_bytes": data[1].numel(), "command": _command(args),
     })
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(configs) * len(seeds) * preset.steps, desc="study", unit="step",
-                   file=sys.stderr, disable=None)
+    bar = progress_bar(args, len(configs) * len(seeds) * preset.steps, "study")
     try:
         for config in configs:
             for seed in seeds:
