@@ -172,3 +172,65 @@ def test_too_little_text_is_one_line(capsys, tmp_path):
     rc, _, err = run_main(capsys, "study", "--out", str(tmp_path), "--no-progress",
                           "--data", str(tmp_path / "short.txt"))
     assert rc == 2 and "Pass a larger --data" in err and "Traceback" not in err
+
+
+def test_report_summarizes_the_file_without_training(capsys, default_study):
+    _, printed, out, data = default_study
+    (out / "loss.png").unlink()
+    rc, again, _ = run_main(capsys, "study", "--out", str(out), "--report", "--no-progress")
+    assert rc == 0
+    table = [line for line in printed.splitlines() if line.startswith("|")]
+    assert table and table == [line for line in again.splitlines() if line.startswith("|")]
+    assert "dgrad / wgrad at step 0 | dgrad / wgrad at step 23 |" in again
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((out / "study.json").read_text())["runs"] == data["runs"]
+
+
+def test_report_of_an_empty_folder_is_one_line(capsys, tmp_path):
+    rc, _, err = run_main(capsys, "study", "--out", str(tmp_path), "--report", "--no-plots")
+    assert rc == 2 and "holds no runs of this preset" in err and "Traceback" not in err
+
+
+def test_errors_by_step_average_to_the_summary(default_study):
+    *_, data = default_study
+    for config, s in data["summary"].items():
+        assert sorted(s["by_step"], key=int) == [str(k) for k in PRESETS["tiny"].grad_steps]
+        for gemm in ("dgrad", "wgrad"):
+            # Every step has the same layers, so the steps' mean is the overall mean.
+            steps_mean = sum(v[gemm][0] for v in s["by_step"].values()) / len(s["by_step"])
+            assert steps_mean == pytest.approx(s[f"{gemm}_error"][0], rel=1e-9, abs=1e-12)
+
+
+CONCURRENT_WRITER = """
+import sys, time
+from pathlib import Path
+from qtensor.cli.study import update_results
+path, who = Path(sys.argv[1]), sys.argv[2]
+for i in range(15):
+    def add(results, i=i):
+        time.sleep(0.003)  # widen the read-modify-write window
+        results["runs"][f"{who}/{i}"] = {"config": who, "seed": i}
+    update_results(path, {"p": 1}, "text", add)
+"""
+
+
+def test_studies_running_at_once_keep_every_run(tmp_path):
+    """Several studies writing into one folder at the same time: each run is merged under the
+    folder's lock, so none is lost (unlocked read-modify-write loses some here)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root),
+                                                                      os.environ.get("PYTHONPATH")])))
+    writers = [subprocess.Popen([sys.executable, "-c", CONCURRENT_WRITER, str(tmp_path / "study.json"),
+                                 f"w{k}"], env=env, stderr=subprocess.PIPE, text=True)
+               for k in range(4)]
+    for w in writers:
+        _, err = w.communicate(timeout=300)
+        assert w.returncode == 0, err
+    runs = json.loads((tmp_path / "study.json").read_text())["runs"]
+    assert sorted(runs) == sorted(f"w{k}/{i}" for k in range(4) for i in range(15))
+    assert not [p.name for p in tmp_path.iterdir() if p.name != "study.json"]  # no temp files left

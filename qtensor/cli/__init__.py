@@ -9,6 +9,7 @@ other exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from qtensor.cli import analyze_cmd, bench, demo, study
@@ -46,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"installed; {OPTIONAL_PACKAGES[e.name]}.")
     except KeyboardInterrupt:
         return _fail(args.command, "interrupted.", code=130)
+    except BrokenPipeError:  # stdout closed early (`| head`): stop quietly, as cat does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the exit's flush does not raise again
+        return 141
 
 
 def _fail(command: str, message: str, code: int = 2) -> int:

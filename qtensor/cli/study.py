@@ -5,16 +5,19 @@ With no arguments it runs the tiny CPU preset (2 seeds of every config in a few 
 2 cores); `--device cuda --preset full` runs the real study. The text is the Python standard
 library of the running interpreter (every .py file, sorted, byte tokens; every 20th file held
 out), or `--data PATH`. Results accumulate per (config, seed) in OUT/study.json, so a study can
-be spread over several runs (`--configs`, `--seeds`); OUT/loss.png and OUT/grad_error.png are
-drawn from everything in the file, and the table is printed. docs/study.md has what each number
-means and the claims it checks.
+be spread over several runs (`--configs`, `--seeds`), one after another or at the same time
+(each run is merged into the file under a lock); OUT/loss.png and OUT/grad_error.png are drawn
+from everything in the file, and the table is printed. `--report` redraws them from the file
+without training. docs/study.md has what each number means and the claims it checks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -41,6 +44,9 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=None, help="override the preset's steps")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="a text file or folder instead of the standard library")
+    p.add_argument("--report", action="store_true",
+                   help="train nothing: summarize and plot what OUT/study.json holds for this "
+                   "preset and text")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true",
@@ -86,6 +92,54 @@ def load_results(path: Path, preset: dict, text: str) -> dict:
     return {"schema": SCHEMA, "preset": preset, "data": text, "runs": {}}
 
 
+@contextlib.contextmanager
+def _locked(folder: Path):
+    """Holds an exclusive lock on the output folder, so that studies running at the same time
+    into it read and write study.json one at a time."""
+    try:
+        import fcntl
+    except ImportError:  # no POSIX locks (Windows): runs into one folder must not overlap
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _dumps(results: dict) -> str:
+    """study.json's text: one line per run (a run's curves are thousands of numbers), the rest
+    indented."""
+    parts = []
+    for key, value in results.items():
+        if key == "runs":
+            runs = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}"
+                              for k, v in value.items())
+            parts.append(f' "runs": {{\n{runs}\n }}')
+        else:
+            parts.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
+def _write(path: Path, results: dict) -> None:
+    """Replaces study.json whole (a reader never sees half a file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(_dumps(results))
+    os.replace(tmp, path)
+
+
+def update_results(path: Path, preset: dict, text: str, change) -> dict:
+    """Re-reads study.json under the lock, applies `change` to it, writes it back, and returns
+    it: runs that other processes added meanwhile are kept."""
+    with _locked(path.parent):
+        results = load_results(path, preset, text)
+        change(results)
+        _write(path, results)
+    return results
+
+
 def run(args) -> int:
     from qtensor.cli.study_train import load_splits, text_files, train_one
 
@@ -93,38 +147,50 @@ def run(args) -> int:
     configs, seeds, preset = _parse(args)
     if not args.no_plots:
         import matplotlib  # noqa: F401  (fail before the work, not after it)
-    try:
-        files = text_files(args.data)
-        data = load_splits(files, preset.max_bytes, preset.batch * (preset.seq + 1) + 1)
-    except (OSError, ValueError) as e:
-        raise UsageError(str(e)) from None
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     path = out / "study.json"
     text = args.data or "python stdlib"
-    results = load_results(path, json.loads(json.dumps(dataclasses.asdict(preset))), text)
-    results.update({
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-        "train_bytes": data[0].numel(),
-        "val_bytes": data[1].numel(), "command": _command(args),
-    })
-    bar = progress_bar(args, len(configs) * len(seeds) * preset.steps, "study")
-    try:
-        for config in configs:
-            for seed in seeds:
-                if bar is not None:
-                    bar.set_postfix_str(f"{config} seed {seed}")
-                r = train_one(config, seed, preset, data, device, progress=bar)
-                results["runs"][f"{config}/{seed}"] = r
-                path.write_text(json.dumps(results, indent=1) + "\n")  # after every run
-    finally:
-        if bar is not None:
-            bar.close()
-    summary = summarize(results)
-    results["summary"] = summary
-    results["claims"] = claims(summary)
-    path.write_text(json.dumps(results, indent=1) + "\n")
+    preset_key = json.loads(json.dumps(dataclasses.asdict(preset)))
+    if args.report:
+        results = load_results(path, preset_key, text) if path.exists() else {"runs": {}}
+        if not results["runs"]:
+            raise UsageError(f"--report: {path} holds no runs of this preset and text; run the "
+                             "study first, with the same --preset, --steps and --data.")
+    else:
+        try:
+            files = text_files(args.data)
+            data = load_splits(files, preset.max_bytes, preset.batch * (preset.seq + 1) + 1)
+        except (OSError, ValueError) as e:
+            raise UsageError(str(e)) from None
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+            "train_bytes": data[0].numel(), "val_bytes": data[1].numel(),
+            "command": _command(args),
+        }
+        bar = progress_bar(args, len(configs) * len(seeds) * preset.steps, "study")
+        try:
+            for config in configs:
+                for seed in seeds:
+                    if bar is not None:
+                        bar.set_postfix_str(f"{config} seed {seed}")
+                    r = train_one(config, seed, preset, data, device, progress=bar)
+                    r["command"] = meta["command"]
+
+                    def add(results, key=f"{config}/{seed}", r=r):
+                        results.update(meta)
+                        results["runs"][key] = r
+                    results = update_results(path, preset_key, text, add)  # after every run
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def conclude(results):
+        results["summary"] = summarize(results)
+        results["claims"] = claims(results["summary"])
+    results = update_results(path, preset_key, text, conclude)
+    summary = results["summary"]
     files_written = [path]
     if not args.no_plots:
         files_written += plot(results, out)
@@ -134,6 +200,9 @@ def run(args) -> int:
     print(f"qtensor study: {preset.layers} layers of width {preset.hidden}, {preset.steps} steps "
           f"of {preset.batch}x{preset.seq} byte tokens on {results['device']}")
     print(table(summary))
+    if any(c != "bf16" for c in summary):
+        print()
+        print(step_table(summary))
     print()
     for c in results["claims"]:
         print(f"- {c['claim']}: {c['verdict']} ({c['numbers']})")
@@ -159,9 +228,11 @@ def _mean_spread(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (max(values) - min(values)) / 2
 
 
-def _grad_error(run: dict, gemm: str) -> float:
-    """Mean over the measured steps and the layers of one GEMM's relative error."""
-    vals = [v[gemm] for g in run["grad_error"] for v in g["layers"].values()]
+def _grad_error(run: dict, gemm: str, step: int | None = None) -> float:
+    """Mean over the layers, and over the measured steps (or at `step`), of one GEMM's relative
+    error."""
+    vals = [v[gemm] for g in run["grad_error"] if step is None or g["step"] == step
+            for v in g["layers"].values()]
     return statistics.fmean(vals) if vals else float("nan")
 
 
@@ -169,8 +240,11 @@ def summarize(results: dict) -> dict:
     """Per config: final validation loss, its gap to bf16 (per seed, then averaged), the mean
     dgrad and wgrad errors and tokens/s, each as [mean, spread over seeds], and the per-seed
     values the claims pair up."""
+    from qtensor.cli.study_train import CONFIGS
+
     by_config: dict[str, list[dict]] = {}
-    for run in results["runs"].values():
+    order = {c: i for i, c in enumerate(CONFIGS)}
+    for run in sorted(results["runs"].values(), key=lambda r: order.get(r["config"], len(order))):
         by_config.setdefault(run["config"], []).append(run)
     base = {r["seed"]: r["val_loss"][-1][1] for r in by_config.get("bf16", [])}
     summary = {}
@@ -187,6 +261,10 @@ def summarize(results: dict) -> dict:
             "dgrad_error": _mean_spread([v["dgrad_error"] for v in per_seed.values()]),
             "wgrad_error": _mean_spread([v["wgrad_error"] for v in per_seed.values()]),
             "tokens_per_s": _mean_spread([r["tokens_per_s"] for r in runs]),
+            # The errors at each measured step: the mean hides how they move as training goes.
+            "by_step": {str(step): {gemm: _mean_spread([_grad_error(r, gemm, step) for r in runs])
+                                    for gemm in ("dgrad", "wgrad")}
+                        for step in sorted({g["step"] for r in runs for g in r["grad_error"]})},
             "per_seed": per_seed,
         }
     return summary
@@ -218,6 +296,8 @@ def _verdict(diff, claimed_negative: bool | None) -> str:
 CLAIMS = (
     ("MXFP8 dgrad has a lower input-gradient error than NVFP4 dgrad",
      "dgrad_mxfp8", "nvfp4", "dgrad_error", True),
+    ("a bf16 backward has a lower input-gradient error than MXFP8 dgrad (the recipes' ordering: "
+     "high precision < MXFP8 < NVFP4)", "high_precision_bwd", "dgrad_mxfp8", "dgrad_error", True),
     ("4over6 on gradients is roughly neutral (final validation loss; the gradient recipe also "
      "turns stochastic rounding off, as it must)", "4over6_grad", "4over6", "val_loss", None),
     ("4over6 brings NVFP4 training closer to the bf16 loss (final validation loss)",
@@ -256,6 +336,21 @@ def table(summary: dict) -> str:
     return "\n".join(rows)
 
 
+def step_table(summary: dict) -> str:
+    """config | dgrad / wgrad error at each measured step (mean over seeds), the quantized
+    configs only (bf16's errors are zero)."""
+    steps = sorted({int(k) for s in summary.values() for k in s["by_step"]})
+    rows = ["| config | " + " | ".join(f"dgrad / wgrad at step {k}" for k in steps) + " |",
+            "|---|" + "---|" * len(steps)]
+    for config, s in summary.items():
+        if config == "bf16":
+            continue
+        cells = [(f"{s['by_step'][str(k)]['dgrad'][0]:.3f} / {s['by_step'][str(k)]['wgrad'][0]:.3f}"
+                  if str(k) in s["by_step"] else "n/a") for k in steps]
+        rows.append(f"| {config} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 # ---- plots -------------------------------------------------------------------------------------
 
 def plot(results: dict, out: Path) -> list[Path]:
@@ -277,7 +372,7 @@ def plot(results: dict, out: Path) -> list[Path]:
             t.setdefault(step, []).append(loss)
     fig, (ax, gap_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     base = val.get("bf16", {})
-    for config in val:
+    for config in (c for c in results["summary"] if c in val):
         steps = sorted(val[config])
         line, = ax.plot(steps, [statistics.fmean(val[config][s].values()) for s in steps],
                         marker="o", ms=3, label=config)
