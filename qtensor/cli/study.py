@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default="study", metavar="DIR",
                    help="folder of study.json, loss.png and grad_error.png (default ./study)")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                   help="tiny (default: CPU, minutes) or full (GPU, about 25M parameters)")
+                   help="tiny (default: CPU, minutes) or full (GPU, about 24M parameters)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"comma-separated configs (default all: {', '.join(CONFIGS)})")

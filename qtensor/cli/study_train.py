@@ -64,7 +64,7 @@ PRESETS = {
     "tiny": Preset(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=192, batch=8, seq=64,
                    steps=24, lr=3e-3, eval_every=12, eval_batches=2, grad_steps=(0, 23),
                    max_bytes=4 << 20),
-    # The real study (GPU): 8 layers of width 512 (25M parameters), 8,192 tokens per step,
+    # The real study (GPU): 8 layers of width 512 (24M parameters), 8,192 tokens per step,
     # 8.2M tokens in all; a quantized config takes about 3.5 minutes on an H200.
     "full": Preset(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1408, batch=16,
                    seq=512, steps=1000, lr=1e-3, eval_every=50, eval_batches=8,
