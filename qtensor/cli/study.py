@@ -119,7 +119,7 @@ def _dumps(results: dict) -> str:
                               for k, v in value.items())
             parts.append(f' "runs": {{\n{runs}\n }}')
         else:
-            parts.append(f" {json.dumps(key)}: {json.dumps(value)}")
+            parts.append(f" {json.dumps(key)}: " + json.dumps(value, indent=1).replace("\n", "\n "))
     return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
