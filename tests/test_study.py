@@ -234,3 +234,15 @@ def test_studies_running_at_once_keep_every_run(tmp_path):
     runs = json.loads((tmp_path / "study.json").read_text())["runs"]
     assert sorted(runs) == sorted(f"w{k}/{i}" for k in range(4) for i in range(15))
     assert not [p.name for p in tmp_path.iterdir() if p.name != "study.json"]  # no temp files left
+
+
+@pytest.mark.parametrize("preset,steps,expected", [
+    ("tiny", 300, (0, 299)), ("tiny", 24, (0, 23)), ("tiny", 1, (0,)),
+    ("full", 100, (0, 25, 99)), ("full", 4000, (0, 1001, 3999)),
+])
+def test_steps_keep_the_measured_steps_in_place(preset, steps, expected):
+    import argparse
+
+    args = argparse.Namespace(configs="bf16", seeds="0", preset=preset, steps=steps)
+    _, _, p = study._parse(args)
+    assert p.steps == steps and p.grad_steps == expected

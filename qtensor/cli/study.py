@@ -73,7 +73,11 @@ def _parse(args):
     if args.steps is not None:
         if args.steps < 1:
             raise UsageError(f"--steps must be positive; got {args.steps}.")
-        grad_steps = tuple(sorted({min(s, args.steps - 1) for s in preset.grad_steps}))
+        # The measured steps keep their place in the schedule (the first, the last, a quarter
+        # of the way) when the schedule is stretched or shortened.
+        last = preset.steps - 1
+        grad_steps = tuple(sorted({round(s * (args.steps - 1) / last) if last else 0
+                                   for s in preset.grad_steps}))
         preset = dataclasses.replace(preset, steps=args.steps, grad_steps=grad_steps,
                                      eval_every=min(preset.eval_every, args.steps))
     # bf16 first: every other config's gap is measured against it.
