@@ -73,6 +73,46 @@ def test_bf16_gradients_equal_the_replica_and_quantized_ones_do_not(default_stud
                     assert 0.0 < errors["wgrad"] < 2.0 and 0.0 < errors["dgrad"] < 2.0, errors
 
 
+def test_the_dequantized_reference_has_the_same_forward_and_isolates_the_backward(default_study):
+    """The second reference runs the recipe's own quantized forward (the same loss, bitwise)
+    with a backward of plain GEMMs on the dequantized operands: its errors are the backward's
+    own. MXFP8 dgrad cuts the input-gradient share of them on every seed and step."""
+    *_, data = default_study
+    for key, run in data["runs"].items():
+        for g in run["grad_error"]:
+            if run["config"] == "bf16":
+                assert "bwd_ref_loss" not in g and g["ref_loss"] == g["loss"], key
+                continue
+            assert g["bwd_ref_loss"] == g["loss"], key
+            for errors in g["layers"].values():
+                assert 0.0 < errors["bwd_wgrad"] < 2.0 and 0.0 < errors["bwd_dgrad"] < 2.0
+    for seed in (0, 1):
+        for step in range(len(PRESETS["tiny"].grad_steps)):
+            def mean(config, gemm):
+                layers = data["runs"][f"{config}/{seed}"]["grad_error"][step]["layers"].values()
+                return sum(v[gemm] for v in layers) / len(layers)
+            assert mean("dgrad_mxfp8", "bwd_dgrad") < mean("nvfp4", "bwd_dgrad")
+
+
+def test_runs_without_the_dequantized_reference_say_so(default_study):
+    """Runs recorded before the backward's own error was measured summarize to n/a, and its
+    claims say "not measured" instead of judging missing numbers."""
+    *_, data = default_study
+    old = json.loads(json.dumps(data))
+    for run in old["runs"].values():
+        for g in run["grad_error"]:
+            for errors in g["layers"].values():
+                errors.pop("bwd_wgrad", None)
+                errors.pop("bwd_dgrad", None)
+    summary = study.summarize(old)
+    assert summary["nvfp4"]["bwd_wgrad_error"] is None and summary["nvfp4"]["dgrad_error"]
+    verdicts = {(*c["configs"], c["metric"]): c["verdict"] for c in study.claims(summary)}
+    assert verdicts["dgrad_mxfp8", "nvfp4", "bwd_wgrad_error"] == "not measured in these runs"
+    assert verdicts["4over6_grad", "4over6", "bwd_wgrad_error"] == "not measured in these runs"
+    assert verdicts["dgrad_mxfp8", "nvfp4", "dgrad_error"] == "holds"
+    assert "| n/a | n/a |" in study.table(summary)
+
+
 def test_same_seed_same_batches_same_start(default_study):
     """Every config of a seed starts from one model on one batch: the step-0 loss differs only
     by the forward's quantization, and is bitwise equal where the forward is bf16."""

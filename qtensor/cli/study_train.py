@@ -7,10 +7,14 @@ weights are fp32 masters under bf16 autocast, optimized by AdamW; the decoder li
 quantized with `quantize_(model, TrainingConfig(recipe))` (the LM head stays in bf16, as in
 Transformer Engine's recipes).
 
-Gradient error: at a few fixed steps the batch also runs, forward and backward, through a bf16
-replica (the same weights, no quantization). For each decoder linear the relative error
-||g - g_bf16|| / ||g_bf16|| of its weight gradient (the wgrad GEMM's output) and of its input
-gradient (the dgrad GEMM's output) is recorded.
+Gradient errors: at a few fixed steps the batch also runs, forward and backward, through two
+replicas with the quantized model's current weights. For each decoder linear the relative error
+||g - g_ref|| / ||g_ref|| of its weight gradient (the wgrad GEMM's output) and of its input
+gradient (the dgrad GEMM's output) is recorded against each:
+- the bf16 replica (no quantization): the whole error, the quantized forward's share included;
+- the dequantized replica (the same recipe with backward_override="dequantized": the same
+  quantized forward, and a backward of plain GEMMs on its dequantized operands): the error of
+  the backward's own quantization, which is what the design documents measure.
 """
 
 from __future__ import annotations
@@ -191,6 +195,33 @@ class _InputGrads:
             h.remove()
 
 
+class _Reference:
+    """A replica of the model that recomputes a batch's gradients: the weights of the model
+    under test are copied in first (a copy bumps the version counters, so a quantized
+    replica's weight cache rebuilds)."""
+
+    def __init__(self, replica: nn.Module):
+        self.model = replica
+        self.layers = decoder_linears(replica)
+        self.hooks = _InputGrads(self.layers)
+
+    def gradients(self, model: nn.Module, x, y) -> tuple[float, dict]:
+        """(loss, {layer: (weight gradient, input gradient)}) of the batch at model's weights."""
+        with torch.no_grad():
+            weights = dict(model.named_parameters())
+            for name, p in self.model.named_parameters():
+                p.copy_(weights[name])
+        self.model.zero_grad(set_to_none=True)
+        self.hooks.active = True
+        loss = _loss(self.model, x, y)
+        loss.backward()
+        self.hooks.active = False
+        return loss.item(), {n: (m.weight.grad, self.hooks.grads[n]) for n, m in self.layers.items()}
+
+    def remove(self):
+        self.hooks.remove()
+
+
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     den = ref.float().norm().item()
     return (a.float() - ref.float()).norm().item() / den if den > 0 else 0.0
@@ -216,13 +247,19 @@ def train_one(config: str, seed: int, preset: Preset, data, device: torch.device
     train, val = data
     model = build_demo_model(preset.model_config(), seed=seed, dtype=torch.float32,
                              device=device).train()
-    replica = copy.deepcopy(model)  # the bf16 replica: weights copied in at each grad step
     names = set(decoder_linears(model))
+    refs = {"": _Reference(copy.deepcopy(model))}  # the bf16 replica
     if config != "bf16":
         recipe = dataclasses.replace(_recipes()[config](), seed=seed)
+        # The same forward operands, the backward on their dequantized values.
+        deq = copy.deepcopy(model)
+        quantize_(deq, TrainingConfig(dataclasses.replace(
+            recipe, backward_override="dequantized", dgrad_mxfp8=False)),
+            filter_fn=lambda m, n: n in names)
+        refs["bwd_"] = _Reference(deq)
         quantize_(model, TrainingConfig(recipe), filter_fn=lambda m, n: n in names)
-    layers, ref_layers = decoder_linears(model), decoder_linears(replica)
-    hooks, ref_hooks = _InputGrads(layers), _InputGrads(ref_layers)
+    layers = decoder_linears(model)
+    hooks = _InputGrads(layers)
     opt = torch.optim.AdamW(model.parameters(), lr=preset.lr, weight_decay=0.1, betas=(0.9, 0.95))
     batches = torch.Generator().manual_seed(1000 + seed)
     val_gen = torch.Generator().manual_seed(2000 + seed)
@@ -248,8 +285,9 @@ def train_one(config: str, seed: int, preset: Preset, data, device: torch.device
         _sync(device)
         t1 = time.perf_counter()
         if measure:  # outside the timed step
-            out["grad_error"].append(_grad_errors(step, model, replica, layers, ref_layers,
-                                                  hooks, ref_hooks, x, y))
+            hooks.active = False
+            out["grad_error"].append(_grad_errors(step, loss.item(), layers, hooks, refs,
+                                                  model, x, y))
         t2 = time.perf_counter()
         opt.step()
         _sync(device)
@@ -262,29 +300,25 @@ def train_one(config: str, seed: int, preset: Preset, data, device: torch.device
         if progress is not None:
             progress.update(1)
     hooks.remove()
-    ref_hooks.remove()
+    for ref in refs.values():
+        ref.remove()
     out["tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
     return out
 
 
-def _grad_errors(step, model, replica, layers, ref_layers, hooks, ref_hooks, x, y) -> dict:
-    """Per layer: the relative error of this step's weight and input gradients against the
-    bf16 replica's on the same batch and weights."""
-    with torch.no_grad():
-        weights = dict(model.named_parameters())
-        for name, p in replica.named_parameters():
-            p.copy_(weights[name])
-    replica.zero_grad(set_to_none=True)
-    ref_hooks.active = True
-    _loss(replica, x, y).backward()
-    ref_hooks.active = False
-    hooks.active = False
-    layer_errors = {}
-    for name, m in layers.items():
-        ref = ref_layers[name]
-        layer_errors[name] = {"wgrad": _rel(m.weight.grad, ref.weight.grad),
-                              "dgrad": _rel(hooks.grads[name], ref_hooks.grads[name])}
-    return {"step": step, "layers": layer_errors}
+def _grad_errors(step, loss, layers, hooks, refs, model, x, y) -> dict:
+    """Per layer: the relative errors of this step's weight and input gradients against each
+    reference's on the same batch and weights ("wgrad", "dgrad" against bf16; "bwd_wgrad",
+    "bwd_dgrad" against the dequantized backward), and each reference's loss (the dequantized
+    replica's equals the model's: the same forward)."""
+    record = {"step": step, "loss": loss, "layers": {name: {} for name in layers}}
+    for prefix, ref in refs.items():
+        record[f"{prefix}ref_loss"], grads = ref.gradients(model, x, y)
+        for name, m in layers.items():
+            w_ref, x_ref = grads[name]
+            record["layers"][name][f"{prefix}wgrad"] = _rel(m.weight.grad, w_ref)
+            record["layers"][name][f"{prefix}dgrad"] = _rel(hooks.grads[name], x_ref)
+    return record
 
 
 def _sync(device: torch.device) -> None:
