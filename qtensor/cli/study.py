@@ -242,10 +242,10 @@ ERRORS = ("dgrad", "wgrad", "bwd_dgrad", "bwd_wgrad")
 def _grad_error(run: dict, gemm: str, step: int | None = None) -> float | None:
     """Mean over the layers, and over the measured steps (or at `step`), of one relative error;
     None where the run did not measure it."""
-    vals = [v.get(gemm) for g in run["grad_error"] if step is None or g["step"] == step
-            for v in g["layers"].values()]
     if run["config"] == "bf16" and gemm.startswith("bwd_"):
         return 0.0  # bf16's backward is its own reference
+    vals = [v.get(gemm) for g in run["grad_error"] if step is None or g["step"] == step
+            for v in g["layers"].values()]
     return statistics.fmean(vals) if vals and None not in vals else None
 
 
