@@ -1,24 +1,35 @@
-// CUDA kernels of every qtensor op. Quantization reads the input once, in 64x64 tiles staged in
-// shared memory, and writes every output asked for from that one read: NVFP4 rowwise or
-// columnwise (1D/2D, 4over6, RHT, stochastic rounding), MXFP8 rowwise and/or columnwise, and the
-// hybrid gradient cast (MXFP8 rowwise + NVFP4 columnwise). The math is quant_math.h, shared with
-// the CPU kernels; built with --fmad=false so every fp32 operation rounds like the reference.
+// CUDA kernels of every qtensor quantizer that needs a 2-D tile: NVFP4 columnwise (1D, 2D,
+// 4over6, RHT, stochastic rounding, row-scaled), NVFP4 rowwise with 2D tiles or stochastic
+// rounding, MXFP8 columnwise (alone or with rowwise), and the hybrid gradient cast (MXFP8 rowwise
+// + NVFP4 columnwise). One persistent kernel reads the input once: each CTA walks its tiles of
+// 128 rows x 64 columns, copied into a ring of shared-memory stages by cp.async while the tile
+// before them is quantized, and writes every output asked for from that one read. Codes and
+// scales of the transposed outputs are staged in shared memory and leave as whole 16-byte rows.
+// The 1x16 / 1x32 rowwise modes need no tile: quant_rows_cuda.cu. The math is quant_math.h and
+// quant_rows_math.h, shared with the CPU kernels; built with --fmad=false so every fp32 operation
+// rounds like the reference.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
 #include <torch/library.h>
+
+#include <array>
 
 #include "checks.h"
 #include "cuda_vec.cuh"
 #include "quant_math.h"
 #include "quant_rows.h"
+#include "quant_rows_math.h"
 
 namespace qtensor {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kTile = 64;  // tile side, elements
+constexpr int kThreads = 256;  // 8 warps
+constexpr int kRows = 128;     // tile rows: 8 NVFP4 blocks of 16 (a warp each), 4 MXFP8 blocks of 32
+constexpr int kCols = 64;      // tile columns: 32 column pairs, a lane each
+constexpr int kStages = 3;     // tiles in flight per CTA: the one quantized, two loading
 
 // Two E4M3 bytes (lo in the low byte): the hardware's satfinite nearest-even conversion equals
 // clamp-then-round; a NaN product is canonical on the GPU, which torch encodes as 0x7F.
@@ -36,19 +47,143 @@ __device__ __forceinline__ unsigned e4m3x2(float lo, float hi) {
 #endif
 }
 
-// r(n / d) for the constant d = 6B with its reciprocal rd: one product and two FMAs give the
-// correctly rounded quotient (Markstein) away from under/overflow, where the true division runs.
-__device__ __forceinline__ float div_6b(float n, float d, float rd) {
-  const float an = abs_f(n);
-  if (an >= 0x1p-100f && an <= 0x1p100f) {
-    const float q0 = n * rd;
-    const float r = __fmaf_rn(-q0, d, n);
-    return __fmaf_rn(r, rd, q0);
-  }
-  return n / d;
+__device__ __forceinline__ uint4 e4m3x16(const float* v, float inv) {
+  unsigned w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    w[i] = e4m3x2(v[4 * i] * inv, v[4 * i + 1] * inv) |
+           (e4m3x2(v[4 * i + 2] * inv, v[4 * i + 3] * inv) << 16);
+  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// ---- fused tile quantizer ----------------------------------------------------------------------
+// ---- RHT with an fp32 butterfly where it is exact ------------------------------------------------
+
+// The reference sums the 16-point transform in fp64. On bf16 inputs an fp32 butterfly gives the
+// same exact sums when the run's nonzero magnitudes are close: every partial sum is an integer
+// multiple of the smallest value's last bit, 2**(fmin - 134) (fmin its exponent field, subnormals
+// counted as 1), and below 16 * 2**(fmax - 126); that takes fmax - fmin + 12 <= 24 bits, so fmax
+// <= fmin + 12 suffices, and fmax <= 250 keeps every partial sum below FLT_MAX. The sum / 4 is
+// then exact in fp32 too, and its nearest-even bf16 is the reference's fp64 -> fp32 -> bf16.
+// Bf16Range tracks two runs at once, one per 16-bit half of packed bf16 pairs: the max magnitude
+// bits, and the min of (magnitude bits - 1), where a zero wraps to 0xFFFF and drops out (the -1
+// can lower the exponent field by one: conservative only).
+struct Bf16Range {
+  uint32_t hi = 0u, lo = 0xFFFFFFFFu;
+  __device__ __forceinline__ void add(uint32_t w) {
+    const uint32_t a = w & 0x7FFF7FFFu;
+    hi = __vmaxu2(hi, a);
+    lo = __vminu2(lo, __vsub2(a, 0x00010001u));
+  }
+  __device__ __forceinline__ bool f32_exact(int half) const {
+    const uint32_t fmax = (hi >> (16 * half + 7)) & 0xFFu;
+    const uint32_t fmin = max((lo >> (16 * half + 7)) & 0xFFu, 1u);
+    return fmax <= 250u && fmax <= fmin + 12u;
+  }
+};
+
+// rht16 (quant_math.h), through the fp32 butterfly when the caller has shown it exact.
+__device__ __forceinline__ void rht16_fast(float* v, bool f32_exact) {
+  if (!f32_exact) {
+    rht16(v);
+    return;
+  }
+  constexpr uint32_t kNegative = 0xD7E8u;  // RHT_SIGNS, as in rht16
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+    if ((kNegative >> i) & 1u) v[i] = -v[i];
+#pragma unroll
+  for (int h = 1; h < 16; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      if (i & h) continue;
+      const float a = v[i], b = v[i + h];
+      v[i] = a + b;
+      v[i + h] = a - b;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = __bfloat162float(__float2bfloat16_rn(v[i] * 0.25f));
+}
+
+// ---- shared-memory tiles ---------------------------------------------------------------------------
+
+// A stage holds kRows rows of kCols elements, each row padded by 16 bytes: 16-byte row reads by 8
+// consecutive rows (the rowwise phases) then fall in distinct banks, and the column-pair reads
+// (one 4-byte word per lane, a row per instruction) are conflict-free either way.
+template <typename T>
+struct Stage {
+  static constexpr int kRowBytes = kCols * static_cast<int>(sizeof(T));
+  static constexpr int kStride = kRowBytes + 16;
+  static constexpr int kBytes = kRows * kStride;
+  static constexpr int kChunks = kRows * kRowBytes / 16;  // 16-byte copies per tile
+  static_assert(kChunks % kThreads == 0, "whole copies per thread");
+};
+
+// Out-of-range chunks are zero-filled (src-size 0) and never stored; their source address stays
+// a valid one. K % 16 == 0 (checked by the ops) makes every chunk wholly in or out.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+template <typename T>
+__device__ __forceinline__ void load_tile(const T* x, int64_t M, int64_t K, int64_t m0, int64_t k0,
+                                          uint32_t stage) {
+  using S = Stage<T>;
+  constexpr int kPerRow = S::kRowBytes / 16, kN = 16 / static_cast<int>(sizeof(T));
+#pragma unroll
+  for (int l = 0; l < S::kChunks / kThreads; ++l) {
+    const int idx = threadIdx.x + l * kThreads, r = idx / kPerRow, c = idx % kPerRow;
+    const int64_t row = m0 + r, col = k0 + c * kN;
+    const bool ok = row < M && col < K;
+    cp_async16(stage + r * S::kStride + c * 16, ok ? x + row * K + col : x, ok);
+  }
+}
+
+// Elements 2p and 2p+1 of a tile row, widened exactly; raw is the packed word of 16-bit inputs.
+template <typename T>
+struct Pair;
+template <>
+struct Pair<at::BFloat16> {
+  __device__ static void load(const unsigned char* row, int p, float& a, float& b, uint32_t& raw) {
+    raw = *reinterpret_cast<const uint32_t*>(row + 4 * p);
+    a = u2f(raw << 16);
+    b = u2f(raw & 0xFFFF0000u);
+  }
+};
+template <>
+struct Pair<at::Half> {
+  __device__ static void load(const unsigned char* row, int p, float& a, float& b, uint32_t& raw) {
+    raw = *reinterpret_cast<const uint32_t*>(row + 4 * p);
+    a = __half2float(__ushort_as_half(static_cast<unsigned short>(raw & 0xFFFFu)));
+    b = __half2float(__ushort_as_half(static_cast<unsigned short>(raw >> 16)));
+  }
+};
+template <>
+struct Pair<float> {
+  __device__ static void load(const unsigned char* row, int p, float& a, float& b, uint32_t& raw) {
+    const float2 f = *reinterpret_cast<const float2*>(row + 8 * p);
+    a = f.x;
+    b = f.y;
+    raw = 0u;
+  }
+};
+
+// Sixteen consecutive elements of a tile row from column c0 (a multiple of 16).
+template <typename T>
+__device__ __forceinline__ void load16(const unsigned char* row, int c0, float* v) {
+  constexpr int kN = Vec<T>::kN;
+  const uint4* p = reinterpret_cast<const uint4*>(row + c0 * static_cast<int>(sizeof(T)));
+#pragma unroll
+  for (int i = 0; i < 16 / kN; ++i) Vec<T>::unpack(p[i], v + i * kN);
+}
+
+// ---- the arguments ---------------------------------------------------------------------------------
 
 struct TileArgs {
   const void* x;
@@ -64,198 +199,382 @@ struct TileArgs {
   uint8_t *mxr_q, *mxr_s, *mxc_q, *mxc_s;
 };
 
-// Error of one 4over6 candidate on a 16-element block, and its packed codes.
-__device__ __forceinline__ float candidate(const float* v, uint8_t s, const NvScale& ts, float six_b,
-                                           float r6b, bool mse, uint2* codes) {
-  const float enc = nv_block_enc(s, ts.s_dec);
+// Staging of one tile's NVFP4 outputs: 8-byte code words and scale bytes, block-major
+// ([block][row of the result]), so each thread's writes are contiguous.
+struct NvOut {
+  uint2 q[8 * 64];  // columnwise: 8 blocks x 64 result rows; rowwise: 4 blocks x 128 rows
+  uint8_t s[8 * 64];
+};
+
+// ---- NVFP4 blocks ----------------------------------------------------------------------------------
+
+// The 4over6 error of candidate byte s on one row of a block, summed element 0..15 as the
+// reference does, with its codes: the exponent-shift form where it is proven equal (a finite row,
+// fo6_fast_domain), else the general one.
+template <bool MSE>
+__device__ __forceinline__ float fo6_row_error(const float* v, uint8_t s, const NvScale& ts,
+                                               float six_b, Codes* codes) {
   const float sf = e4m3_value(s);
-  float err = 0.f;
-  unsigned w[2] = {0u, 0u};
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const float p = v[i] * enc;
-    const float r = e2m1_round_abs(abs_f(p));
-    const unsigned sg = e2m1_sign(p);
-    w[i >> 3] |= (e2m1_code_abs(r) | (sg << 3)) << (4 * (i & 7));
-    float val = div_6b((r * sf) * ts.amax, six_b, r6b);
-    if (sg) val = -val;
-    const float d = val - v[i];
-    err = err + (mse ? d * d : abs_f(d));
+  if (f2u(absmax16(v)) < 0x7F800000u && fo6_fast_domain(ts.amax, sf)) {
+    const float e = fo6_error_fast<MSE>(v, sf, ts, six_b, codes);
+    const Codes sg = sign_nibbles(v);
+    *codes = Codes{codes->x | sg.x, codes->y | sg.y};
+    return e;
   }
-  *codes = make_uint2(w[0], w[1]);
-  return err;
+  return fo6_error_general<MSE>(v, s, ts, six_b, codes);
 }
 
-template <bool FOUR_OVER_SIX>
-__device__ __forceinline__ void nv_phase(const TileArgs& a, float (*tile)[kTile + 1], int64_t m0,
-                                         int64_t k0) {
-  const int t = threadIdx.x;
-  // 2D groups 16 consecutive lanes on the 16 rows of one 16x16 tile, for shuffle reductions.
-  const int lr = a.nv_2d ? (t & 15) + 16 * (t >> 6) : t >> 2;
-  const int blk = a.nv_2d ? (t >> 4) & 3 : t & 3;
-  float v[16];
-  int64_t qrow, qcol0, R, C;
-  if (!a.nv_col) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = tile[lr][blk * 16 + i];
-    qrow = m0 + lr; qcol0 = k0 + blk * 16; R = a.M; C = a.K;
-  } else {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = tile[blk * 16 + i][lr];
-    qrow = k0 + lr; qcol0 = m0 + blk * 16; R = a.K; C = a.M;
+// Scale byte and codes of one block (plain or stochastic rounding), given its amax bam (the 16x16
+// tile's in 2D). Stochastic rounding draws element i's bits at counter base + i.
+__device__ __forceinline__ uint8_t nv_plain_block(const float* v, float bam, const NvScale& ts,
+                                                  bool sr, uint32_t key, uint32_t base, Codes* codes) {
+  const uint8_t sb = e4m3_bits(bam * ts.s_enc_c6);
+  const float enc = nv_block_enc(sb, ts.s_dec);
+  if (!sr) {
+    *codes = nv_codes(v, bam, enc);
+    return sb;
   }
-  const bool valid = qrow < R && qcol0 < C;
-  if (a.nv_rht) rht16(v);
-  float bam = 0.f;
+  unsigned w[2] = {0u, 0u};
 #pragma unroll
-  for (int i = 0; i < 16; ++i) bam = nan_max(bam, abs_f(v[i]));
-  if (a.nv_2d) {
+  for (int i = 0; i < 16; ++i) w[i >> 3] |= e2m1_encode_sr(v[i] * enc, sr_bits(key, base + i)) << (4 * (i & 7));
+  *codes = Codes{w[0], w[1]};
+  return sb;
+}
+
+// Integer max of magnitude bits across `lanes` consecutive lanes (xor butterfly): torch.amax's
+// order on non-negative floats, NaN above inf.
+template <int LANES>
+__device__ __forceinline__ float lanes_absmax(float bam) {
+  uint32_t b = f2u(bam);
 #pragma unroll
-    for (int o = 8; o >= 1; o >>= 1) bam = nan_max(bam, __shfl_xor_sync(kFull, bam, o));
+  for (int o = 1; o < LANES; o <<= 1) b = max(b, __shfl_xor_sync(kFull, b, o));
+  return u2f(b);
+}
+
+// ---- NVFP4 columnwise: the result is [K, M], blocks run down the input's columns -----------------
+
+// Lane p takes columns 2p and 2p+1, warp w the 16 rows 16w.. of the tile: one block of each of
+// two result rows. A 2D tile is 8 lanes (16 columns) of one warp. Codes and scales go to the
+// staging buffer, then leave as 16-byte rows of the result.
+template <typename T, int FO6>
+__device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned char* tile, NvOut& out,
+                                             const NvScale& ts_all, int64_t m0, int64_t k0) {
+  const int p = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int64_t R = a.K, C = a.M;
+  float v[2][16];
+  Bf16Range range;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    uint32_t raw;
+    Pair<T>::load(tile + (16 * w + i) * Stage<T>::kStride, p, v[0][i], v[1][i], raw);
+    if constexpr (std::is_same_v<T, at::BFloat16>) range.add(raw);
   }
-  const NvScale ts = nv_scale(a.row_scaled ? (valid ? a.amax[qrow] : 0.f) : a.amax[0], a.bound);
-  uint8_t sb;
-  uint2 codes;
-  if constexpr (FOUR_OVER_SIX) {
-    uint8_t s6, s4;
-    fourover6_candidates(bam, ts, &s6, &s4);
-    const float six_b = static_cast<float>(6 * a.bound), r6b = 1.f / six_b;
-    uint2 c6, c4;
-    float e6 = candidate(v, s6, ts, six_b, r6b, a.nv_4o6 == 2, &c6);
-    float e4 = candidate(v, s4, ts, six_b, r6b, a.nv_4o6 == 2, &c4);
-    if (a.nv_2d) {  // the reference's tree over the tile's 16 row errors: +8, +4, +2, +1
+  const int64_t qcol0 = m0 + 16 * w;
+  float bam[2];
 #pragma unroll
-      for (int o = 8; o >= 1; o >>= 1) {
-        e6 = e6 + __shfl_down_sync(kFull, e6, o, 16);
-        e4 = e4 + __shfl_down_sync(kFull, e4, o, 16);
-      }
-      e6 = __shfl_sync(kFull, e6, 0, 16);
-      e4 = __shfl_sync(kFull, e4, 0, 16);
-    }
-    const bool map4 = e4 < e6;
-    sb = map4 ? s4 : s6;
-    codes = map4 ? c4 : c6;
-  } else {
-    sb = e4m3_bits(bam * ts.s_enc_c6);
-    const float enc = nv_block_enc(sb, ts.s_dec);
+  for (int c = 0; c < 2; ++c) {
+    if (a.nv_rht) rht16_fast(v[c], std::is_same_v<T, at::BFloat16> && range.f32_exact(c));
+    bam[c] = absmax16(v[c]);
+  }
+  if (a.nv_2d) bam[0] = bam[1] = lanes_absmax<8>(u2f(max(f2u(bam[0]), f2u(bam[1]))));
+  uint8_t sb[2];
+  Codes codes[2];
+  if constexpr (FO6 == 0) {
     uint32_t key = 0u, base = 0u;
     if (a.nv_sr) {  // read here, on the device: the host never syncs on the state
       key = mix32(static_cast<uint32_t>(a.sr_state[0]));
-      base = static_cast<uint32_t>(qrow * C + qcol0) + static_cast<uint32_t>(a.sr_state[1]);
+      base = static_cast<uint32_t>(a.sr_state[1]);
     }
-    unsigned w[2] = {0u, 0u};
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const float p = v[i] * enc;
-      const unsigned c = a.nv_sr ? e2m1_encode_sr(p, sr_bits(key, base + i)) : e2m1_encode(p);
-      w[i >> 3] |= c << (4 * (i & 7));
+    for (int c = 0; c < 2; ++c) {
+      const int64_t qrow = k0 + 2 * p + c;
+      const NvScale ts = a.row_scaled ? nv_scale(qrow < R ? a.amax[qrow] : 0.f, a.bound) : ts_all;
+      sb[c] = nv_plain_block(v[c], bam[c], ts, a.nv_sr, key,
+                             static_cast<uint32_t>(qrow * C + qcol0) + base, &codes[c]);
     }
-    codes = make_uint2(w[0], w[1]);
-  }
-  if (valid) {
-    *reinterpret_cast<uint2*>(a.nv_q + qrow * (C / 2) + qcol0 / 2) = codes;
-    a.nv_s[qrow * (C / 16) + qcol0 / 16] = sb;
-  }
-}
-
-__device__ __forceinline__ uint4 e4m3x16(const float* v, float inv) {
-  unsigned w[4];
+  } else {
+    constexpr bool kMse = FO6 == 2;
+    const float six_b = static_cast<float>(6 * a.bound);
+    if (!a.nv_2d) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
-    w[i] = e4m3x2(v[4 * i] * inv, v[4 * i + 1] * inv) |
-           (e4m3x2(v[4 * i + 2] * inv, v[4 * i + 3] * inv) << 16);
-  return make_uint4(w[0], w[1], w[2], w[3]);
+      for (int c = 0; c < 2; ++c) {
+        const int64_t qrow = k0 + 2 * p + c;
+        const NvScale ts = a.row_scaled ? nv_scale(qrow < R ? a.amax[qrow] : 0.f, a.bound) : ts_all;
+        sb[c] = fo6_block<kMse>(v[c], bam[c], ts, six_b, &codes[c]);
+      }
+    } else {  // one choice per 16x16 tile (2D excludes row scaling: one tensor scale)
+      uint8_t s6, s4;
+      fourover6_candidates(bam[0], ts_all, &s6, &s4);
+      if (s6 == s4) {  // equal candidates give equal errors: map-to-6
+#pragma unroll
+        for (int c = 0; c < 2; ++c) codes[c] = nv_codes(v[c], bam[0], nv_block_enc(s6, ts_all.s_dec));
+        sb[0] = sb[1] = s6;
+      } else {
+        Codes c6[2], c4[2];
+        float e6[2], e4[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          e6[c] = fo6_row_error<kMse>(v[c], s6, ts_all, six_b, &c6[c]);
+          e4[c] = fo6_row_error<kMse>(v[c], s4, ts_all, six_b, &c4[c]);
+        }
+        // The reference's tree over the tile's 16 result rows r = 2 (p % 8) + c: r + 8 is lane
+        // p + 4, r + 4 is p + 2, r + 2 is p + 1 (same c), and the last step adds c = 1 to c = 0.
+#pragma unroll
+        for (int o = 4; o >= 1; o >>= 1) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            e6[c] = e6[c] + __shfl_down_sync(kFull, e6[c], o, 8);
+            e4[c] = e4[c] + __shfl_down_sync(kFull, e4[c], o, 8);
+          }
+        }
+        const bool map4 = __shfl_sync(kFull, e4[0] + e4[1], 0, 8) < __shfl_sync(kFull, e6[0] + e6[1], 0, 8);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) codes[c] = map4 ? c4[c] : c6[c];
+        sb[0] = sb[1] = map4 ? s4 : s6;
+      }
+    }
+  }
+  // Block-major staging: this thread's two result rows 2p, 2p+1 of block w are adjacent.
+  reinterpret_cast<uint4*>(out.q)[w * 32 + p] = make_uint4(codes[0].x, codes[0].y, codes[1].x, codes[1].y);
+  reinterpret_cast<uint16_t*>(out.s)[w * 32 + p] = static_cast<uint16_t>(sb[0] | (sb[1] << 8));
+  __syncthreads();
+  {  // result row kk of the tile: blocks 2h and 2h+1 as one 16-byte store where it can
+    const int kk = threadIdx.x >> 2, h = threadIdx.x & 3;
+    const int64_t qrow = k0 + kk, qcol = m0 + 32 * h;
+    if (qrow < R && qcol < C) {
+      const uint2 lo = out.q[(2 * h) * 64 + kk], hi = out.q[(2 * h + 1) * 64 + kk];
+      uint8_t* dst = a.nv_q + qrow * (C / 2) + qcol / 2;
+      if (qcol + 16 < C && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+      } else {
+        *reinterpret_cast<uint2*>(dst) = lo;
+        if (qcol + 16 < C) *reinterpret_cast<uint2*>(dst + 8) = hi;
+      }
+    }
+  }
+  if (threadIdx.x < 64) {  // the 8 scale bytes of result row kk
+    const int kk = threadIdx.x;
+    const int64_t qrow = k0 + kk;
+    if (qrow < R) {
+      const int64_t nb = (C - m0) / 16 < 8 ? (C - m0) / 16 : 8;
+      uint8_t* dst = a.nv_s + qrow * (C / 16) + m0 / 16;
+      unsigned w8[2] = {0u, 0u};
+#pragma unroll
+      for (int b = 0; b < 8; ++b) w8[b >> 2] |= static_cast<unsigned>(out.s[b * 64 + kk]) << (8 * (b & 3));
+      if (nb == 8 && (reinterpret_cast<uintptr_t>(dst) & 7u) == 0) {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(w8[0], w8[1]);
+      } else {
+        for (int b = 0; b < nb; ++b) dst[b] = static_cast<uint8_t>(w8[b >> 2] >> (8 * (b & 3)));
+      }
+    }
+  }
 }
 
-__device__ __forceinline__ void mx_row_phase(const TileArgs& a, float (*tile)[kTile + 1], int64_t m0,
+// ---- NVFP4 rowwise with 2D tiles or stochastic rounding ---------------------------------------------
+
+// Lane l of warp w takes row 16w + l % 16 and the column blocks l / 16 and l / 16 + 2: a 16x16
+// tile is the 16 lanes of one half-warp.
+template <typename T, int FO6>
+__device__ __forceinline__ void nv_row_phase(const TileArgs& a, const unsigned char* tile, NvOut& out,
+                                             const NvScale& ts, int64_t m0, int64_t k0) {
+  const int l = threadIdx.x & 31, w = threadIdx.x >> 5, r = 16 * w + (l & 15);
+  const int64_t R = a.M, C = a.K, qrow = m0 + r;
+  uint32_t key = 0u, base = 0u;
+  if (FO6 == 0 && a.nv_sr) {
+    key = mix32(static_cast<uint32_t>(a.sr_state[0]));
+    base = static_cast<uint32_t>(a.sr_state[1]);
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int cb = (l >> 4) + 2 * j;
+    float v[16];
+    load16<T>(tile + r * Stage<T>::kStride, 16 * cb, v);
+    float bam = absmax16(v);
+    if (a.nv_2d) bam = lanes_absmax<16>(bam);
+    uint8_t sb;
+    Codes codes;
+    if constexpr (FO6 == 0) {
+      sb = nv_plain_block(v, bam, ts, a.nv_sr, key,
+                          static_cast<uint32_t>(qrow * C + k0 + 16 * cb) + base, &codes);
+    } else {  // 4over6 here is 2D (1D rowwise runs in quant_rows_cuda.cu)
+      constexpr bool kMse = FO6 == 2;
+      const float six_b = static_cast<float>(6 * a.bound);
+      uint8_t s6, s4;
+      fourover6_candidates(bam, ts, &s6, &s4);
+      if (s6 == s4) {
+        sb = s6;
+        codes = nv_codes(v, bam, nv_block_enc(s6, ts.s_dec));
+      } else {
+        Codes c6, c4;
+        float e6 = fo6_row_error<kMse>(v, s6, ts, six_b, &c6);
+        float e4 = fo6_row_error<kMse>(v, s4, ts, six_b, &c4);
+#pragma unroll
+        for (int o = 8; o >= 1; o >>= 1) {  // the reference's tree over the tile's 16 rows
+          e6 = e6 + __shfl_down_sync(kFull, e6, o, 16);
+          e4 = e4 + __shfl_down_sync(kFull, e4, o, 16);
+        }
+        const bool map4 = __shfl_sync(kFull, e4, 0, 16) < __shfl_sync(kFull, e6, 0, 16);
+        sb = map4 ? s4 : s6;
+        codes = map4 ? c4 : c6;
+      }
+    }
+    out.q[cb * kRows + r] = make_uint2(codes.x, codes.y);
+    out.s[cb * kRows + r] = sb;
+  }
+  __syncthreads();
+  {  // row rr of the tile: blocks 2h, 2h+1 as one 16-byte store where it can
+    const int rr = threadIdx.x >> 1, h = threadIdx.x & 1;
+    const int64_t row = m0 + rr, col = k0 + 32 * h;
+    if (row < R && col < C) {
+      const uint2 lo = out.q[(2 * h) * kRows + rr], hi = out.q[(2 * h + 1) * kRows + rr];
+      uint8_t* dst = a.nv_q + row * (C / 2) + col / 2;
+      if (col + 16 < C && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+      } else {
+        *reinterpret_cast<uint2*>(dst) = lo;
+        if (col + 16 < C) *reinterpret_cast<uint2*>(dst + 8) = hi;
+      }
+    }
+  }
+  if (threadIdx.x < kRows) {  // the 4 scale bytes of row rr
+    const int rr = threadIdx.x;
+    const int64_t row = m0 + rr;
+    if (row < R) {
+      const int64_t nb = (C - k0) / 16 < 4 ? (C - k0) / 16 : 4;
+      uint8_t* dst = a.nv_s + row * (C / 16) + k0 / 16;
+      unsigned w4 = 0u;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) w4 |= static_cast<unsigned>(out.s[b * kRows + rr]) << (8 * b);
+      if (nb == 4 && (reinterpret_cast<uintptr_t>(dst) & 3u) == 0) {
+        *reinterpret_cast<unsigned*>(dst) = w4;
+      } else {
+        for (int b = 0; b < nb; ++b) dst[b] = static_cast<uint8_t>(w4 >> (8 * b));
+      }
+    }
+  }
+}
+
+// ---- MXFP8 ------------------------------------------------------------------------------------------
+
+// Rowwise: threads 2r and 2r+1 hold the two halves of row r's 32-blocks (one shuffle joins their
+// amaxes); each stores 16 contiguous code bytes per block.
+template <typename T>
+__device__ __forceinline__ void mx_row_phase(const TileArgs& a, const unsigned char* tile, int64_t m0,
                                              int64_t k0) {
-  const int t = threadIdx.x, r = t >> 2, h = t & 3;  // a quarter row = half a 32-block
-  float v[16];
+  const int r = threadIdx.x >> 1, h = threadIdx.x & 1;
+  const int64_t row = m0 + r;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = tile[r][h * 16 + i];
-  float am = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) am = nan_max(am, abs_f(v[i]));
-  am = nan_max(am, __shfl_xor_sync(kFull, am, 1));
-  const uint32_t code = mx_scale_code(am, a.rule);
-  const uint4 bytes = e4m3x16(v, mx_inv_scale(code));
-  const int64_t row = m0 + r, col = k0 + h * 16;
-  if (row < a.M && col < a.K) {
-    *reinterpret_cast<uint4*>(a.mxr_q + row * a.K + col) = bytes;
-    if ((h & 1) == 0) a.mxr_s[row * (a.K / 32) + col / 32] = static_cast<uint8_t>(code);
-  }
-}
-
-__device__ __forceinline__ void mx_col_phase(const TileArgs& a, float (*tile)[kTile + 1],
-                                             float (*part)[kTile], float (*inv)[kTile], int64_t m0,
-                                             int64_t k0) {
-  const int t = threadIdx.x;
-  {
-    const int k = t & 63, g = t >> 6;  // 16 rows of one column
+  for (int j = 0; j < 2; ++j) {
+    const int64_t col = k0 + 32 * j + 16 * h;
+    float v[16];
+    load16<T>(tile + r * Stage<T>::kStride, 32 * j + 16 * h, v);
     float am = 0.f;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) am = nan_max(am, abs_f(tile[g * 16 + i][k]));
-    part[g][k] = am;
+    for (int i = 0; i < 16; ++i) am = nan_max(am, abs_f(v[i]));
+    am = nan_max(am, __shfl_xor_sync(kFull, am, 1));
+    const uint32_t code = mx_scale_code(am, a.rule);
+    const uint4 bytes = e4m3x16(v, mx_inv_scale(code));
+    if (row < a.M && col < a.K) {
+      *reinterpret_cast<uint4*>(a.mxr_q + row * a.K + col) = bytes;
+      if (h == 0) a.mxr_s[row * (a.K / 32) + col / 32] = static_cast<uint8_t>(code);
+    }
   }
-  __syncthreads();
-  if (t < 128) {
-    const int k = t & 63, b = t >> 6;
-    const uint32_t code = mx_scale_code(nan_max(part[2 * b][k], part[2 * b + 1][k]), a.rule);
-    inv[b][k] = mx_inv_scale(code);
-    if (m0 + 32 * b < a.M && k0 + k < a.K) a.mxc_s[(m0 / 32 + b) * a.K + k0 + k] = static_cast<uint8_t>(code);
-  }
-  __syncthreads();
-  const int r = t >> 2, q = (t & 3) * 16;
-  unsigned w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int c = q + 4 * i;
-    w[i] = e4m3x2(tile[r][c] * inv[r >> 5][c], tile[r][c + 1] * inv[r >> 5][c + 1]) |
-           (e4m3x2(tile[r][c + 2] * inv[r >> 5][c + 2], tile[r][c + 3] * inv[r >> 5][c + 3]) << 16);
-  }
-  if (m0 + r < a.M && k0 + q < a.K)
-    *reinterpret_cast<uint4*>(a.mxc_q + (m0 + r) * a.K + k0 + q) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-template <typename T, bool NV, bool FOUR_OVER_SIX, bool MXR, bool MXC>
-__global__ void __launch_bounds__(kThreads) tile_kernel(TileArgs a) {
-  __shared__ float tile[kTile][kTile + 1];
-  __shared__ float part[MXC ? 4 : 1][kTile];
-  __shared__ float inv[MXC ? 2 : 1][kTile];
-  constexpr int kN = Vec<T>::kN, kPerRow = kTile / kN, kLoads = kTile * kPerRow / kThreads;
-  const int64_t tiles_k = (a.K + kTile - 1) / kTile;
-  const int64_t m0 = (blockIdx.x / tiles_k) * kTile, k0 = (blockIdx.x % tiles_k) * kTile;
+// Columnwise (32x1 blocks, data in the input's layout): lane p takes columns 2p, 2p+1 and warp w
+// rows 16w..16w+15, half a block; the two halves meet in shared memory.
+template <typename T>
+__device__ __forceinline__ void mx_col_phase(const TileArgs& a, const unsigned char* tile,
+                                             float (*part)[kCols], int64_t m0, int64_t k0) {
+  const int p = threadIdx.x & 31, w = threadIdx.x >> 5;
+  float v[2][16];
+  float am[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    uint32_t raw;
+    Pair<T>::load(tile + (16 * w + i) * Stage<T>::kStride, p, v[0][i], v[1][i], raw);
+    am[0] = nan_max(am[0], abs_f(v[0][i]));
+    am[1] = nan_max(am[1], abs_f(v[1][i]));
+  }
+  reinterpret_cast<float2*>(part[w])[p] = make_float2(am[0], am[1]);
+  __syncthreads();
+  const float2 o = reinterpret_cast<const float2*>(part[w ^ 1])[p];
+  const uint32_t code0 = mx_scale_code(nan_max(am[0], o.x), a.rule);
+  const uint32_t code1 = mx_scale_code(nan_max(am[1], o.y), a.rule);
+  const float inv0 = mx_inv_scale(code0), inv1 = mx_inv_scale(code1);
+  const int64_t col = k0 + 2 * p, row0 = m0 + 16 * w;
+  if (col >= a.K || row0 >= a.M) return;
+  if ((w & 1) == 0)
+    *reinterpret_cast<uint16_t*>(a.mxc_s + ((m0 + 16 * w) / 32) * a.K + col) =
+        static_cast<uint16_t>(code0 | (code1 << 8));
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+    *reinterpret_cast<uint16_t*>(a.mxc_q + (row0 + i) * a.K + col) =
+        static_cast<uint16_t>(e4m3x2(v[0][i] * inv0, v[1][i] * inv1));
+}
+
+// ---- the kernel --------------------------------------------------------------------------------------
+
+template <typename T, bool NV, int FO6, bool MXR, bool MXC>
+__global__ void __launch_bounds__(kThreads) tile_kernel(TileArgs a, int64_t tiles, int64_t tiles_k) {
+  extern __shared__ __align__(16) unsigned char stages[];
+  __shared__ std::conditional_t<NV, NvOut, char> nv_out;
+  __shared__ float part[MXC ? 8 : 1][kCols];
+  using S = Stage<T>;
   const T* x = static_cast<const T*>(a.x);
-  uint4 raw[kLoads];
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
+  NvScale ts{};
+  if (NV && !a.row_scaled) ts = nv_scale(a.amax[0], a.bound);
+  const int64_t step = gridDim.x;
 #pragma unroll
-  for (int l = 0; l < kLoads; ++l) {  // all loads in flight before the first use
-    const int idx = threadIdx.x + l * kThreads, r = idx / kPerRow, c = (idx % kPerRow) * kN;
-    raw[l] = (m0 + r < a.M && k0 + c < a.K)
-                 ? __ldcs(reinterpret_cast<const uint4*>(x + (m0 + r) * a.K + k0 + c))
-                 : make_uint4(0u, 0u, 0u, 0u);
+  for (int s = 0; s < kStages - 1; ++s) {  // the ring's first tiles; a commit per slot, even empty
+    const int64_t t = blockIdx.x + s * step;
+    if (t < tiles) load_tile<T>(x, a.M, a.K, (t / tiles_k) * kRows, (t % tiles_k) * kCols, base + s * S::kBytes);
+    cp_async_commit();
   }
-#pragma unroll
-  for (int l = 0; l < kLoads; ++l) {
-    const int idx = threadIdx.x + l * kThreads, r = idx / kPerRow, c = (idx % kPerRow) * kN;
-    float f[kN];
-    Vec<T>::unpack(raw[l], f);
-#pragma unroll
-    for (int i = 0; i < kN; ++i) tile[r][c + i] = f[i];
+  int stage = 0;
+  for (int64_t t = blockIdx.x; t < tiles; t += step) {
+    cp_async_wait<kStages - 2>();  // this thread's copies of tile t have landed
+    __syncthreads();               // everyone's have, and the stage refilled next is read out
+    const int64_t tn = t + (kStages - 1) * step;
+    const int refill = stage == 0 ? kStages - 1 : stage - 1;
+    if (tn < tiles) load_tile<T>(x, a.M, a.K, (tn / tiles_k) * kRows, (tn % tiles_k) * kCols, base + refill * S::kBytes);
+    cp_async_commit();
+    const unsigned char* tile = stages + stage * S::kBytes;
+    const int64_t m0 = (t / tiles_k) * kRows, k0 = (t % tiles_k) * kCols;
+    if constexpr (MXR) mx_row_phase<T>(a, tile, m0, k0);
+    if constexpr (MXC) mx_col_phase<T>(a, tile, part, m0, k0);
+    if constexpr (NV) {
+      if (a.nv_col) nv_col_phase<T, FO6>(a, tile, nv_out, ts, m0, k0);
+      else nv_row_phase<T, FO6>(a, tile, nv_out, ts, m0, k0);
+    }
+    stage = stage == kStages - 1 ? 0 : stage + 1;
   }
-  __syncthreads();
-  if constexpr (MXR) mx_row_phase(a, tile, m0, k0);
-  if constexpr (MXC) mx_col_phase(a, tile, part, inv, m0, k0);
-  if constexpr (NV) nv_phase<FOUR_OVER_SIX>(a, tile, m0, k0);
+  cp_async_wait<0>();
 }
 
-template <typename T, bool NV, bool FOUR_OVER_SIX, bool MXR, bool MXC>
+// The persistent grid: as many CTAs as fit on the device at once (read once per device), each
+// with the dynamic shared memory of its stages.
+template <typename T, bool NV, int FO6, bool MXR, bool MXC>
 void launch_tiles(const TileArgs& a) {
-  const int64_t tiles = ((a.M + kTile - 1) / kTile) * ((a.K + kTile - 1) / kTile);
-  tile_kernel<T, NV, FOUR_OVER_SIX, MXR, MXC>
-      <<<tiles, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(a);
+  constexpr int kSmem = kStages * Stage<T>::kBytes;
+  static std::array<int, 64> resident{};  // CTAs resident at once, 0 until read on that device
+  const int dev = c10::cuda::current_device();
+  TORCH_CHECK(dev < static_cast<int>(resident.size()), "qtensor: device index ", num(dev), " is out of range.");
+  auto kernel = tile_kernel<T, NV, FO6, MXR, MXC>;
+  if (resident[dev] == 0) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    int per_sm = 0, sms = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kSmem));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    resident[dev] = std::max(per_sm, 1) * sms;
+  }
+  const int64_t tiles_k = (a.K + kCols - 1) / kCols;
+  const int64_t tiles = ((a.M + kRows - 1) / kRows) * tiles_k;
+  const int64_t grid = std::min<int64_t>(tiles, resident[dev]);
+  kernel<<<grid, kThreads, kSmem, c10::cuda::getCurrentCUDAStream()>>>(a, tiles, tiles_k);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
-
 
 void run_tiles(const at::Tensor& x2, TileArgs& a, bool nv, bool mxr, bool mxc) {
   a.x = x2.data_ptr();
@@ -265,17 +584,17 @@ void run_tiles(const at::Tensor& x2, TileArgs& a, bool nv, bool mxr, bool mxc) {
     using T = decltype(tag);
     if (nv && a.nv_4o6) {
       TORCH_CHECK(!mxr && !mxc, "qtensor: 4over6 is not fused with MXFP8 outputs.");
-      launch_tiles<T, true, true, false, false>(a);
+      if (a.nv_4o6 == 2) launch_tiles<T, true, 2, false, false>(a);
+      else launch_tiles<T, true, 1, false, false>(a);
     } else if (nv && mxr) {
-      launch_tiles<T, true, false, true, false>(a);
+      launch_tiles<T, true, 0, true, false>(a);
     } else if (nv) {
-      launch_tiles<T, true, false, false, false>(a);
+      launch_tiles<T, true, 0, false, false>(a);
     } else if (mxr && mxc) {
-      launch_tiles<T, false, false, true, true>(a);
-    } else if (mxr) {
-      launch_tiles<T, false, false, true, false>(a);
+      launch_tiles<T, false, 0, true, true>(a);
     } else {
-      launch_tiles<T, false, false, false, true>(a);
+      TORCH_CHECK(mxc && !mxr, "qtensor: MXFP8 rowwise alone runs in the rows kernel.");
+      launch_tiles<T, false, 0, false, true>(a);
     }
   });
 }
