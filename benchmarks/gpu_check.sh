@@ -5,6 +5,7 @@
 #   benchmarks/gpu_check.sh [LOG_DIR]      (default: $OUT, else ./gpu_logs)
 #   QTENSOR_GPU_ONLY=fsdp benchmarks/gpu_check.sh   the build and the FSDP2 stanza only (2 GPUs)
 #   QTENSOR_GPU_ONLY=decode benchmarks/gpu_check.sh the build and the decode GEMM stanza only
+#   QTENSOR_GPU_ONLY=quant benchmarks/gpu_check.sh  the build, the quantizers' CUDA tests, bench_quantize
 #
 # To add a benchmark, add one `step NAME command...` line below: its output lands in
 # LOG_DIR/NAME.log and its last line in the closing table.
@@ -29,6 +30,18 @@ step() {  # step NAME command... : run, log, remember rc, seconds and the last l
 
 step build python3 setup.py build_ext --inplace
 step env python3 -c "import torch, qtensor.ops.quant as q; print(torch.cuda.get_device_name(), torch.cuda.device_count(), torch.__version__, q.extension_status())"
+
+# The quantization kernels (csrc/quant_cuda.cu, quant_rows_cuda.cu, convert_cuda.cu): every
+# bit-exact CUDA test of the quantizers, then bench_quantize against the copy bandwidth.
+if [ "${QTENSOR_GPU_ONLY:-}" = quant ]; then
+  step quant_tests python3 -m pytest -m cuda -q -ra tests/test_kernels_quant.py tests/test_hybrid_gradient_cast.py tests/test_kernels_dispatch.py tests/test_training_linear.py
+  step bench_quantize python3 benchmarks/bench_quantize.py --out "$LOG/bench_quantize.md" ${QTENSOR_BENCH_ARGS:-}
+  echo "== gpu_check (quant stanza only): logs in $LOG"
+  printf '%s\n' "${SUMMARY[@]}"
+  grep -E "passed|failed|error" "$LOG/quant_tests.log" | tail -n 3
+  [ -f "$LOG/bench_quantize.md" ] && cat "$LOG/bench_quantize.md"
+  exit 0
+fi
 
 # FSDP2 over NCCL on 2 GPUs (nvidia-h200-x2): the distributed tests (tests/test_fsdp_gpu.py:
 # sharding of every format, quantize-before-all-gather training, DCP resume and a killed save,

@@ -239,6 +239,59 @@ def test_hybrid_gradient_cast(device, spec):
     assert_bytes_equal(nv.scale, ref_nv.scale, "hybrid nvfp4 scale")
 
 
+# ---- the tile kernel on many tiles ------------------------------------------------------------------
+
+# The modes that run in the tile kernel (csrc/quant_cuda.cu): columnwise, 2D, rowwise with
+# stochastic rounding. 1056 x 800 is 9 x 13 tiles of 128 x 64, the last of each ragged, so the
+# persistent CTAs each take several tiles and refill their ring.
+TILE_SPECS = [s for s in SPECS if s.columnwise or s.block_2d or s.stochastic_rounding]
+
+
+def spread_input(shape, dtype, seed):
+    """Values over 2**-e .. 2**e within every 16-run (RHT then takes both its exact fp32 and its
+    fp64 butterfly), some all-zero rows and columns, and one outlier."""
+    g = torch.Generator().manual_seed(seed)
+    e = 10 if dtype == torch.float16 else 24
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-e, e + 1, shape, generator=g).float())
+    x[16:32] = 0
+    x[:, 48:64] = 0
+    x[100, 200] = 3e4
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_tile_kernel_many_tiles(device, dtype):
+    x = spread_input((1056, 800), dtype, 21).to(device)
+    narrow = (torch.randn(1056, 800, generator=torch.Generator().manual_seed(22)) * 3).to(dtype).to(device)
+    for i, spec in enumerate(TILE_SPECS):
+        sr = SRSeed(i, 7 * i) if spec.stochastic_rounding else None
+        check_nvfp4(x, spec, sr)
+        check_nvfp4(narrow, spec, sr)
+    for rule in ("rceil", "floor"):
+        rq, rs, cq, cs = Q.mxfp8_both(x, rule, True, True)
+        row, col = mxfp8.quantize(x, MXFP8Spec(rule)), mxfp8.quantize(x, MXFP8Spec(rule, columnwise=True))
+        assert_bytes_equal(rq, row.qdata, f"mx row {rule}")
+        assert_bytes_equal(rs, row.scale, f"mx row scale {rule}")
+        assert_bytes_equal(cq, col.qdata, f"mx col {rule}")
+        assert_bytes_equal(cs, col.scale, f"mx col scale {rule}")
+        _, _, cq1, cs1 = Q.mxfp8_both(x, rule, False, True)
+        assert_bytes_equal(cq1, col.qdata, f"mx col alone {rule}")
+        assert_bytes_equal(cs1, col.scale, f"mx col alone scale {rule}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hybrid_cast_many_tiles(device):
+    x = spread_input((1056, 800), torch.bfloat16, 23).to(device)
+    for spec in (NVFP4Spec(columnwise=True), NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)):
+        mx, nv, _ = Q.quantize_hybrid_grad(x, "rceil", spec, SRSeed(3, 1))
+        ref_mx, ref_nv = mxfp8.quantize(x, MXFP8Spec("rceil")), nvfp4.quantize(x, spec, SRSeed(3, 1))
+        assert_bytes_equal(mx.qdata, ref_mx.qdata, "hybrid mxfp8 data")
+        assert_bytes_equal(mx.scale, ref_mx.scale, "hybrid mxfp8 scale")
+        assert_bytes_equal(nv.qdata, ref_nv.qdata, f"hybrid nvfp4 codes {spec}")
+        assert_bytes_equal(nv.scale, ref_nv.scale, f"hybrid nvfp4 scale {spec}")
+
+
 # ---- stochastic rounding -------------------------------------------------------------------------
 
 
