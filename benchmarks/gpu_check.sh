@@ -34,7 +34,7 @@ step env python3 -c "import torch, qtensor.ops.quant as q; print(torch.cuda.get_
 # The quantization kernels (csrc/quant_cuda.cu, quant_rows_cuda.cu, convert_cuda.cu): every
 # bit-exact CUDA test of the quantizers, then bench_quantize against the copy bandwidth.
 if [ "${QTENSOR_GPU_ONLY:-}" = quant ]; then
-  step quant_tests python3 -m pytest -m cuda -q -ra tests/test_kernels_quant.py tests/test_hybrid_gradient_cast.py tests/test_kernels_dispatch.py tests/test_training_linear.py
+  step quant_tests timeout 300 python3 -m pytest -m cuda -q -ra tests/test_kernels_quant.py tests/test_hybrid_gradient_cast.py tests/test_kernels_dispatch.py tests/test_training_linear.py
   step bench_quantize python3 benchmarks/bench_quantize.py --out "$LOG/bench_quantize.md" ${QTENSOR_BENCH_ARGS:-}
   echo "== gpu_check (quant stanza only): logs in $LOG"
   printf '%s\n' "${SUMMARY[@]}"

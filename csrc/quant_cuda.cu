@@ -303,35 +303,31 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned c
         sb[c] = fo6_block<kMse>(v[c], bam[c], ts, six_b, &codes[c]);
       }
     } else {  // one choice per 16x16 tile (2D excludes row scaling: one tensor scale)
+      // Every lane of the warp runs the shuffles below (tiles of one warp may differ in whether
+      // s6 == s4; equal candidates give equal errors, so the choice is then map-to-6 anyway).
       uint8_t s6, s4;
       fourover6_candidates(bam[0], ts_all, &s6, &s4);
-      if (s6 == s4) {  // equal candidates give equal errors: map-to-6
+      Codes c6[2], c4[2];
+      float e6[2], e4[2];
 #pragma unroll
-        for (int c = 0; c < 2; ++c) codes[c] = nv_codes(v[c], bam[0], nv_block_enc(s6, ts_all.s_dec));
-        sb[0] = sb[1] = s6;
-      } else {
-        Codes c6[2], c4[2];
-        float e6[2], e4[2];
+      for (int c = 0; c < 2; ++c) {
+        e6[c] = fo6_row_error<kMse>(v[c], s6, ts_all, six_b, &c6[c]);
+        e4[c] = fo6_row_error<kMse>(v[c], s4, ts_all, six_b, &c4[c]);
+      }
+      // The reference's tree over the tile's 16 result rows r = 2 (p % 8) + c: r + 8 is lane
+      // p + 4, r + 4 is p + 2, r + 2 is p + 1 (same c), and the last step adds c = 1 to c = 0.
+#pragma unroll
+      for (int o = 4; o >= 1; o >>= 1) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          e6[c] = fo6_row_error<kMse>(v[c], s6, ts_all, six_b, &c6[c]);
-          e4[c] = fo6_row_error<kMse>(v[c], s4, ts_all, six_b, &c4[c]);
+          e6[c] = e6[c] + __shfl_down_sync(kFull, e6[c], o, 8);
+          e4[c] = e4[c] + __shfl_down_sync(kFull, e4[c], o, 8);
         }
-        // The reference's tree over the tile's 16 result rows r = 2 (p % 8) + c: r + 8 is lane
-        // p + 4, r + 4 is p + 2, r + 2 is p + 1 (same c), and the last step adds c = 1 to c = 0.
-#pragma unroll
-        for (int o = 4; o >= 1; o >>= 1) {
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            e6[c] = e6[c] + __shfl_down_sync(kFull, e6[c], o, 8);
-            e4[c] = e4[c] + __shfl_down_sync(kFull, e4[c], o, 8);
-          }
-        }
-        const bool map4 = __shfl_sync(kFull, e4[0] + e4[1], 0, 8) < __shfl_sync(kFull, e6[0] + e6[1], 0, 8);
-#pragma unroll
-        for (int c = 0; c < 2; ++c) codes[c] = map4 ? c4[c] : c6[c];
-        sb[0] = sb[1] = map4 ? s4 : s6;
       }
+      const bool map4 = __shfl_sync(kFull, e4[0] + e4[1], 0, 8) < __shfl_sync(kFull, e6[0] + e6[1], 0, 8);
+#pragma unroll
+      for (int c = 0; c < 2; ++c) codes[c] = map4 ? c4[c] : c6[c];
+      sb[0] = sb[1] = map4 ? s4 : s6;
     }
   }
   // Block-major staging: this thread's two result rows 2p, 2p+1 of block w are adjacent.
@@ -399,24 +395,19 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const unsigned c
     } else {  // 4over6 here is 2D (1D rowwise runs in quant_rows_cuda.cu)
       constexpr bool kMse = FO6 == 2;
       const float six_b = static_cast<float>(6 * a.bound);
-      uint8_t s6, s4;
+      uint8_t s6, s4;  // no branch on s6 == s4 before the shuffles: see nv_col_phase
       fourover6_candidates(bam, ts, &s6, &s4);
-      if (s6 == s4) {
-        sb = s6;
-        codes = nv_codes(v, bam, nv_block_enc(s6, ts.s_dec));
-      } else {
-        Codes c6, c4;
-        float e6 = fo6_row_error<kMse>(v, s6, ts, six_b, &c6);
-        float e4 = fo6_row_error<kMse>(v, s4, ts, six_b, &c4);
+      Codes c6, c4;
+      float e6 = fo6_row_error<kMse>(v, s6, ts, six_b, &c6);
+      float e4 = fo6_row_error<kMse>(v, s4, ts, six_b, &c4);
 #pragma unroll
-        for (int o = 8; o >= 1; o >>= 1) {  // the reference's tree over the tile's 16 rows
-          e6 = e6 + __shfl_down_sync(kFull, e6, o, 16);
-          e4 = e4 + __shfl_down_sync(kFull, e4, o, 16);
-        }
-        const bool map4 = __shfl_sync(kFull, e4, 0, 16) < __shfl_sync(kFull, e6, 0, 16);
-        sb = map4 ? s4 : s6;
-        codes = map4 ? c4 : c6;
+      for (int o = 8; o >= 1; o >>= 1) {  // the reference's tree over the tile's 16 rows
+        e6 = e6 + __shfl_down_sync(kFull, e6, o, 16);
+        e4 = e4 + __shfl_down_sync(kFull, e4, o, 16);
       }
+      const bool map4 = __shfl_sync(kFull, e4, 0, 16) < __shfl_sync(kFull, e6, 0, 16);
+      sb = map4 ? s4 : s6;
+      codes = map4 ? c4 : c6;
     }
     out.q[cb * kRows + r] = make_uint2(codes.x, codes.y);
     out.s[cb * kRows + r] = sb;
