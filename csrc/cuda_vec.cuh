@@ -68,6 +68,31 @@ struct Vec<at::Half> {
 };
 
 
+// Two E4M3 bytes of products that are not NaN: the hardware's satfinite nearest-even conversion
+// is clamp-then-round (e4m3_bits) there.
+__device__ __forceinline__ unsigned e4m3x2_nonan(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned short r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return e4m3_bits(lo) | (static_cast<unsigned>(e4m3_bits(hi)) << 8);
+#endif
+}
+
+// The 16 E4M3 bytes of half an MXFP8 block v at its scale code. A finite block amax gives a finite
+// multiplier and no NaN product; a NaN or inf amax gives code 255, every byte of it 0x7F.
+__device__ __forceinline__ uint4 mx_e4m3x16(const float* v, uint32_t code) {
+  if (code == 255u) return make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+  const float inv = mx_inv_scale(code);
+  unsigned w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    w[i] = e4m3x2_nonan(v[4 * i] * inv, v[4 * i + 1] * inv) |
+           (e4m3x2_nonan(v[4 * i + 2] * inv, v[4 * i + 3] * inv) << 16);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // Sixteen fp32 values to dst in T, rounded to nearest-even, with 16-byte stores.
 template <typename T>
 __device__ __forceinline__ void store16(T* dst, const float* v) {

@@ -31,31 +31,6 @@ constexpr int kRows = 128;     // tile rows: 8 NVFP4 blocks of 16 (a warp each),
 constexpr int kCols = 64;      // tile columns: 32 column pairs, a lane each
 constexpr int kStages = 3;     // tiles in flight per CTA: the one quantized, two loading
 
-// Two E4M3 bytes (lo in the low byte): the hardware's satfinite nearest-even conversion equals
-// clamp-then-round; a NaN product is canonical on the GPU, which torch encodes as 0x7F.
-__device__ __forceinline__ unsigned e4m3x2(float lo, float hi) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  unsigned short r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-  unsigned out = r;
-  if (is_nan(lo)) out = (out & 0xFF00u) | 0x7Fu;
-  if (is_nan(hi)) out = (out & 0x00FFu) | 0x7F00u;
-  return out;
-#else
-  return e4m3_bits(is_nan(lo) ? u2f(0x7FC00000u) : lo) |
-         (static_cast<unsigned>(e4m3_bits(is_nan(hi) ? u2f(0x7FC00000u) : hi)) << 8);
-#endif
-}
-
-__device__ __forceinline__ uint4 e4m3x16(const float* v, float inv) {
-  unsigned w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    w[i] = e4m3x2(v[4 * i] * inv, v[4 * i + 1] * inv) |
-           (e4m3x2(v[4 * i + 2] * inv, v[4 * i + 3] * inv) << 16);
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
 // ---- RHT with an fp32 butterfly where it is exact ------------------------------------------------
 
 // The reference sums the 16-point transform in fp64. On bf16 inputs an fp32 butterfly gives the
@@ -464,7 +439,7 @@ __device__ __forceinline__ void mx_row_phase(const TileArgs& a, const unsigned c
     for (int i = 0; i < 16; ++i) am = nan_max(am, abs_f(v[i]));
     am = nan_max(am, __shfl_xor_sync(kFull, am, 1));
     const uint32_t code = mx_scale_code(am, a.rule);
-    const uint4 bytes = e4m3x16(v, mx_inv_scale(code));
+    const uint4 bytes = mx_e4m3x16(v, code);
     if (row < a.M && col < a.K) {
       *reinterpret_cast<uint4*>(a.mxr_q + row * a.K + col) = bytes;
       if (h == 0) a.mxr_s[row * (a.K / 32) + col / 32] = static_cast<uint8_t>(code);
@@ -493,6 +468,9 @@ __device__ __forceinline__ void mx_col_phase(const TileArgs& a, const unsigned c
   const uint32_t code0 = mx_scale_code(nan_max(am[0], o.x), a.rule);
   const uint32_t code1 = mx_scale_code(nan_max(am[1], o.y), a.rule);
   const float inv0 = mx_inv_scale(code0), inv1 = mx_inv_scale(code1);
+  // A column whose amax is NaN or inf (code 255) gets 0x7F bytes, as mx_e4m3x16 gives.
+  const unsigned force = (code0 == 255u ? 0x007Fu : 0u) | (code1 == 255u ? 0x7F00u : 0u);
+  const unsigned keep = ~((code0 == 255u ? 0x00FFu : 0u) | (code1 == 255u ? 0xFF00u : 0u));
   const int64_t col = k0 + 2 * p, row0 = m0 + 16 * w;
   if (col >= a.K || row0 >= a.M) return;
   if ((w & 1) == 0)
@@ -501,7 +479,7 @@ __device__ __forceinline__ void mx_col_phase(const TileArgs& a, const unsigned c
 #pragma unroll
   for (int i = 0; i < 16; ++i)
     *reinterpret_cast<uint16_t*>(a.mxc_q + (row0 + i) * a.K + col) =
-        static_cast<uint16_t>(e4m3x2(v[0][i] * inv0, v[1][i] * inv1));
+        static_cast<uint16_t>((e4m3x2_nonan(v[0][i] * inv0, v[1][i] * inv1) & keep) | force);
 }
 
 // ---- the kernel --------------------------------------------------------------------------------------

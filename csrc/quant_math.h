@@ -142,14 +142,18 @@ QT_HD uint32_t sr_bits(uint32_t key, uint32_t counter) { return mix32(counter ^ 
 QT_HD float sr_step(float a) { return a < 2.f ? 0.5f : (a < 4.f ? 1.f : 2.f); }
 
 // t = |v| + u step(|v|); q = min(floor(t / step(t)) step(t), 6), sign kept; NaN gives code 7.
-// u step and t / step(t) are exact (powers of two), so t * (1 / step) equals the division.
+// u = r8 / 256 is built from its bits (1 + r8 2**-8, minus 1: exact), and u step is exact, so t
+// is the reference's one rounding. The code of q comes from t without dividing: below 1 it is
+// t >= 0.5; from 1 up, floor(t / step(t)) step(t) keeps t's exponent and its first mantissa bit,
+// so the code is (bits(t) >> 22) - 252 (1 -> 2, 1.5 -> 3, ... 6 -> 7), saturating at 7 (q = 6).
 QT_HD uint32_t e2m1_encode_sr(float v, uint32_t r8) {
   const float a = abs_f(v);
-  const float t = a + static_cast<float>(r8) * 0.00390625f * sr_step(a);
-  const float st = sr_step(t);
-  const float q = clamp_max(floorf(t * (1.f / st)) * st, 6.f);
+  const float u = u2f(0x3F800000u | (r8 << 15)) - 1.f;
+  const float t = a + u * sr_step(a);
+  const uint32_t hi = (f2u(t) >> 22) - 252u;
+  const uint32_t code = t < 1.f ? (t >= 0.5f ? 1u : 0u) : (hi < 7u ? hi : 7u);
   if (is_nan(v)) return 7u;
-  return e2m1_code_abs(q) | (sign_bit(v) << 3);
+  return code | (sign_bit(v) << 3);
 }
 
 // ---- random Hadamard transform ----------------------------------------------------------------

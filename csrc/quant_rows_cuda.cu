@@ -83,18 +83,6 @@ __global__ void __launch_bounds__(kThreads) nv_rows_kernel(const T* x, int64_t n
 
 // ---- MXFP8 ---------------------------------------------------------------------------------------
 
-// Two E4M3 bytes of products that are not NaN: the hardware's satfinite nearest-even conversion
-// is clamp-then-round (e4m3_bits) there, as in the tile kernel.
-__device__ __forceinline__ unsigned e4m3x2_nonan(float lo, float hi) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  unsigned short r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-  return r;
-#else
-  return e4m3_bits(lo) | (static_cast<unsigned>(e4m3_bits(hi)) << 8);
-#endif
-}
-
 // Threads 2j and 2j+1 hold the two halves of 32-block j (one shuffle joins their amaxes), so each
 // thread stores 16 contiguous code bytes. A finite block amax gives a finite multiplier and no NaN
 // product; a NaN or inf amax gives code 255, whose NaN multiplier makes every byte 0x7F.
@@ -112,16 +100,7 @@ __global__ void __launch_bounds__(kThreads) mx_rows_kernel(const T* x, int64_t n
     uint32_t am = f2u(absmax16(v));
     am = max(am, __shfl_xor_sync(kFull, am, 1));
     const uint32_t code = mx_scale_code(u2f(am), rule);
-    uint4 bytes = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
-    if (code != 255u) {
-      const float inv = mx_inv_scale(code);
-      unsigned w[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        w[i] = e4m3x2_nonan(v[4 * i] * inv, v[4 * i + 1] * inv) |
-               (e4m3x2_nonan(v[4 * i + 2] * inv, v[4 * i + 3] * inv) << 16);
-      bytes = make_uint4(w[0], w[1], w[2], w[3]);
-    }
+    const uint4 bytes = mx_e4m3x16(v, code);
     if (h < nhalves) {
       q[h] = bytes;
       if ((h & 1) == 0) s[h >> 1] = static_cast<uint8_t>(code);

@@ -1,0 +1,40 @@
+"""One launch of each quantization kernel on a 16384x8192 bf16 input, for a profiler.
+
+    ncu --clock-control none -k regex:"tile_kernel|rows_kernel|amax" \\
+        python benchmarks/profile_quantize.py
+
+Each case is an NVTX range named as in bench_quantize.py. The amaxes are computed first (their
+kernels are profiled too), as the "amax given" rows of bench_quantize.py assume.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qtensor.formats.nvfp4 import NVFP4Spec, SRSeed, sr_state_tensor
+from qtensor.ops import quant as Q
+
+
+def main() -> None:
+    x = torch.randn(16384, 8192, device="cuda").bfloat16()
+    sr = sr_state_tensor(SRSeed(1, 0), "cuda")
+    amax, amax_rht = Q.amax(x), Q.amax(x, columnwise=True, rht=True)
+    cases = {
+        "nvfp4 row": lambda: Q.nvfp4_codes(x, amax, NVFP4Spec()),
+        "nvfp4 col": lambda: Q.nvfp4_codes(x, amax, NVFP4Spec(columnwise=True)),
+        "nvfp4 col rht+sr": lambda: Q.nvfp4_codes(
+            x, amax_rht, NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True), sr),
+        "nvfp4 2d": lambda: Q.nvfp4_codes(x, amax, NVFP4Spec(block_2d=True)),
+        "mxfp8 both": lambda: Q.mxfp8_both(x, "rceil", True, True),
+        "hybrid grad": lambda: torch.ops.qtensor.hybrid_quantize.default(x, amax, 0, 0, 448, False, False, None),
+    }
+    torch.cuda.synchronize()
+    for name, fn in cases.items():
+        torch.cuda.nvtx.range_push(name)
+        fn()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
