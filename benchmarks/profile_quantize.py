@@ -20,11 +20,11 @@ def main() -> None:
     sr = sr_state_tensor(SRSeed(1, 0), "cuda")
     amax, amax_rht = Q.amax(x), Q.amax(x, columnwise=True, rht=True)
     cases = {
-        "nvfp4 row": lambda: Q.nvfp4_codes(x, amax, NVFP4Spec()),
-        "nvfp4 col": lambda: Q.nvfp4_codes(x, amax, NVFP4Spec(columnwise=True)),
+        "nvfp4 row": lambda: Q.nvfp4_codes(x, amax, NVFP4Spec(), None),
+        "nvfp4 col": lambda: Q.nvfp4_codes(x, amax, NVFP4Spec(columnwise=True), None),
         "nvfp4 col rht+sr": lambda: Q.nvfp4_codes(
             x, amax_rht, NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True), sr),
-        "nvfp4 2d": lambda: Q.nvfp4_codes(x, amax, NVFP4Spec(block_2d=True)),
+        "nvfp4 2d": lambda: Q.nvfp4_codes(x, amax, NVFP4Spec(block_2d=True), None),
         "mxfp8 both": lambda: Q.mxfp8_both(x, "rceil", True, True),
         "hybrid grad": lambda: torch.ops.qtensor.hybrid_quantize.default(x, amax, 0, 0, 448, False, False, None),
     }

@@ -51,6 +51,18 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* x, int64_t M, i
 #pragma unroll
     for (int i = 0; i < 16; ++i) rmax[i] = 0.f;
     if constexpr (RHT) {
+      // The 16-runs of this lane's columns: bf16 pairs of 4 words, for rht16_fast's exactness test.
+      constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
+      Bf16Range range[4];
+      if constexpr (kBf16) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          range[0].add(raw[i].x);
+          range[1].add(raw[i].y);
+          range[2].add(raw[i].z);
+          range[3].add(raw[i].w);
+        }
+      }
 #pragma unroll
       for (int c = 0; c < kN; ++c) {
         float v[16], f[kN];
@@ -59,7 +71,7 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* x, int64_t M, i
           Vec<T>::unpack(raw[i], f);
           v[i] = f[c];
         }
-        rht16(v);
+        rht16_fast(v, kBf16 && range[(c >> 1) & 3].f32_exact(c & 1));
 #pragma unroll
         for (int i = 0; i < 16; ++i) cmax[c] = nan_max(cmax[c], abs_f(v[i]));
       }

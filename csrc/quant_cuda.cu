@@ -31,55 +31,6 @@ constexpr int kRows = 128;     // tile rows: 8 NVFP4 blocks of 16 (a warp each),
 constexpr int kCols = 64;      // tile columns: 32 column pairs, a lane each
 constexpr int kStages = 3;     // tiles in flight per CTA: the one quantized, two loading
 
-// ---- RHT with an fp32 butterfly where it is exact ------------------------------------------------
-
-// The reference sums the 16-point transform in fp64. On bf16 inputs an fp32 butterfly gives the
-// same exact sums when the run's nonzero magnitudes are close: every partial sum is an integer
-// multiple of the smallest value's last bit, 2**(fmin - 134) (fmin its exponent field, subnormals
-// counted as 1), and below 16 * 2**(fmax - 126); that takes fmax - fmin + 12 <= 24 bits, so fmax
-// <= fmin + 12 suffices, and fmax <= 250 keeps every partial sum below FLT_MAX. The sum / 4 is
-// then exact in fp32 too, and its nearest-even bf16 is the reference's fp64 -> fp32 -> bf16.
-// Bf16Range tracks two runs at once, one per 16-bit half of packed bf16 pairs: the max magnitude
-// bits, and the min of (magnitude bits - 1), where a zero wraps to 0xFFFF and drops out (the -1
-// can lower the exponent field by one: conservative only).
-struct Bf16Range {
-  uint32_t hi = 0u, lo = 0xFFFFFFFFu;
-  __device__ __forceinline__ void add(uint32_t w) {
-    const uint32_t a = w & 0x7FFF7FFFu;
-    hi = __vmaxu2(hi, a);
-    lo = __vminu2(lo, __vsub2(a, 0x00010001u));
-  }
-  __device__ __forceinline__ bool f32_exact(int half) const {
-    const uint32_t fmax = (hi >> (16 * half + 7)) & 0xFFu;
-    const uint32_t fmin = max((lo >> (16 * half + 7)) & 0xFFu, 1u);
-    return fmax <= 250u && fmax <= fmin + 12u;
-  }
-};
-
-// rht16 (quant_math.h), through the fp32 butterfly when the caller has shown it exact.
-__device__ __forceinline__ void rht16_fast(float* v, bool f32_exact) {
-  if (!f32_exact) {
-    rht16(v);
-    return;
-  }
-  constexpr uint32_t kNegative = 0xD7E8u;  // RHT_SIGNS, as in rht16
-#pragma unroll
-  for (int i = 0; i < 16; ++i)
-    if ((kNegative >> i) & 1u) v[i] = -v[i];
-#pragma unroll
-  for (int h = 1; h < 16; h <<= 1) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      if (i & h) continue;
-      const float a = v[i], b = v[i + h];
-      v[i] = a + b;
-      v[i + h] = a - b;
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = __bfloat162float(__float2bfloat16_rn(v[i] * 0.25f));
-}
-
 // ---- shared-memory tiles ---------------------------------------------------------------------------
 
 // A stage holds kRows rows of kCols elements, each row padded by 16 bytes: 16-byte row reads by 8
