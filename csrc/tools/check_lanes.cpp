@@ -2,7 +2,9 @@
 // csrc/quant_math.h (the math the CUDA kernels run), bit for bit:
 //   e4m3_lanes (with and without its NaN select) == e4m3_bits,
 //   e2m1_lanes == e2m1_encode, each as a scalar, in 4 lanes and in 8 lanes;
-//   e4m3_value_lanes == e4m3_value on all 256 bytes.
+//   e4m3_value_lanes == e4m3_value on all 256 bytes;
+//   e2m1_code_nonan (quant_rows_math.h: the E2M1 code of the CUDA rowwise and tile kernels and
+//   of the CPU fast paths) == e2m1_code_bits on every non-negative, non-NaN pattern swept.
 //
 //   check_lanes full     every one of the 2**32 fp32 patterns (a minute or two on one core)
 //   check_lanes sample   bits 12..31 in full with bits 0..11 in {0, 1, 0x800, 0xFFF}: every
@@ -113,6 +115,26 @@ bool run(const char* name, bool full, uint32_t (*ref)(float), Lane lane, bool sk
   return ok;
 }
 
+// e2m1_code_nonan on the magnitude of each pattern (NaN magnitudes are outside its domain).
+bool check_code_nonan(bool full) {
+  const bool ok = sweep(full, [](uint32_t u, bool consecutive) {
+    uint32_t p[8];
+    patterns(u, consecutive, p);
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t b = p[i] & 0x7FFFFFFFu;
+      if (b > 0x7F800000u) continue;
+      if (e2m1_code_nonan(b) != e2m1_code_bits(b)) {
+        std::printf("e2m1_code_nonan: pattern 0x%08" PRIx32 ": reference %" PRIu32 ", got %" PRIu32 "\n",
+                    b, e2m1_code_bits(b), e2m1_code_nonan(b));
+        return false;
+      }
+    }
+    return true;
+  });
+  std::printf("%-24s %s\n", "e2m1_code_nonan", ok ? "equal" : "DIFFERENT");
+  return ok;
+}
+
 uint32_t e4m3_ref(float v) { return e4m3_bits(v); }
 uint32_t e2m1_ref(float v) { return e2m1_encode(v); }
 
@@ -138,5 +160,6 @@ int main(int argc, char** argv) {
   ok = run("e2m1_lanes", full, e2m1_ref, E2M1{}, false) && ok;
   const bool values = check_values();
   std::printf("%-24s %s\n", "e4m3_value_lanes", values ? "equal" : "DIFFERENT");
+  ok = check_code_nonan(full) && ok;
   return ok && values ? 0 : 1;
 }
