@@ -1,8 +1,9 @@
 """Quantization kernels against memory bandwidth, side by side with their peers.
 
-GPU: per kernel and shape, the median time (CUDA events, inputs rotated past the 50 MB L2), the
-effective bandwidth of the bytes that must move (input read once, outputs written once) and its
-ratio to the device-to-device copy measured in the same run; torchao's compiled `to_nvfp4` /
+GPU: per kernel and shape, the median time of one call (CUDA events around 5 calls back to back,
+inputs rotated past the 50 MB L2), the effective bandwidth of the bytes that must move (input
+read once, outputs written once) and its ratio to the device-to-device copy measured in the same
+run; torchao's compiled `to_nvfp4` /
 `to_mx` and the compiled pure-torch reference beside them. CPU: the C++ kernels against the
 pure-torch reference on a 4096x4096 bf16 tensor.
 
@@ -27,20 +28,25 @@ NV_OUT = 0.5 + 1 / 16  # bytes per element written by NVFP4: codes + one E4M3 sc
 MX_OUT = 1 + 1 / 32  # MXFP8: one byte + one UE8M0 scale per 32
 
 
-def time_cuda(fn, inputs, iters=20) -> float:
-    """Median seconds of fn(x), cycling through `inputs` so each call misses the L2."""
+def time_cuda(fn, inputs, iters=20, calls=5) -> float:
+    """Median seconds of one fn(x) call, cycling through `inputs` so each call misses the L2.
+
+    Each sample times `calls` calls back to back between two events and divides: the host
+    enqueues the next call while the GPU runs this one, so the host's time per call (Python and
+    the op dispatch, some 10 us) stays out of the figure where the kernel is the longer of the
+    two, as in a training step; with one call per sample the GPU would wait for the host first."""
     for x in inputs[:2]:
         fn(x)
     torch.cuda.synchronize()
     times = []
     for i in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        x = inputs[i % len(inputs)]
         start.record()
-        fn(x)
+        for j in range(calls):
+            fn(inputs[(i * calls + j) % len(inputs)])
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
+        times.append(start.elapsed_time(end) * 1e-3 / calls)
     return sorted(times)[len(times) // 2]
 
 
