@@ -6,6 +6,7 @@
 #   QTENSOR_GPU_ONLY=fsdp benchmarks/gpu_check.sh   the build and the FSDP2 stanza only (2 GPUs)
 #   QTENSOR_GPU_ONLY=decode benchmarks/gpu_check.sh the build and the decode GEMM stanza only
 #   QTENSOR_GPU_ONLY=quant benchmarks/gpu_check.sh  the build, the quantizers' CUDA tests, bench_quantize
+#     (QTENSOR_NCU=1 adds Nsight Compute on benchmarks/profile_quantize.py)
 #
 # To add a benchmark, add one `step NAME command...` line below: its output lands in
 # LOG_DIR/NAME.log and its last line in the closing table.
@@ -36,6 +37,12 @@ step env python3 -c "import torch, qtensor.ops.quant as q; print(torch.cuda.get_
 if [ "${QTENSOR_GPU_ONLY:-}" = quant ]; then
   step quant_tests timeout 300 python3 -m pytest -m cuda -q -ra tests/test_kernels_quant.py tests/test_hybrid_gradient_cast.py tests/test_kernels_dispatch.py tests/test_training_linear.py
   step bench_quantize python3 benchmarks/bench_quantize.py --out "$LOG/bench_quantize.md" ${QTENSOR_BENCH_ARGS:-}
+  # QTENSOR_NCU=1: Nsight Compute on one launch of each kernel (instructions, issue, occupancy).
+  if [ "${QTENSOR_NCU:-}" = 1 ]; then
+    step ncu_quantize ncu --clock-control none -k regex:"tile_kernel|rows_kernel|amax" --section SpeedOfLight \
+      --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+      --section InstructionStats python3 benchmarks/profile_quantize.py
+  fi
   echo "== gpu_check (quant stanza only): logs in $LOG"
   printf '%s\n' "${SUMMARY[@]}"
   grep -E "passed|failed|error" "$LOG/quant_tests.log" | tail -n 3
