@@ -3,9 +3,8 @@
 GPU: per kernel and shape, the median time of one call (CUDA events around 5 calls back to back,
 inputs rotated past the 50 MB L2), the effective bandwidth of the bytes that must move (input
 read once, outputs written once) and its ratio to the device-to-device copy measured in the same
-run; torchao's compiled `to_nvfp4` /
-`to_mx` and the compiled pure-torch reference beside them. CPU: the C++ kernels against the
-pure-torch reference on a 4096x4096 bf16 tensor.
+run; torchao's compiled `to_nvfp4` / `to_mx` and the compiled pure-torch reference beside them.
+CPU: the C++ kernels against the pure-torch reference on a 4096x4096 bf16 tensor.
 
     python benchmarks/bench_quantize.py [--device cuda|cpu] [--out FILE] [--no-peers]
 """
