@@ -69,6 +69,30 @@ struct Vec<at::Half> {
 };
 
 
+// Running max of |element| bits over one 16-byte word; 16-bit formats keep two 16-bit maxima.
+template <typename T>
+__device__ __forceinline__ uint32_t absmax_word(uint32_t m, uint4 r) {
+  if constexpr (sizeof(T) == 4) {
+    m = max(m, max(r.x & 0x7FFFFFFFu, r.y & 0x7FFFFFFFu));
+    return max(m, max(r.z & 0x7FFFFFFFu, r.w & 0x7FFFFFFFu));
+  } else {
+    m = __vmaxu2(m, __vmaxu2(r.x & 0x7FFF7FFFu, r.y & 0x7FFF7FFFu));
+    return __vmaxu2(m, __vmaxu2(r.z & 0x7FFF7FFFu, r.w & 0x7FFF7FFFu));
+  }
+}
+
+// fp32 bits of the running max (exact widening: bf16 by a shift, fp16 by the conversion).
+template <typename T>
+__device__ __forceinline__ uint32_t absmax_bits(uint32_t m) {
+  if constexpr (sizeof(T) == 4) {
+    return m;
+  } else {
+    const uint32_t h = max(m & 0xFFFFu, m >> 16);
+    if constexpr (std::is_same_v<T, at::BFloat16>) return h << 16;
+    else return f2u(__half2float(__ushort_as_half(static_cast<unsigned short>(h))));
+  }
+}
+
 // Two E4M3 bytes of products that are not NaN: the hardware's satfinite nearest-even conversion
 // is clamp-then-round (e4m3_bits) there.
 __device__ __forceinline__ unsigned e4m3x2_nonan(float lo, float hi) {
@@ -126,10 +150,14 @@ struct Bf16Range {
   }
 };
 
+// rht16's fp64 butterfly out of line: it runs only on runs whose magnitudes spread too far for
+// fp32, and inlined it would hold its 16 doubles in registers across the whole kernel.
+__device__ __noinline__ void rht16_f64(float* v) { rht16(v); }
+
 // rht16 (quant_math.h), through the fp32 butterfly when the caller has shown it exact.
 __device__ __forceinline__ void rht16_fast(float* v, bool f32_exact) {
   if (!f32_exact) {
-    rht16(v);
+    rht16_f64(v);
     return;
   }
   constexpr uint32_t kNegative = 0xD7E8u;  // RHT_SIGNS, as in rht16

@@ -61,13 +61,18 @@ template <typename T>
 __device__ __forceinline__ void load_tile(const T* x, int64_t M, int64_t K, int64_t m0, int64_t k0,
                                           uint32_t stage) {
   using S = Stage<T>;
+  // Thread t copies chunk t % kPerRow of rows t / kPerRow, + kRowStep, ...: one column offset,
+  // one source pointer stepped by kRowStep rows.
   constexpr int kPerRow = S::kRowBytes / 16, kN = 16 / static_cast<int>(sizeof(T));
+  constexpr int kRowStep = kThreads / kPerRow;
+  const int r0 = threadIdx.x / kPerRow, c = threadIdx.x % kPerRow;
+  const int64_t col = k0 + c * kN, rows = M - m0 - r0;
+  const T* src = x + (m0 + r0) * K + col;
+  const uint32_t dst = stage + r0 * S::kStride + c * 16;
 #pragma unroll
   for (int l = 0; l < S::kChunks / kThreads; ++l) {
-    const int idx = threadIdx.x + l * kThreads, r = idx / kPerRow, c = idx % kPerRow;
-    const int64_t row = m0 + r, col = k0 + c * kN;
-    const bool ok = row < M && col < K;
-    cp_async16(stage + r * S::kStride + c * 16, ok ? x + row * K + col : x, ok);
+    const bool ok = col < K && l * kRowStep < rows;
+    cp_async16(dst + l * kRowStep * S::kStride, ok ? src + l * kRowStep * K : x, ok);
   }
 }
 
@@ -187,20 +192,37 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned c
                                              const NvScale& ts_all, int64_t m0, int64_t k0) {
   const int p = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int64_t R = a.K, C = a.M;
+  constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
   float v[2][16];
-  Bf16Range range;
+  uint32_t pmax = 0u;  // bf16: both columns' max |element| bits, one per 16-bit half
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     uint32_t raw;
     Pair<T>::load(tile + (16 * w + i) * Stage<T>::kStride, p, v[0][i], v[1][i], raw);
-    if constexpr (std::is_same_v<T, at::BFloat16>) range.add(raw);
+    if constexpr (kBf16) pmax = __vmaxu2(pmax, raw & 0x7FFF7FFFu);
   }
   const int64_t qcol0 = m0 + 16 * w;
   float bam[2];
+  if (a.nv_rht) {
+    bool exact[2] = {false, false};
+    if constexpr (kBf16) {  // the runs' magnitude range, on the pairs packed again
+      Bf16Range range;
 #pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    if (a.nv_rht) rht16_fast(v[c], std::is_same_v<T, at::BFloat16> && range.f32_exact(c));
-    bam[c] = absmax16(v[c]);
+      for (int i = 0; i < 16; ++i) range.add(__byte_perm(f2u(v[0][i]), f2u(v[1][i]), 0x7632));
+      exact[0] = range.f32_exact(0);
+      exact[1] = range.f32_exact(1);
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      rht16_fast(v[c], exact[c]);
+      bam[c] = absmax16(v[c]);
+    }
+  } else if constexpr (kBf16) {
+    bam[0] = u2f(pmax << 16);
+    bam[1] = u2f(pmax & 0xFFFF0000u);
+  } else {
+    bam[0] = absmax16(v[0]);
+    bam[1] = absmax16(v[1]);
   }
   if (a.nv_2d) bam[0] = bam[1] = lanes_absmax<8>(u2f(max(f2u(bam[0]), f2u(bam[1]))));
   uint8_t sb[2];

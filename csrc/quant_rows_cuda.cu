@@ -41,6 +41,13 @@ struct Slots {
 #pragma unroll
     for (int c = 0; c < kC; ++c) Vec<T>::unpack(raw[u][c], v + c * Vec<T>::kN);
   }
+  // max |element| bits of block u, absmax16 of the unpacked values, on the packed words.
+  __device__ uint32_t absmax(int u) const {
+    uint32_t m = 0u;
+#pragma unroll
+    for (int c = 0; c < kC; ++c) m = absmax_word<T>(m, raw[u][c]);
+    return absmax_bits<T>(m);
+  }
 };
 
 // ---- NVFP4 ---------------------------------------------------------------------------------------
@@ -67,7 +74,7 @@ __global__ void __launch_bounds__(kThreads) nv_rows_kernel(const T* x, int64_t n
     }
     float v[16];
     in.unpack(u, v);
-    const float bam = absmax16(v);
+    const float bam = u2f(in.absmax(u));
     uint8_t sb;
     Codes codes;
     if constexpr (FO6 == 0) {
@@ -97,7 +104,7 @@ __global__ void __launch_bounds__(kThreads) mx_rows_kernel(const T* x, int64_t n
     const int64_t h = first + u * kThreads;
     float v[16];
     in.unpack(u, v);
-    uint32_t am = f2u(absmax16(v));
+    uint32_t am = in.absmax(u);
     am = max(am, __shfl_xor_sync(kFull, am, 1));
     const uint32_t code = mx_scale_code(u2f(am), rule);
     const uint4 bytes = mx_e4m3x16(v, code);
@@ -111,30 +118,6 @@ __global__ void __launch_bounds__(kThreads) mx_rows_kernel(const T* x, int64_t n
 // ---- amax ----------------------------------------------------------------------------------------
 
 constexpr int kAmaxLoads = 4;  // 16-byte loads in flight per thread and iteration
-
-// Running max of |element| bits over one 16-byte word; 16-bit formats keep two 16-bit maxima.
-template <typename T>
-__device__ __forceinline__ uint32_t absmax_word(uint32_t m, uint4 r) {
-  if constexpr (sizeof(T) == 4) {
-    m = max(m, max(r.x & 0x7FFFFFFFu, r.y & 0x7FFFFFFFu));
-    return max(m, max(r.z & 0x7FFFFFFFu, r.w & 0x7FFFFFFFu));
-  } else {
-    m = __vmaxu2(m, __vmaxu2(r.x & 0x7FFF7FFFu, r.y & 0x7FFF7FFFu));
-    return __vmaxu2(m, __vmaxu2(r.z & 0x7FFF7FFFu, r.w & 0x7FFF7FFFu));
-  }
-}
-
-// fp32 bits of the running max (exact widening: bf16 by a shift, fp16 by the conversion).
-template <typename T>
-__device__ __forceinline__ uint32_t absmax_bits(uint32_t m) {
-  if constexpr (sizeof(T) == 4) {
-    return m;
-  } else {
-    const uint32_t h = max(m & 0xFFFFu, m >> 16);
-    if constexpr (std::is_same_v<T, at::BFloat16>) return h << 16;
-    else return f2u(__half2float(__ushort_as_half(static_cast<unsigned short>(h))));
-  }
-}
 
 // One amax of n 16-byte words: a grid-stride loop, one atomicMax per warp.
 template <typename T>
