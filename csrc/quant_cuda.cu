@@ -145,7 +145,7 @@ struct NvOut {
 template <bool MSE>
 __device__ __forceinline__ float fo6_row_error(const float* v, uint8_t s, const NvScale& ts,
                                                float six_b, Codes* codes) {
-  const float sf = e4m3_value(s);
+  const float sf = e4m3_scale_value(s);
   if (f2u(absmax16(v)) < 0x7F800000u && fo6_fast_domain(ts.amax, sf)) {
     const float e = fo6_error_fast<MSE>(v, sf, ts, six_b, codes);
     const Codes sg = sign_nibbles(v);
@@ -159,7 +159,7 @@ __device__ __forceinline__ float fo6_row_error(const float* v, uint8_t s, const 
 // tile's in 2D). Stochastic rounding draws element i's bits at counter base + i.
 __device__ __forceinline__ uint8_t nv_plain_block(const float* v, float bam, const NvScale& ts,
                                                   bool sr, uint32_t key, uint32_t base, Codes* codes) {
-  const uint8_t sb = e4m3_bits(bam * ts.s_enc_c6);
+  const uint8_t sb = e4m3_scale_bits(bam * ts.s_enc_c6);
   const float enc = nv_block_enc(sb, ts.s_dec);
   if (!sr) {
     *codes = nv_codes(v, bam, enc);

@@ -75,12 +75,34 @@ QT_HD uint8_t e4m3_bits(float v) {
   return r | static_cast<uint8_t>(sign >> 24);
 }
 
+// e4m3_bits of a scale that is not negative (or is NaN, whose byte may then be 0x7F or 0xFF,
+// both NaN): on the GPU the satfinite nearest-even conversion, which is clamp-then-round, in one
+// instruction instead of the integer rounding above.
+QT_HD uint8_t e4m3_scale_bits(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned short r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.f), "f"(v));
+  return static_cast<uint8_t>(r & 0xFFu);
+#else
+  return e4m3_bits(v);
+#endif
+}
+
 QT_HD float e4m3_value(uint8_t b) {
   const uint32_t s = static_cast<uint32_t>(b & 0x80u) << 24;
   const uint32_t e = (b >> 3) & 0xFu, m = b & 7u;
   if (e == 15u && m == 7u) return u2f(s | 0x7FC00000u);
   if (e == 0u) return u2f(s | f2u(static_cast<float>(m) * 0.001953125f));  // m * 2**-9
   return u2f(s | ((e + 120u) << 23) | (m << 20));
+}
+
+// e4m3_value in fewer instructions for the bytes a scale takes (non-negative, or NaN): a normal
+// byte's fp32 bits are (b << 20) + (120 << 23); a subnormal one's value m 2**-9 is the same bits
+// with exponent 121, minus 2**-6 (exact). Other bytes go the general way.
+QT_HD float e4m3_scale_value(uint8_t b) {
+  if (b >= 0x7Fu) return e4m3_value(b);
+  const uint32_t u = static_cast<uint32_t>(b) << 20;
+  return b < 8u ? u2f(u + (121u << 23)) - 0x1p-6f : u2f(u + (120u << 23));
 }
 
 // |v| rounded to nearest-even on the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating at 6.
@@ -205,15 +227,15 @@ QT_HD NvScale nv_scale(float amax, int bound) {
 
 // enc_b = min(r(1 / r(s_b * S_dec)), FLT_MAX)
 QT_HD float nv_block_enc(uint8_t s_b, float s_dec) {
-  return clamp_max(1.f / (e4m3_value(s_b) * s_dec), FLT_MAX);
+  return clamp_max(1.f / (e4m3_scale_value(s_b) * s_dec), FLT_MAX);
 }
 
 // 4over6 candidates: base = r(r(b_amax / 6) * S_enc); s6 = e4m3(min(base, 448)),
 // s4 = e4m3(min(r(1.5 base), 448)).
 QT_HD void fourover6_candidates(float b_amax, const NvScale& ts, uint8_t* s6, uint8_t* s4) {
   const float base = (b_amax / 6.f) * ts.s_enc;
-  *s6 = e4m3_bits(clamp_max(base, 448.f));
-  *s4 = e4m3_bits(clamp_max(1.5f * base, 448.f));
+  *s6 = e4m3_scale_bits(clamp_max(base, 448.f));
+  *s4 = e4m3_scale_bits(clamp_max(1.5f * base, 448.f));
 }
 
 // ---- MXFP8 -----------------------------------------------------------------------------------

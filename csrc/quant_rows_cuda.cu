@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kThreads) nv_rows_kernel(const T* x, int64_t n
     uint8_t sb;
     Codes codes;
     if constexpr (FO6 == 0) {
-      sb = e4m3_bits(bam * ts.s_enc_c6);
+      sb = e4m3_scale_bits(bam * ts.s_enc_c6);
       codes = nv_codes(v, bam, nv_block_enc(sb, ts.s_dec));
     } else {
       sb = fo6_block<FO6 == 2>(v, bam, ts, six_b, &codes);

@@ -102,7 +102,7 @@ QT_HD Codes nv_codes(const float* v, float bam, float enc) {
 template <bool MSE>
 QT_HD float fo6_error_general(const float* v, uint8_t s, const NvScale& ts, float six_b, Codes* codes) {
   const float enc = nv_block_enc(s, ts.s_dec);
-  const float sf = e4m3_value(s);
+  const float sf = e4m3_scale_value(s);
   float err = 0.f;
   unsigned w[2] = {0u, 0u};
 #pragma unroll
@@ -152,7 +152,7 @@ QT_HD uint8_t fo6_block(const float* v, float bam, const NvScale& ts, float six_
     *codes = nv_codes(v, bam, nv_block_enc(s6, ts.s_dec));
     return s6;
   }
-  const float sf6 = e4m3_value(s6), sf4 = e4m3_value(s4);
+  const float sf6 = e4m3_scale_value(s6), sf4 = e4m3_scale_value(s4);
   Codes c6, c4;
   float e6, e4;
   if (f2u(bam) < 0x7F800000u && fo6_fast_domain(ts.amax, sf6) && fo6_fast_domain(ts.amax, sf4)) {

@@ -3,6 +3,7 @@
 //   e4m3_lanes (with and without its NaN select) == e4m3_bits,
 //   e2m1_lanes == e2m1_encode, each as a scalar, in 4 lanes and in 8 lanes;
 //   e4m3_value_lanes == e4m3_value on all 256 bytes;
+//   e4m3_scale_value == e4m3_value on all 256 bytes;
 //   e2m1_code_nonan (quant_rows_math.h: the E2M1 code of the CUDA rowwise and tile kernels and
 //   of the CPU fast paths) == e2m1_code_bits on every non-negative, non-NaN pattern swept.
 //
@@ -160,6 +161,18 @@ int main(int argc, char** argv) {
   ok = run("e2m1_lanes", full, e2m1_ref, E2M1{}, false) && ok;
   const bool values = check_values();
   std::printf("%-24s %s\n", "e4m3_value_lanes", values ? "equal" : "DIFFERENT");
+  bool scale_values = true;
+  for (uint32_t b = 0; b < 256; ++b) {
+    const float want = e4m3_value(static_cast<uint8_t>(b)), got = e4m3_scale_value(static_cast<uint8_t>(b));
+    if (!(want != want && got != got) && f2u(want) != f2u(got)) {
+      std::printf("e4m3_scale_value: byte 0x%02" PRIx32 ": reference 0x%08" PRIx32 ", got 0x%08" PRIx32 "\n",
+                  b, f2u(want), f2u(got));
+      scale_values = false;
+      break;
+    }
+  }
+  std::printf("%-24s %s\n", "e4m3_scale_value", scale_values ? "equal" : "DIFFERENT");
+  ok = scale_values && ok;
   ok = check_code_nonan(full) && ok;
   return ok && values ? 0 : 1;
 }
