@@ -33,16 +33,20 @@ constexpr int kStages = 3;     // tiles in flight per CTA: the one quantized, tw
 
 // ---- shared-memory tiles ---------------------------------------------------------------------------
 
-// A stage holds kRows rows of kCols elements, each row padded by 16 bytes: 16-byte row reads by 8
-// consecutive rows (the rowwise phases) then fall in distinct banks, and the column-pair reads
-// (one 4-byte word per lane, a row per instruction) are conflict-free either way.
+// A stage holds kRows rows of kCols elements, unpadded, with the 16-byte chunks of row r stored
+// at chunk index c ^ (r % 8). The column-pair reads (a 4- or 8-byte word per lane, one row per
+// instruction) and the 16-byte row reads of 8 consecutive rows (the rowwise phases) then fall in
+// distinct banks, and 3 stages of bf16 tiles leave room for 4 CTAs per SM.
 template <typename T>
 struct Stage {
   static constexpr int kRowBytes = kCols * static_cast<int>(sizeof(T));
-  static constexpr int kStride = kRowBytes + 16;
-  static constexpr int kBytes = kRows * kStride;
+  static constexpr int kBytes = kRows * kRowBytes;
   static constexpr int kChunks = kRows * kRowBytes / 16;  // 16-byte copies per tile
   static_assert(kChunks % kThreads == 0, "whole copies per thread");
+  // Byte offset of byte `byte` of row r (an access never crosses its 16-byte chunk).
+  __device__ static __forceinline__ int at(int r, int byte) {
+    return r * kRowBytes + (((byte >> 4) ^ (r & 7)) << 4) + (byte & 15);
+  }
 };
 
 // Out-of-range chunks are zero-filled (src-size 0) and never stored; their source address stays
@@ -68,50 +72,52 @@ __device__ __forceinline__ void load_tile(const T* x, int64_t M, int64_t K, int6
   const int r0 = threadIdx.x / kPerRow, c = threadIdx.x % kPerRow;
   const int64_t col = k0 + c * kN, rows = M - m0 - r0;
   const T* src = x + (m0 + r0) * K + col;
-  const uint32_t dst = stage + r0 * S::kStride + c * 16;
+  static_assert(kRowStep % 8 == 0, "the rows of one thread share their swizzle");
+  const uint32_t dst = stage + S::at(r0, 16 * c);
 #pragma unroll
   for (int l = 0; l < S::kChunks / kThreads; ++l) {
     const bool ok = col < K && l * kRowStep < rows;
-    cp_async16(dst + l * kRowStep * S::kStride, ok ? src + l * kRowStep * K : x, ok);
+    cp_async16(dst + l * kRowStep * S::kRowBytes, ok ? src + l * kRowStep * K : x, ok);
   }
 }
 
-// Elements 2p and 2p+1 of a tile row, widened exactly; raw is the packed word of 16-bit inputs.
+// Elements 2p and 2p+1 of tile row r, widened exactly; raw is the packed word of 16-bit inputs.
 template <typename T>
 struct Pair;
 template <>
 struct Pair<at::BFloat16> {
-  __device__ static void load(const unsigned char* row, int p, float& a, float& b, uint32_t& raw) {
-    raw = *reinterpret_cast<const uint32_t*>(row + 4 * p);
+  __device__ static void load(const unsigned char* tile, int r, int p, float& a, float& b, uint32_t& raw) {
+    raw = *reinterpret_cast<const uint32_t*>(tile + Stage<at::BFloat16>::at(r, 4 * p));
     a = u2f(raw << 16);
     b = u2f(raw & 0xFFFF0000u);
   }
 };
 template <>
 struct Pair<at::Half> {
-  __device__ static void load(const unsigned char* row, int p, float& a, float& b, uint32_t& raw) {
-    raw = *reinterpret_cast<const uint32_t*>(row + 4 * p);
+  __device__ static void load(const unsigned char* tile, int r, int p, float& a, float& b, uint32_t& raw) {
+    raw = *reinterpret_cast<const uint32_t*>(tile + Stage<at::Half>::at(r, 4 * p));
     a = __half2float(__ushort_as_half(static_cast<unsigned short>(raw & 0xFFFFu)));
     b = __half2float(__ushort_as_half(static_cast<unsigned short>(raw >> 16)));
   }
 };
 template <>
 struct Pair<float> {
-  __device__ static void load(const unsigned char* row, int p, float& a, float& b, uint32_t& raw) {
-    const float2 f = *reinterpret_cast<const float2*>(row + 8 * p);
+  __device__ static void load(const unsigned char* tile, int r, int p, float& a, float& b, uint32_t& raw) {
+    const float2 f = *reinterpret_cast<const float2*>(tile + Stage<float>::at(r, 8 * p));
     a = f.x;
     b = f.y;
     raw = 0u;
   }
 };
 
-// Sixteen consecutive elements of a tile row from column c0 (a multiple of 16).
+// Sixteen consecutive elements of tile row r from column c0 (a multiple of 16).
 template <typename T>
-__device__ __forceinline__ void load16(const unsigned char* row, int c0, float* v) {
+__device__ __forceinline__ void load16(const unsigned char* tile, int r, int c0, float* v) {
   constexpr int kN = Vec<T>::kN;
-  const uint4* p = reinterpret_cast<const uint4*>(row + c0 * static_cast<int>(sizeof(T)));
 #pragma unroll
-  for (int i = 0; i < 16 / kN; ++i) Vec<T>::unpack(p[i], v + i * kN);
+  for (int i = 0; i < 16 / kN; ++i)
+    Vec<T>::unpack(*reinterpret_cast<const uint4*>(tile + Stage<T>::at(r, c0 * static_cast<int>(sizeof(T)) + 16 * i)),
+                   v + i * kN);
 }
 
 // ---- the arguments ---------------------------------------------------------------------------------
@@ -198,7 +204,7 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned c
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     uint32_t raw;
-    Pair<T>::load(tile + (16 * w + i) * Stage<T>::kStride, p, v[0][i], v[1][i], raw);
+    Pair<T>::load(tile, 16 * w + i, p, v[0][i], v[1][i], raw);
     if constexpr (kBf16) pmax = __vmaxu2(pmax, raw & 0x7FFF7FFFu);
   }
   const int64_t qcol0 = m0 + 16 * w;
@@ -332,7 +338,7 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const unsigned c
   for (int j = 0; j < 2; ++j) {
     const int cb = (l >> 4) + 2 * j;
     float v[16];
-    load16<T>(tile + r * Stage<T>::kStride, 16 * cb, v);
+    load16<T>(tile, r, 16 * cb, v);
     float bam = absmax16(v);
     if (a.nv_2d) bam = lanes_absmax<16>(bam);
     uint8_t sb;
@@ -406,7 +412,7 @@ __device__ __forceinline__ void mx_row_phase(const TileArgs& a, const unsigned c
   for (int j = 0; j < 2; ++j) {
     const int64_t col = k0 + 32 * j + 16 * h;
     float v[16];
-    load16<T>(tile + r * Stage<T>::kStride, 32 * j + 16 * h, v);
+    load16<T>(tile, r, 32 * j + 16 * h, v);
     float am = 0.f;
 #pragma unroll
     for (int i = 0; i < 16; ++i) am = nan_max(am, abs_f(v[i]));
@@ -431,7 +437,7 @@ __device__ __forceinline__ void mx_col_phase(const TileArgs& a, const unsigned c
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     uint32_t raw;
-    Pair<T>::load(tile + (16 * w + i) * Stage<T>::kStride, p, v[0][i], v[1][i], raw);
+    Pair<T>::load(tile, 16 * w + i, p, v[0][i], v[1][i], raw);
     am[0] = nan_max(am[0], abs_f(v[0][i]));
     am[1] = nan_max(am[1], abs_f(v[1][i]));
   }
