@@ -150,14 +150,10 @@ struct Bf16Range {
   }
 };
 
-// rht16's fp64 butterfly out of line: it runs only on runs whose magnitudes spread too far for
-// fp32, and inlined it would hold its 16 doubles in registers across the whole kernel.
-__device__ __noinline__ void rht16_f64(float* v) { rht16(v); }
-
 // rht16 (quant_math.h), through the fp32 butterfly when the caller has shown it exact.
 __device__ __forceinline__ void rht16_fast(float* v, bool f32_exact) {
   if (!f32_exact) {
-    rht16_f64(v);
+    rht16(v);
     return;
   }
   constexpr uint32_t kNegative = 0xD7E8u;  // RHT_SIGNS, as in rht16

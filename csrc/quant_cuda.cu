@@ -484,8 +484,14 @@ struct TileWalk {
 
 // ---- the kernel --------------------------------------------------------------------------------------
 
+// CTAs per SM the register budget is cut for: 4 for 16-bit inputs (3 stages of 16 KB and 64
+// registers a thread fit 4 times), 2 for fp32 tiles (32 KB a stage) and for 4over6 (two
+// candidates per block).
+template <typename T, int FO6>
+constexpr int kMinCtas = sizeof(T) == 2 && FO6 == 0 ? 4 : 2;
+
 template <typename T, bool NV, int FO6, bool MXR, bool MXC>
-__global__ void __launch_bounds__(kThreads) tile_kernel(TileArgs a, int64_t tiles, int64_t tiles_k) {
+__global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileArgs a, int64_t tiles, int64_t tiles_k) {
   extern __shared__ __align__(16) unsigned char stages[];
   __shared__ std::conditional_t<NV, NvOut, char> nv_out;
   __shared__ float part[MXC ? 8 : 1][kCols];
