@@ -25,7 +25,7 @@ constexpr int kAmaxPanels = 2;  // 16-row panels per warp: 32 rows (enough block
 // amax; 1: per input row; 2: per input column (the columnwise per-row amax). Non-negative floats
 // order like their bits, and NaN's bits (after abs) sit above inf, so atomicMax on the bits is
 // torch.amax, NaN included.
-template <typename T, bool RHT>
+template <typename T>
 __global__ void __launch_bounds__(kThreads) amax_kernel(const T* x, int64_t M, int64_t K, int mode,
                                                         unsigned* out) {
   constexpr int kN = Vec<T>::kN;
@@ -50,32 +50,7 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* x, int64_t M, i
     float rmax[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) rmax[i] = 0.f;
-    if constexpr (RHT) {
-      // The 16-runs of this lane's columns: bf16 pairs of 4 words, for rht16_fast's exactness test.
-      constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
-      Bf16Range range[4];
-      if constexpr (kBf16) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          range[0].add(raw[i].x);
-          range[1].add(raw[i].y);
-          range[2].add(raw[i].z);
-          range[3].add(raw[i].w);
-        }
-      }
-#pragma unroll
-      for (int c = 0; c < kN; ++c) {
-        float v[16], f[kN];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          Vec<T>::unpack(raw[i], f);
-          v[i] = f[c];
-        }
-        rht16_fast(v, kBf16 && range[(c >> 1) & 3].f32_exact(c & 1));
-#pragma unroll
-        for (int i = 0; i < 16; ++i) cmax[c] = nan_max(cmax[c], abs_f(v[i]));
-      }
-    } else {
+    {
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         float f[kN];
@@ -110,6 +85,65 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* x, int64_t M, i
   }
 }
 
+// The amax after RHT (columnwise: 16-runs down each column). Lane l of a warp takes columns 2l and
+// 2l+1 of 64, one 4- or 8-byte word per row, so that a lane holds 16 words and one 16-run at a
+// time in registers (with 8 columns a lane, the fp64 fallback's registers left one CTA per SM).
+// mode 0: one amax; 2: one per input column.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) rht_amax_kernel(const T* x, int64_t M, int64_t K, int mode,
+                                                            unsigned* out) {
+  using Word = std::conditional_t<sizeof(T) == 4, uint2, uint32_t>;
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
+  const int64_t col_groups = (K + 63) / 64;
+  const int64_t r0 = (warp / col_groups) * 16 * kAmaxPanels;
+  const int64_t k = (warp % col_groups) * 64 + 2 * lane;
+  if (r0 >= M) return;  // whole warp: uniform
+  const bool kin = k < K;  // K % 16 == 0: both columns or neither
+  float cmax[2] = {0.f, 0.f};
+  for (int p = 0; p < kAmaxPanels; ++p) {
+    const int64_t rb = r0 + p * 16;
+    if (rb >= M) break;
+    Word raw[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      raw[i] = (kin && rb + i < M) ? __ldcs(reinterpret_cast<const Word*>(x + (rb + i) * K + k)) : Word{};
+    Bf16Range range;
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) range.add(raw[i]);
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float v[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        if constexpr (sizeof(T) == 4) {
+          v[i] = u2f(c ? raw[i].y : raw[i].x);
+        } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+          v[i] = u2f(c ? raw[i] & 0xFFFF0000u : raw[i] << 16);
+        } else {
+          v[i] = __half2float(__ushort_as_half(static_cast<unsigned short>(c ? raw[i] >> 16 : raw[i] & 0xFFFFu)));
+        }
+      }
+      rht16_fast(v, std::is_same_v<T, at::BFloat16> && range.f32_exact(c));
+#pragma unroll
+      for (int i = 0; i < 16; ++i) cmax[c] = nan_max(cmax[c], abs_f(v[i]));
+    }
+  }
+  if (mode == 2) {
+    if (kin) {
+      atomicMax(out + k, f2u(cmax[0]));
+      atomicMax(out + k + 1, f2u(cmax[1]));
+    }
+  } else {
+    float gmax = nan_max(cmax[0], cmax[1]);
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) gmax = nan_max(gmax, __shfl_xor_sync(kFull, gmax, o));
+    if (lane == 0) atomicMax(out, f2u(gmax));
+  }
+}
+
 at::Tensor amax_cuda(const at::Tensor& x, bool columnwise, bool rht, bool per_row) {
   const char* op = "qtensor.amax";
   const NvShape s = nv_shape(x, columnwise, false, op);
@@ -126,13 +160,13 @@ at::Tensor amax_cuda(const at::Tensor& x, bool columnwise, bool rht, bool per_ro
   dispatch_float(x.scalar_type(), op, [&](auto tag) {
     using T = decltype(tag);
     constexpr int kN = Vec<T>::kN;
-    const int64_t warps = ((s.M + 16 * kAmaxPanels - 1) / (16 * kAmaxPanels)) *
-                          ((s.K + 32 * kN - 1) / (32 * kN));
+    const int64_t panels = (s.M + 16 * kAmaxPanels - 1) / (16 * kAmaxPanels);
+    const int64_t warps = panels * (rht ? (s.K + 63) / 64 : (s.K + 32 * kN - 1) / (32 * kN));
     const int64_t blocks = (warps * 32 + kThreads - 1) / kThreads;
     auto* o = reinterpret_cast<unsigned*>(out.data_ptr<float>());
     auto stream = c10::cuda::getCurrentCUDAStream();
-    if (rht) amax_kernel<T, true><<<blocks, kThreads, 0, stream>>>(x2.const_data_ptr<T>(), s.M, s.K, mode, o);
-    else amax_kernel<T, false><<<blocks, kThreads, 0, stream>>>(x2.const_data_ptr<T>(), s.M, s.K, mode, o);
+    if (rht) rht_amax_kernel<T><<<blocks, kThreads, 0, stream>>>(x2.const_data_ptr<T>(), s.M, s.K, mode, o);
+    else amax_kernel<T><<<blocks, kThreads, 0, stream>>>(x2.const_data_ptr<T>(), s.M, s.K, mode, o);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
