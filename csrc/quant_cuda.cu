@@ -66,18 +66,18 @@ __device__ __forceinline__ void load_tile(const T* x, int64_t M, int64_t K, int6
                                           uint32_t stage) {
   using S = Stage<T>;
   // Thread t copies chunk t % kPerRow of rows t / kPerRow, + kRowStep, ...: one column offset,
-  // one source pointer stepped by kRowStep rows.
+  // one source offset stepped by kRowStep rows.
   constexpr int kPerRow = S::kRowBytes / 16, kN = 16 / static_cast<int>(sizeof(T));
   constexpr int kRowStep = kThreads / kPerRow;
   const int r0 = threadIdx.x / kPerRow, c = threadIdx.x % kPerRow;
   const int64_t col = k0 + c * kN, rows = M - m0 - r0;
-  const T* src = x + (m0 + r0) * K + col;
+  const int64_t src = (m0 + r0) * K + col;  // an offset: the pointer is formed only in range
   static_assert(kRowStep % 8 == 0, "the rows of one thread share their swizzle");
   const uint32_t dst = stage + S::at(r0, 16 * c);
 #pragma unroll
   for (int l = 0; l < S::kChunks / kThreads; ++l) {
     const bool ok = col < K && l * kRowStep < rows;
-    cp_async16(dst + l * kRowStep * S::kRowBytes, ok ? src + l * kRowStep * K : x, ok);
+    cp_async16(dst + l * kRowStep * S::kRowBytes, ok ? x + src + l * kRowStep * K : x, ok);
   }
 }
 
