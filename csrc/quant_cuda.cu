@@ -110,14 +110,21 @@ struct Pair<float> {
   }
 };
 
-// Sixteen consecutive elements of tile row r from column c0 (a multiple of 16).
+// The 16-byte words of sixteen consecutive elements of tile row r from column c0 (a multiple of
+// 16), and those elements widened.
+template <typename T>
+__device__ __forceinline__ void load16_raw(const unsigned char* tile, int r, int c0, uint4* raw) {
+#pragma unroll
+  for (int i = 0; i < 16 / Vec<T>::kN; ++i)
+    raw[i] = *reinterpret_cast<const uint4*>(tile + Stage<T>::at(r, c0 * static_cast<int>(sizeof(T)) + 16 * i));
+}
 template <typename T>
 __device__ __forceinline__ void load16(const unsigned char* tile, int r, int c0, float* v) {
   constexpr int kN = Vec<T>::kN;
+  uint4 raw[16 / kN];
+  load16_raw<T>(tile, r, c0, raw);
 #pragma unroll
-  for (int i = 0; i < 16 / kN; ++i)
-    Vec<T>::unpack(*reinterpret_cast<const uint4*>(tile + Stage<T>::at(r, c0 * static_cast<int>(sizeof(T)) + 16 * i)),
-                   v + i * kN);
+  for (int i = 0; i < 16 / kN; ++i) Vec<T>::unpack(raw[i], v + i * kN);
 }
 
 // ---- the arguments ---------------------------------------------------------------------------------
@@ -411,13 +418,18 @@ __device__ __forceinline__ void mx_row_phase(const TileArgs& a, const unsigned c
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int64_t col = k0 + 32 * j + 16 * h;
-    float v[16];
-    load16<T>(tile, r, 32 * j + 16 * h, v);
-    float am = 0.f;
+    constexpr int kN = Vec<T>::kN;
+    uint4 raw[16 / kN];
+    load16_raw<T>(tile, r, 32 * j + 16 * h, raw);
+    uint32_t am = 0u;  // max |element| bits on the packed words (NaN above inf), both halves
 #pragma unroll
-    for (int i = 0; i < 16; ++i) am = nan_max(am, abs_f(v[i]));
-    am = nan_max(am, __shfl_xor_sync(kFull, am, 1));
-    const uint32_t code = mx_scale_code(am, a.rule);
+    for (int i = 0; i < 16 / kN; ++i) am = absmax_word<T>(am, raw[i]);
+    am = absmax_bits<T>(am);
+    am = max(am, __shfl_xor_sync(kFull, am, 1));
+    float v[16];
+#pragma unroll
+    for (int i = 0; i < 16 / kN; ++i) Vec<T>::unpack(raw[i], v + i * kN);
+    const uint32_t code = mx_scale_code(u2f(am), a.rule);
     const uint4 bytes = mx_e4m3x16(v, code);
     if (row < a.M && col < a.K) {
       *reinterpret_cast<uint4*>(a.mxr_q + row * a.K + col) = bytes;
@@ -434,12 +446,21 @@ __device__ __forceinline__ void mx_col_phase(const TileArgs& a, const unsigned c
   const int p = threadIdx.x & 31, w = threadIdx.x >> 5;
   float v[2][16];
   float am[2] = {0.f, 0.f};
+  uint32_t pmax = 0u;  // bf16: both columns' max |element| bits, one per 16-bit half
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     uint32_t raw;
     Pair<T>::load(tile, 16 * w + i, p, v[0][i], v[1][i], raw);
-    am[0] = nan_max(am[0], abs_f(v[0][i]));
-    am[1] = nan_max(am[1], abs_f(v[1][i]));
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      pmax = __vmaxu2(pmax, raw & 0x7FFF7FFFu);
+    } else {
+      am[0] = nan_max(am[0], abs_f(v[0][i]));
+      am[1] = nan_max(am[1], abs_f(v[1][i]));
+    }
+  }
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    am[0] = u2f(pmax << 16);
+    am[1] = u2f(pmax & 0xFFFF0000u);
   }
   reinterpret_cast<float2*>(part[w])[p] = make_float2(am[0], am[1]);
   __syncthreads();
