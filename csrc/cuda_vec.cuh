@@ -156,20 +156,7 @@ __device__ __forceinline__ void rht16_fast(float* v, bool f32_exact) {
     rht16(v);
     return;
   }
-  constexpr uint32_t kNegative = 0xD7E8u;  // RHT_SIGNS, as in rht16
-#pragma unroll
-  for (int i = 0; i < 16; ++i)
-    if ((kNegative >> i) & 1u) v[i] = -v[i];
-#pragma unroll
-  for (int h = 1; h < 16; h <<= 1) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      if (i & h) continue;
-      const float a = v[i], b = v[i + h];
-      v[i] = a + b;
-      v[i + h] = a - b;
-    }
-  }
+  signed_hadamard16(v);
 #pragma unroll
   for (int i = 0; i < 16; ++i) v[i] = __bfloat162float(__float2bfloat16_rn(v[i] * 0.25f));
 }

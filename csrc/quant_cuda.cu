@@ -195,6 +195,46 @@ __device__ __forceinline__ float lanes_absmax(float bam) {
   return u2f(b);
 }
 
+// The staged outputs of one tile to the result [R, C]: ROWS result rows from r0, BLOCKS blocks
+// of 16 from c0 in each. Codes leave two blocks a thread, as one 16-byte store where the pair is
+// whole and aligned; scale bytes a row a thread, as one word where the row's blocks are whole.
+template <int BLOCKS, int ROWS>
+__device__ __forceinline__ void store_staged(const TileArgs& a, const NvOut& out, int64_t r0, int64_t c0,
+                                             int64_t R, int64_t C) {
+  static_assert(ROWS * BLOCKS / 2 == kThreads && BLOCKS <= 8, "two blocks of a result row a thread");
+  {
+    const int rr = threadIdx.x / (BLOCKS / 2), h = threadIdx.x % (BLOCKS / 2);
+    const int64_t row = r0 + rr, col = c0 + 32 * h;
+    if (row < R && col < C) {
+      const uint2 lo = out.q[(2 * h) * ROWS + rr], hi = out.q[(2 * h + 1) * ROWS + rr];
+      uint8_t* dst = a.nv_q + row * (C / 2) + col / 2;
+      if (col + 16 < C && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+      } else {
+        *reinterpret_cast<uint2*>(dst) = lo;
+        if (col + 16 < C) *reinterpret_cast<uint2*>(dst + 8) = hi;
+      }
+    }
+  }
+  if (threadIdx.x < ROWS) {
+    const int rr = threadIdx.x;
+    const int64_t row = r0 + rr;
+    if (row < R) {
+      const int64_t nb = (C - c0) / 16 < BLOCKS ? (C - c0) / 16 : BLOCKS;
+      uint8_t* dst = a.nv_s + row * (C / 16) + c0 / 16;
+      uint64_t bytes = 0u;
+#pragma unroll
+      for (int b = 0; b < BLOCKS; ++b) bytes |= static_cast<uint64_t>(out.s[b * ROWS + rr]) << (8 * b);
+      if (nb == BLOCKS && (reinterpret_cast<uintptr_t>(dst) & (BLOCKS - 1)) == 0) {
+        if constexpr (BLOCKS == 8) *reinterpret_cast<uint64_t*>(dst) = bytes;
+        else *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(bytes);
+      } else {
+        for (int b = 0; b < nb; ++b) dst[b] = static_cast<uint8_t>(bytes >> (8 * b));
+      }
+    }
+  }
+}
+
 // ---- NVFP4 columnwise: the result is [K, M], blocks run down the input's columns -----------------
 
 // Lane p takes columns 2p and 2p+1, warp w the 16 rows 16w.. of the tile: one block of each of
@@ -295,36 +335,7 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned c
   reinterpret_cast<uint4*>(out.q)[w * 32 + p] = make_uint4(codes[0].x, codes[0].y, codes[1].x, codes[1].y);
   reinterpret_cast<uint16_t*>(out.s)[w * 32 + p] = static_cast<uint16_t>(sb[0] | (sb[1] << 8));
   __syncthreads();
-  {  // result row kk of the tile: blocks 2h and 2h+1 as one 16-byte store where it can
-    const int kk = threadIdx.x >> 2, h = threadIdx.x & 3;
-    const int64_t qrow = k0 + kk, qcol = m0 + 32 * h;
-    if (qrow < R && qcol < C) {
-      const uint2 lo = out.q[(2 * h) * 64 + kk], hi = out.q[(2 * h + 1) * 64 + kk];
-      uint8_t* dst = a.nv_q + qrow * (C / 2) + qcol / 2;
-      if (qcol + 16 < C && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
-      } else {
-        *reinterpret_cast<uint2*>(dst) = lo;
-        if (qcol + 16 < C) *reinterpret_cast<uint2*>(dst + 8) = hi;
-      }
-    }
-  }
-  if (threadIdx.x < 64) {  // the 8 scale bytes of result row kk
-    const int kk = threadIdx.x;
-    const int64_t qrow = k0 + kk;
-    if (qrow < R) {
-      const int64_t nb = (C - m0) / 16 < 8 ? (C - m0) / 16 : 8;
-      uint8_t* dst = a.nv_s + qrow * (C / 16) + m0 / 16;
-      unsigned w8[2] = {0u, 0u};
-#pragma unroll
-      for (int b = 0; b < 8; ++b) w8[b >> 2] |= static_cast<unsigned>(out.s[b * 64 + kk]) << (8 * (b & 3));
-      if (nb == 8 && (reinterpret_cast<uintptr_t>(dst) & 7u) == 0) {
-        *reinterpret_cast<uint2*>(dst) = make_uint2(w8[0], w8[1]);
-      } else {
-        for (int b = 0; b < nb; ++b) dst[b] = static_cast<uint8_t>(w8[b >> 2] >> (8 * (b & 3)));
-      }
-    }
-  }
+  store_staged<8, 64>(a, out, k0, m0, R, C);
 }
 
 // ---- NVFP4 rowwise with 2D tiles or stochastic rounding ---------------------------------------------
@@ -374,36 +385,7 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const unsigned c
     out.s[cb * kRows + r] = sb;
   }
   __syncthreads();
-  {  // row rr of the tile: blocks 2h, 2h+1 as one 16-byte store where it can
-    const int rr = threadIdx.x >> 1, h = threadIdx.x & 1;
-    const int64_t row = m0 + rr, col = k0 + 32 * h;
-    if (row < R && col < C) {
-      const uint2 lo = out.q[(2 * h) * kRows + rr], hi = out.q[(2 * h + 1) * kRows + rr];
-      uint8_t* dst = a.nv_q + row * (C / 2) + col / 2;
-      if (col + 16 < C && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
-      } else {
-        *reinterpret_cast<uint2*>(dst) = lo;
-        if (col + 16 < C) *reinterpret_cast<uint2*>(dst + 8) = hi;
-      }
-    }
-  }
-  if (threadIdx.x < kRows) {  // the 4 scale bytes of row rr
-    const int rr = threadIdx.x;
-    const int64_t row = m0 + rr;
-    if (row < R) {
-      const int64_t nb = (C - k0) / 16 < 4 ? (C - k0) / 16 : 4;
-      uint8_t* dst = a.nv_s + row * (C / 16) + k0 / 16;
-      unsigned w4 = 0u;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) w4 |= static_cast<unsigned>(out.s[b * kRows + rr]) << (8 * b);
-      if (nb == 4 && (reinterpret_cast<uintptr_t>(dst) & 3u) == 0) {
-        *reinterpret_cast<unsigned*>(dst) = w4;
-      } else {
-        for (int b = 0; b < nb; ++b) dst[b] = static_cast<uint8_t>(w4 >> (8 * b));
-      }
-    }
-  }
+  store_staged<4, kRows>(a, out, m0, k0, R, C);
 }
 
 // ---- MXFP8 ------------------------------------------------------------------------------------------

@@ -187,24 +187,34 @@ QT_HD float bf16_round(float f) {  // c10's float -> bfloat16, nearest-even, NaN
   return u2f(u & 0xFFFF0000u);
 }
 
-// v := bf16(v @ diag(s) H16 / 4) on 16 values. The butterfly sums in fp64 like the reference
-// (exact while a run's magnitudes span less than 2**45), then rounds fp64 -> fp32 -> bf16 as
-// torch's double -> bfloat16 conversion does.
-QT_HD void rht16(float* v) {
+// d := d @ diag(s) H16 (the sign vector RHT_SIGNS, then the Sylvester butterfly), in the
+// precision of F: the reference's fp64, or fp32 where the caller has shown the sums exact.
+template <typename F>
+QT_HD void signed_hadamard16(F* d) {
   constexpr uint32_t kNegative = 0xD7E8u;  // bit i set where RHT_SIGNS[i] == -1
-  double d[16];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) d[i] = ((kNegative >> i) & 1u) ? -static_cast<double>(v[i]) : static_cast<double>(v[i]);
+  for (int i = 0; i < 16; ++i)
+    if ((kNegative >> i) & 1u) d[i] = -d[i];
 #pragma unroll
   for (int h = 1; h < 16; h <<= 1) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       if (i & h) continue;
-      const double a = d[i], b = d[i + h];
+      const F a = d[i], b = d[i + h];
       d[i] = a + b;
       d[i + h] = a - b;
     }
   }
+}
+
+// v := bf16(v @ diag(s) H16 / 4) on 16 values. The butterfly sums in fp64 like the reference
+// (exact while a run's magnitudes span less than 2**45), then rounds fp64 -> fp32 -> bf16 as
+// torch's double -> bfloat16 conversion does.
+QT_HD void rht16(float* v) {
+  double d[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) d[i] = static_cast<double>(v[i]);
+  signed_hadamard16(d);
 #pragma unroll
   for (int i = 0; i < 16; ++i) v[i] = bf16_round(static_cast<float>(d[i] * 0.25));
 }
