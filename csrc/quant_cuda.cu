@@ -66,18 +66,21 @@ __device__ __forceinline__ void load_tile(const T* x, int64_t M, int64_t K, int6
                                           uint32_t stage) {
   using S = Stage<T>;
   // Thread t copies chunk t % kPerRow of rows t / kPerRow, + kRowStep, ...: one column offset,
-  // one source offset stepped by kRowStep rows.
+  // one source offset stepped by kRowStep rows, and the rows left compared in 32 bits.
   constexpr int kPerRow = S::kRowBytes / 16, kN = 16 / static_cast<int>(sizeof(T));
   constexpr int kRowStep = kThreads / kPerRow;
   const int r0 = threadIdx.x / kPerRow, c = threadIdx.x % kPerRow;
-  const int64_t col = k0 + c * kN, rows = M - m0 - r0;
-  const int64_t src = (m0 + r0) * K + col;  // an offset: the pointer is formed only in range
+  const int64_t col = k0 + c * kN, left = M - m0 - r0;
+  const int rows = left < kRows ? static_cast<int>(left) : kRows;  // > -kRowStep
+  const bool col_ok = col < K;
+  int64_t src = (m0 + r0) * K + col;  // an offset: the pointer is formed only in range
+  const int64_t step = kRowStep * K;
   static_assert(kRowStep % 8 == 0, "the rows of one thread share their swizzle");
   const uint32_t dst = stage + S::at(r0, 16 * c);
 #pragma unroll
-  for (int l = 0; l < S::kChunks / kThreads; ++l) {
-    const bool ok = col < K && l * kRowStep < rows;
-    cp_async16(dst + l * kRowStep * S::kRowBytes, ok ? x + src + l * kRowStep * K : x, ok);
+  for (int l = 0; l < S::kChunks / kThreads; ++l, src += step) {
+    const bool ok = col_ok && l * kRowStep < rows;
+    cp_async16(dst + l * kRowStep * S::kRowBytes, ok ? x + src : x, ok);
   }
 }
 
@@ -168,12 +171,30 @@ __device__ __forceinline__ float fo6_row_error(const float* v, uint8_t s, const 
   return fo6_error_general<MSE>(v, s, ts, six_b, codes);
 }
 
+// What the NVFP4 blocks of one CTA share, set up once before its first tile: the tensor scale,
+// the block factor nv_block_enc of each of the 256 scale bytes under it (a shared-memory table,
+// filled when one tensor scale serves every block: a look-up instead of a reciprocal per block),
+// and stochastic rounding's key and counter base, read on the device so the host never syncs.
+struct NvShared {
+  NvScale ts;
+  const float* enc_of;
+  bool sr;
+  uint32_t key, base;
+};
+
+// Block factor of scale byte sb under the tensor scale ts (the CTA's one, or a row's).
+__device__ __forceinline__ float block_enc(const NvShared& nv, bool row_scaled, const NvScale& ts, uint8_t sb) {
+  return row_scaled ? nv_block_enc(sb, ts.s_dec) : nv.enc_of[sb];
+}
+
 // Scale byte and codes of one block (plain or stochastic rounding), given its amax bam (the 16x16
-// tile's in 2D). Stochastic rounding draws element i's bits at counter base + i.
-__device__ __forceinline__ uint8_t nv_plain_block(const float* v, float bam, const NvScale& ts,
-                                                  bool sr, uint32_t key, uint32_t base, Codes* codes) {
+// tile's in 2D). Stochastic rounding draws element i's bits at counter nv.base + offset + i.
+__device__ __forceinline__ uint8_t nv_plain_block(const float* v, float bam, const NvShared& nv, bool row_scaled,
+                                                  const NvScale& ts, uint32_t offset, Codes* codes) {
   const uint8_t sb = e4m3_scale_bits(bam * ts.s_enc_c6);
-  const float enc = nv_block_enc(sb, ts.s_dec);
+  const float enc = block_enc(nv, row_scaled, ts, sb);
+  const bool sr = nv.sr;
+  const uint32_t key = nv.key, base = nv.base + offset;
   if (!sr) {
     *codes = nv_codes(v, bam, enc);
     return sb;
@@ -242,7 +263,8 @@ __device__ __forceinline__ void store_staged(const TileArgs& a, const NvOut& out
 // staging buffer, then leave as 16-byte rows of the result.
 template <typename T, int FO6>
 __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned char* tile, NvOut& out,
-                                             const NvScale& ts_all, int64_t m0, int64_t k0) {
+                                             const NvShared& nv, int64_t m0, int64_t k0) {
+  const NvScale& ts_all = nv.ts;
   const int p = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int64_t R = a.K, C = a.M;
   constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
@@ -281,17 +303,12 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned c
   uint8_t sb[2];
   Codes codes[2];
   if constexpr (FO6 == 0) {
-    uint32_t key = 0u, base = 0u;
-    if (a.nv_sr) {  // read here, on the device: the host never syncs on the state
-      key = mix32(static_cast<uint32_t>(a.sr_state[0]));
-      base = static_cast<uint32_t>(a.sr_state[1]);
-    }
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int64_t qrow = k0 + 2 * p + c;
       const NvScale ts = a.row_scaled ? nv_scale(qrow < R ? a.amax[qrow] : 0.f, a.bound) : ts_all;
-      sb[c] = nv_plain_block(v[c], bam[c], ts, a.nv_sr, key,
-                             static_cast<uint32_t>(qrow * C + qcol0) + base, &codes[c]);
+      sb[c] = nv_plain_block(v[c], bam[c], nv, a.row_scaled, ts, static_cast<uint32_t>(qrow * C + qcol0),
+                             &codes[c]);
     }
   } else {
     constexpr bool kMse = FO6 == 2;
@@ -344,14 +361,10 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned c
 // tile is the 16 lanes of one half-warp.
 template <typename T, int FO6>
 __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const unsigned char* tile, NvOut& out,
-                                             const NvScale& ts, int64_t m0, int64_t k0) {
+                                             const NvShared& nv, int64_t m0, int64_t k0) {
+  const NvScale& ts = nv.ts;  // the rowwise tile modes exclude row scaling
   const int l = threadIdx.x & 31, w = threadIdx.x >> 5, r = 16 * w + (l & 15);
   const int64_t R = a.M, C = a.K, qrow = m0 + r;
-  uint32_t key = 0u, base = 0u;
-  if (FO6 == 0 && a.nv_sr) {
-    key = mix32(static_cast<uint32_t>(a.sr_state[0]));
-    base = static_cast<uint32_t>(a.sr_state[1]);
-  }
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int cb = (l >> 4) + 2 * j;
@@ -362,8 +375,7 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const unsigned c
     uint8_t sb;
     Codes codes;
     if constexpr (FO6 == 0) {
-      sb = nv_plain_block(v, bam, ts, a.nv_sr, key,
-                          static_cast<uint32_t>(qrow * C + k0 + 16 * cb) + base, &codes);
+      sb = nv_plain_block(v, bam, nv, false, ts, static_cast<uint32_t>(qrow * C + k0 + 16 * cb), &codes);
     } else {  // 4over6 here is 2D (1D rowwise runs in quant_rows_cuda.cu)
       constexpr bool kMse = FO6 == 2;
       const float six_b = static_cast<float>(6 * a.bound);
@@ -498,11 +510,24 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
   extern __shared__ __align__(16) unsigned char stages[];
   __shared__ std::conditional_t<NV, NvOut, char> nv_out;
   __shared__ float part[MXC ? 8 : 1][kCols];
+  __shared__ float enc_of[NV ? 256 : 1];
   using S = Stage<T>;
   const T* x = static_cast<const T*>(a.x);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
-  NvScale ts{};
-  if (NV && !a.row_scaled) ts = nv_scale(a.amax[0], a.bound);
+  NvShared nv{NvScale{}, enc_of, false, 0u, 0u};
+  if constexpr (NV) {
+    static_assert(kThreads == 256, "one scale byte a thread");
+    if (!a.row_scaled) {
+      nv.ts = nv_scale(a.amax[0], a.bound);
+      enc_of[threadIdx.x] = nv_block_enc(static_cast<uint8_t>(threadIdx.x), nv.ts.s_dec);
+    }
+    if (FO6 == 0 && a.nv_sr) {
+      nv.sr = true;
+      nv.key = mix32(static_cast<uint32_t>(a.sr_state[0]));
+      nv.base = static_cast<uint32_t>(a.sr_state[1]);
+    }
+  }
+  // The loop's first barrier orders the table's writes before any read.
   const int64_t step = gridDim.x;
   // The tile coordinates advance by the grid without dividing (a 64-bit division per tile and
   // thread cost about 5 instructions per element): `cur` is the tile quantized, `ahead` the
@@ -532,8 +557,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
     if constexpr (MXR) mx_row_phase<T>(a, tile, m0, k0);
     if constexpr (MXC) mx_col_phase<T>(a, tile, part, m0, k0);
     if constexpr (NV) {
-      if (a.nv_col) nv_col_phase<T, FO6>(a, tile, nv_out, ts, m0, k0);
-      else nv_row_phase<T, FO6>(a, tile, nv_out, ts, m0, k0);
+      if (a.nv_col) nv_col_phase<T, FO6>(a, tile, nv_out, nv, m0, k0);
+      else nv_row_phase<T, FO6>(a, tile, nv_out, nv, m0, k0);
     }
     stage = stage == kStages - 1 ? 0 : stage + 1;
   }
