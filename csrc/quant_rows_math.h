@@ -71,24 +71,33 @@ QT_HD float absmax16(const float* v) {
 }
 
 // Sign bits of 16 elements at bit 3 of their nibbles (the E2M1 sign), two words of 8.
+// Elements i and i + 4 of each half share one shift: their sign bits, gathered at bits 15 and
+// 31, move to 4i + 3 and 4i + 19 (disjoint bits: the adds are ors).
 QT_HD Codes sign_nibbles(const float* v) {
   unsigned w[2] = {0u, 0u};
 #pragma unroll
-  for (int i = 0; i < 16; ++i) w[i >> 3] |= (f2u(v[i]) & 0x80000000u) >> (28 - 4 * (i & 7));
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t pair = ((f2u(v[8 * h + i]) >> 16) & 0x8000u) | (f2u(v[8 * h + i + 4]) & 0x80000000u);
+      w[h] += pair >> (12 - 4 * i);
+    }
+  }
   return Codes{w[0], w[1]};
 }
 
 // Codes of one block at the block factor enc, as e2m1_encode(v * enc). Where no product can be
 // NaN (no NaN input, 0 < enc <= FLT_MAX), |v * enc| = |v| * enc and its sign is v's, so the
 // NaN-free code (equal to e2m1_code_bits on every non-NaN pattern, checked exhaustively) and v's
-// sign bit give the same nibbles; otherwise the general encoder runs.
+// sign bits give the same nibbles; otherwise the general encoder runs. Codes and signs occupy
+// disjoint bits, so each code is added onto the sign word: one shift-and-add per element.
 QT_HD Codes nv_codes(const float* v, float bam, float enc) {
   if (f2u(bam) <= 0x7F800000u && enc > 0.f) {
     Codes w = sign_nibbles(v);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) w.x |= e2m1_code_nonan(f2u(fabsf(v[i]) * enc)) << (4 * i);
+    for (int i = 0; i < 8; ++i) w.x += e2m1_code_nonan(f2u(fabsf(v[i]) * enc)) << (4 * i);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) w.y |= e2m1_code_nonan(f2u(fabsf(v[i + 8]) * enc)) << (4 * i);
+    for (int i = 0; i < 8; ++i) w.y += e2m1_code_nonan(f2u(fabsf(v[i + 8]) * enc)) << (4 * i);
     return w;
   }
   unsigned w[2] = {0u, 0u};
@@ -134,7 +143,7 @@ QT_HD float fo6_error_fast(const float* v, float sf, const NvScale& ts, float si
   for (int i = 0; i < 16; ++i) {
     const float a = fabsf(v[i]);
     const uint32_t c = e2m1_code_nonan(f2u(a * enc));
-    w[i >> 3] |= c << (4 * (i & 7));
+    w[i >> 3] += c << (4 * (i & 7));  // codes 0..7 in disjoint nibbles: + is |, one shift-and-add
     const float d = fo6_value(c, t) - a;
     err = err + (MSE ? d * d : fabsf(d));
   }
