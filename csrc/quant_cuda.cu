@@ -175,35 +175,37 @@ __device__ __forceinline__ float fo6_row_error(const float* v, uint8_t s, const 
 // the block factor nv_block_enc of each of the 256 scale bytes under it (a shared-memory table,
 // filled when one tensor scale serves every block: a look-up instead of a reciprocal per block),
 // and stochastic rounding's key and counter base, read on the device so the host never syncs.
+// Flags stay in the kernel's arguments (uniform registers), not here.
 struct NvShared {
   NvScale ts;
   const float* enc_of;
-  bool sr;
   uint32_t key, base;
 };
 
-// Block factor of scale byte sb under the tensor scale ts (the CTA's one, or a row's).
-__device__ __forceinline__ float block_enc(const NvShared& nv, bool row_scaled, const NvScale& ts, uint8_t sb) {
-  return row_scaled ? nv_block_enc(sb, ts.s_dec) : nv.enc_of[sb];
+// Scale byte (*sb) and block factor of a block with amax bam: under the CTA's tensor scale, the
+// factor from the table; under row `row`'s own amax when the tensor is row-scaled (rows past
+// `rows` are padding, amax 0).
+__device__ __forceinline__ float nv_block_scale(const TileArgs& a, const NvShared& nv, bool row_scaled,
+                                                int64_t row, int64_t rows, float bam, uint8_t* sb) {
+  if (row_scaled) {
+    const NvScale ts = nv_scale(row < rows ? a.amax[row] : 0.f, a.bound);
+    *sb = e4m3_scale_bits(bam * ts.s_enc_c6);
+    return nv_block_enc(*sb, ts.s_dec);
+  }
+  *sb = e4m3_scale_bits(bam * nv.ts.s_enc_c6);
+  return nv.enc_of[*sb];
 }
 
-// Scale byte and codes of one block (plain or stochastic rounding), given its amax bam (the 16x16
+// Codes of one block at its factor enc (plain or stochastic rounding); bam is its amax (the 16x16
 // tile's in 2D). Stochastic rounding draws element i's bits at counter nv.base + offset + i.
-__device__ __forceinline__ uint8_t nv_plain_block(const float* v, float bam, const NvShared& nv, bool row_scaled,
-                                                  const NvScale& ts, uint32_t offset, Codes* codes) {
-  const uint8_t sb = e4m3_scale_bits(bam * ts.s_enc_c6);
-  const float enc = block_enc(nv, row_scaled, ts, sb);
-  const bool sr = nv.sr;
-  const uint32_t key = nv.key, base = nv.base + offset;
-  if (!sr) {
-    *codes = nv_codes(v, bam, enc);
-    return sb;
-  }
+__device__ __forceinline__ Codes nv_block_codes(const TileArgs& a, const NvShared& nv, const float* v, float bam,
+                                                float enc, uint32_t offset) {
+  if (!a.nv_sr) return nv_codes(v, bam, enc);
+  const uint32_t base = nv.base + offset;
   unsigned w[2] = {0u, 0u};
 #pragma unroll
-  for (int i = 0; i < 16; ++i) w[i >> 3] |= e2m1_encode_sr(v[i] * enc, sr_bits(key, base + i)) << (4 * (i & 7));
-  *codes = Codes{w[0], w[1]};
-  return sb;
+  for (int i = 0; i < 16; ++i) w[i >> 3] |= e2m1_encode_sr(v[i] * enc, sr_bits(nv.key, base + i)) << (4 * (i & 7));
+  return Codes{w[0], w[1]};
 }
 
 // Integer max of magnitude bits across `lanes` consecutive lanes (xor butterfly): torch.amax's
@@ -306,9 +308,8 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned c
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int64_t qrow = k0 + 2 * p + c;
-      const NvScale ts = a.row_scaled ? nv_scale(qrow < R ? a.amax[qrow] : 0.f, a.bound) : ts_all;
-      sb[c] = nv_plain_block(v[c], bam[c], nv, a.row_scaled, ts, static_cast<uint32_t>(qrow * C + qcol0),
-                             &codes[c]);
+      const float enc = nv_block_scale(a, nv, a.row_scaled, qrow, R, bam[c], &sb[c]);
+      codes[c] = nv_block_codes(a, nv, v[c], bam[c], enc, static_cast<uint32_t>(qrow * C + qcol0));
     }
   } else {
     constexpr bool kMse = FO6 == 2;
@@ -375,7 +376,8 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const unsigned c
     uint8_t sb;
     Codes codes;
     if constexpr (FO6 == 0) {
-      sb = nv_plain_block(v, bam, nv, false, ts, static_cast<uint32_t>(qrow * C + k0 + 16 * cb), &codes);
+      const float enc = nv_block_scale(a, nv, false, qrow, R, bam, &sb);
+      codes = nv_block_codes(a, nv, v, bam, enc, static_cast<uint32_t>(qrow * C + k0 + 16 * cb));
     } else {  // 4over6 here is 2D (1D rowwise runs in quant_rows_cuda.cu)
       constexpr bool kMse = FO6 == 2;
       const float six_b = static_cast<float>(6 * a.bound);
@@ -514,7 +516,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
   using S = Stage<T>;
   const T* x = static_cast<const T*>(a.x);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
-  NvShared nv{NvScale{}, enc_of, false, 0u, 0u};
+  NvShared nv{NvScale{}, enc_of, 0u, 0u};
   if constexpr (NV) {
     static_assert(kThreads == 256, "one scale byte a thread");
     if (!a.row_scaled) {
@@ -522,7 +524,6 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
       enc_of[threadIdx.x] = nv_block_enc(static_cast<uint8_t>(threadIdx.x), nv.ts.s_dec);
     }
     if (FO6 == 0 && a.nv_sr) {
-      nv.sr = true;
       nv.key = mix32(static_cast<uint32_t>(a.sr_state[0]));
       nv.base = static_cast<uint32_t>(a.sr_state[1]);
     }
