@@ -50,16 +50,14 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* x, int64_t M, i
     float rmax[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) rmax[i] = 0.f;
-    {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        float f[kN];
-        Vec<T>::unpack(raw[i], f);
+    for (int i = 0; i < 16; ++i) {
+      float f[kN];
+      Vec<T>::unpack(raw[i], f);
 #pragma unroll
-        for (int c = 0; c < kN; ++c) {
-          rmax[i] = nan_max(rmax[i], abs_f(f[c]));
-          cmax[c] = nan_max(cmax[c], abs_f(f[c]));
-        }
+      for (int c = 0; c < kN; ++c) {
+        rmax[i] = nan_max(rmax[i], abs_f(f[c]));
+        cmax[c] = nan_max(cmax[c], abs_f(f[c]));
       }
     }
     if (mode == 1) {

@@ -68,6 +68,28 @@ struct Vec<at::Half> {
   }
 };
 
+// Two adjacent elements in one word (4 bytes of a 16-bit dtype, 8 of fp32), widened exactly: the
+// column pairs of the tile kernel.
+template <typename T>
+struct PairWord;
+template <>
+struct PairWord<float> {
+  using Word = float2;
+  __device__ static float lo(Word w) { return w.x; }
+  __device__ static float hi(Word w) { return w.y; }
+};
+template <>
+struct PairWord<at::BFloat16> {
+  using Word = uint32_t;
+  __device__ static float lo(Word w) { return __uint_as_float(w << 16); }
+  __device__ static float hi(Word w) { return __uint_as_float(w & 0xFFFF0000u); }
+};
+template <>
+struct PairWord<at::Half> {
+  using Word = uint32_t;
+  __device__ static float lo(Word w) { return __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xFFFFu))); }
+  __device__ static float hi(Word w) { return __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16))); }
+};
 
 // Running max of |element| bits over one 16-byte word; 16-bit formats keep two 16-bit maxima.
 template <typename T>

@@ -86,32 +86,15 @@ __device__ __forceinline__ void load_tile(const T* x, int64_t M, int64_t K, int6
 
 // Elements 2p and 2p+1 of tile row r, widened exactly; raw is the packed word of 16-bit inputs.
 template <typename T>
-struct Pair;
-template <>
-struct Pair<at::BFloat16> {
-  __device__ static void load(const unsigned char* tile, int r, int p, float& a, float& b, uint32_t& raw) {
-    raw = *reinterpret_cast<const uint32_t*>(tile + Stage<at::BFloat16>::at(r, 4 * p));
-    a = u2f(raw << 16);
-    b = u2f(raw & 0xFFFF0000u);
-  }
-};
-template <>
-struct Pair<at::Half> {
-  __device__ static void load(const unsigned char* tile, int r, int p, float& a, float& b, uint32_t& raw) {
-    raw = *reinterpret_cast<const uint32_t*>(tile + Stage<at::Half>::at(r, 4 * p));
-    a = __half2float(__ushort_as_half(static_cast<unsigned short>(raw & 0xFFFFu)));
-    b = __half2float(__ushort_as_half(static_cast<unsigned short>(raw >> 16)));
-  }
-};
-template <>
-struct Pair<float> {
-  __device__ static void load(const unsigned char* tile, int r, int p, float& a, float& b, uint32_t& raw) {
-    const float2 f = *reinterpret_cast<const float2*>(tile + Stage<float>::at(r, 8 * p));
-    a = f.x;
-    b = f.y;
-    raw = 0u;
-  }
-};
+__device__ __forceinline__ void load_pair(const unsigned char* tile, int r, int p, float& a, float& b, uint32_t& raw) {
+  using W = PairWord<T>;
+  constexpr int kBytes = static_cast<int>(sizeof(typename W::Word));
+  const typename W::Word w = *reinterpret_cast<const typename W::Word*>(tile + Stage<T>::at(r, kBytes * p));
+  a = W::lo(w);
+  b = W::hi(w);
+  if constexpr (sizeof(T) == 2) raw = w;
+  else raw = 0u;
+}
 
 // The 16-byte words of sixteen consecutive elements of tile row r from column c0 (a multiple of
 // 16), and those elements widened.
@@ -275,7 +258,7 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned c
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     uint32_t raw;
-    Pair<T>::load(tile, 16 * w + i, p, v[0][i], v[1][i], raw);
+    load_pair<T>(tile, 16 * w + i, p, v[0][i], v[1][i], raw);
     if constexpr (kBf16) pmax = __vmaxu2(pmax, raw & 0x7FFF7FFFu);
   }
   const int64_t qcol0 = m0 + 16 * w;
@@ -446,7 +429,7 @@ __device__ __forceinline__ void mx_col_phase(const TileArgs& a, const unsigned c
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     uint32_t raw;
-    Pair<T>::load(tile, 16 * w + i, p, v[0][i], v[1][i], raw);
+    load_pair<T>(tile, 16 * w + i, p, v[0][i], v[1][i], raw);
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       pmax = __vmaxu2(pmax, raw & 0x7FFF7FFFu);
     } else {
