@@ -53,7 +53,8 @@ def test_lanes_equal_scalar_math(tmp_path, codegen):
     lines = dict(line.rsplit(None, 1) for line in res.stdout.splitlines()[1:])
     assert {k.strip(): v for k, v in lines.items()} == {
         "e4m3_lanes": "equal", "e4m3_lanes (no NaN)": "equal", "e2m1_lanes": "equal",
-        "e4m3_value_lanes": "equal", "e4m3_scale_value": "equal", "e2m1_code_nonan": "equal"}
+        "e4m3_value_lanes": "equal", "e4m3_scale_value": "equal", "e2m1_code_nonan": "equal",
+        "e2m1_code_fma": "equal"}
 
 
 def test_a_wrong_tie_rule_is_caught(tmp_path):

@@ -4,8 +4,9 @@
 //   e2m1_lanes == e2m1_encode, each as a scalar, in 4 lanes and in 8 lanes;
 //   e4m3_value_lanes == e4m3_value on all 256 bytes;
 //   e4m3_scale_value == e4m3_value on all 256 bytes;
-//   e2m1_code_nonan (quant_rows_math.h: the E2M1 code of the CUDA rowwise and tile kernels and
-//   of the CPU fast paths) == e2m1_code_bits on every non-negative, non-NaN pattern swept.
+//   e2m1_code_nonan (quant_rows_math.h: the E2M1 code of the CPU fast paths) and e2m1_code_fma
+//   (its FMA form, the code of the CUDA rowwise and tile kernels) == e2m1_code_bits on every
+//   non-negative, non-NaN pattern swept.
 //
 //   check_lanes full     every one of the 2**32 fp32 patterns (a minute or two on one core)
 //   check_lanes sample   bits 12..31 in full with bits 0..11 in {0, 1, 0x800, 0xFFF}: every
@@ -116,23 +117,24 @@ bool run(const char* name, bool full, uint32_t (*ref)(float), Lane lane, bool sk
   return ok;
 }
 
-// e2m1_code_nonan on the magnitude of each pattern (NaN magnitudes are outside its domain).
-bool check_code_nonan(bool full) {
-  const bool ok = sweep(full, [](uint32_t u, bool consecutive) {
+// A fast E2M1 code on the magnitude of each pattern (NaN magnitudes are outside its domain).
+template <typename Code>
+bool check_code(const char* name, bool full, Code code) {
+  const bool ok = sweep(full, [&](uint32_t u, bool consecutive) {
     uint32_t p[8];
     patterns(u, consecutive, p);
     for (int i = 0; i < 8; ++i) {
       const uint32_t b = p[i] & 0x7FFFFFFFu;
       if (b > 0x7F800000u) continue;
-      if (e2m1_code_nonan(b) != e2m1_code_bits(b)) {
-        std::printf("e2m1_code_nonan: pattern 0x%08" PRIx32 ": reference %" PRIu32 ", got %" PRIu32 "\n",
-                    b, e2m1_code_bits(b), e2m1_code_nonan(b));
+      if (code(b) != e2m1_code_bits(b)) {
+        std::printf("%s: pattern 0x%08" PRIx32 ": reference %" PRIu32 ", got %" PRIu32 "\n", name, b,
+                    e2m1_code_bits(b), code(b));
         return false;
       }
     }
     return true;
   });
-  std::printf("%-24s %s\n", "e2m1_code_nonan", ok ? "equal" : "DIFFERENT");
+  std::printf("%-24s %s\n", name, ok ? "equal" : "DIFFERENT");
   return ok;
 }
 
@@ -173,6 +175,7 @@ int main(int argc, char** argv) {
   }
   std::printf("%-24s %s\n", "e4m3_scale_value", scale_values ? "equal" : "DIFFERENT");
   ok = scale_values && ok;
-  ok = check_code_nonan(full) && ok;
+  ok = check_code("e2m1_code_nonan", full, [](uint32_t b) { return e2m1_code_nonan(b); }) && ok;
+  ok = check_code("e2m1_code_fma", full, [](uint32_t b) { return e2m1_code_fma(u2f(b)); }) && ok;
   return ok && values ? 0 : 1;
 }
