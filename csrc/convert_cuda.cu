@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* x, int64_t M, i
 template <typename T>
 __global__ void __launch_bounds__(kThreads) rht_amax_kernel(const T* x, int64_t M, int64_t K, int mode,
                                                             unsigned* out) {
-  using Word = std::conditional_t<sizeof(T) == 4, uint2, uint32_t>;
+  using Word = typename PairWord<T>::Word;
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   const int64_t col_groups = (K + 63) / 64;
@@ -115,15 +115,7 @@ __global__ void __launch_bounds__(kThreads) rht_amax_kernel(const T* x, int64_t 
     for (int c = 0; c < 2; ++c) {
       float v[16];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        if constexpr (sizeof(T) == 4) {
-          v[i] = u2f(c ? raw[i].y : raw[i].x);
-        } else if constexpr (std::is_same_v<T, at::BFloat16>) {
-          v[i] = u2f(c ? raw[i] & 0xFFFF0000u : raw[i] << 16);
-        } else {
-          v[i] = __half2float(__ushort_as_half(static_cast<unsigned short>(c ? raw[i] >> 16 : raw[i] & 0xFFFFu)));
-        }
-      }
+      for (int i = 0; i < 16; ++i) v[i] = c ? PairWord<T>::hi(raw[i]) : PairWord<T>::lo(raw[i]);
       rht16_fast(v, std::is_same_v<T, at::BFloat16> && range.f32_exact(c));
 #pragma unroll
       for (int i = 0; i < 16; ++i) cmax[c] = nan_max(cmax[c], abs_f(v[i]));

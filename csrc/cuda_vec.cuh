@@ -69,7 +69,7 @@ struct Vec<at::Half> {
 };
 
 // Two adjacent elements in one word (4 bytes of a 16-bit dtype, 8 of fp32), widened exactly: the
-// column pairs of the tile kernel.
+// column pairs of the tile kernel and of the RHT amax.
 template <typename T>
 struct PairWord;
 template <>
