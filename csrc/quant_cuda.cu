@@ -3,8 +3,10 @@
 // rounding, MXFP8 columnwise (alone or with rowwise), and the hybrid gradient cast (MXFP8 rowwise
 // + NVFP4 columnwise). One persistent kernel reads the input once: each CTA walks its tiles of
 // 128 rows x 64 columns, copied into a ring of shared-memory stages by cp.async while the tile
-// before them is quantized, and writes every output asked for from that one read. Codes and
-// scales of the transposed outputs are staged in shared memory and leave as whole 16-byte rows.
+// before them is quantized, and writes every output asked for from that one read. The rowwise
+// phases store whole sectors straight from registers (the lanes of one output row hold its
+// consecutive blocks); NVFP4 columnwise codes and scales are staged in shared memory and leave
+// as whole 16-byte rows of the result.
 // The 1x16 / 1x32 rowwise modes need no tile: quant_rows_cuda.cu. The math is quant_math.h and
 // quant_rows_math.h, shared with the CPU kernels; built with --fmad=false so every fp32 operation
 // rounds like the reference.
@@ -129,10 +131,11 @@ struct TileArgs {
   uint8_t *mxr_q, *mxr_s, *mxc_q, *mxc_s;
 };
 
-// Staging of one tile's NVFP4 outputs: 8-byte code words and scale bytes, block-major
-// ([block][row of the result]), so each thread's writes are contiguous.
+// Staging of one tile's NVFP4 columnwise outputs: 8-byte code words and scale bytes of 8 blocks
+// x 64 result rows, block-major ([block][row of the result]), so each thread's writes are
+// contiguous.
 struct NvOut {
-  uint2 q[8 * 64];  // columnwise: 8 blocks x 64 result rows; rowwise: 4 blocks x 128 rows
+  uint2 q[8 * 64];
   uint8_t s[8 * 64];
 };
 
@@ -191,13 +194,13 @@ __device__ __forceinline__ Codes nv_block_codes(const TileArgs& a, const NvShare
   return Codes{w[0], w[1]};
 }
 
-// Integer max of magnitude bits across `lanes` consecutive lanes (xor butterfly): torch.amax's
-// order on non-negative floats, NaN above inf.
-template <int LANES>
+// Integer max of magnitude bits across the N lanes l ^ (STRIDE j), j < N (xor butterfly):
+// torch.amax's order on non-negative floats, NaN above inf.
+template <int STRIDE, int N>
 __device__ __forceinline__ float lanes_absmax(float bam) {
   uint32_t b = f2u(bam);
 #pragma unroll
-  for (int o = 1; o < LANES; o <<= 1) b = max(b, __shfl_xor_sync(kFull, b, o));
+  for (int o = STRIDE; o < STRIDE * N; o <<= 1) b = max(b, __shfl_xor_sync(kFull, b, o));
   return u2f(b);
 }
 
@@ -284,7 +287,7 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned c
     bam[0] = absmax16(v[0]);
     bam[1] = absmax16(v[1]);
   }
-  if (a.nv_2d) bam[0] = bam[1] = lanes_absmax<8>(u2f(max(f2u(bam[0]), f2u(bam[1]))));
+  if (a.nv_2d) bam[0] = bam[1] = lanes_absmax<1, 8>(u2f(max(f2u(bam[0]), f2u(bam[1]))));
   uint8_t sb[2];
   Codes codes[2];
   if constexpr (FO6 == 0) {
@@ -341,58 +344,91 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned c
 
 // ---- NVFP4 rowwise with 2D tiles or stochastic rounding ---------------------------------------------
 
-// Lane l of warp w takes row 16w + l % 16 and the column blocks l / 16 and l / 16 + 2: a 16x16
-// tile is the 16 lanes of one half-warp.
+// Lane l of warp w takes column block l % 4 (16 columns) of the rows 16w + l / 4 and
+// 16w + l / 4 + 8. The four lanes of a row hold its four blocks of the tile, so codes (8 bytes a
+// block) leave as whole 32-byte sectors and scale bytes as 4 contiguous bytes, straight from
+// registers. A 2D tile (16x16) is the 8 lanes of one l % 4, two rows each.
 template <typename T, int FO6>
-__device__ __forceinline__ void nv_row_phase(const TileArgs& a, const unsigned char* tile, NvOut& out,
-                                             const NvShared& nv, int64_t m0, int64_t k0) {
+__device__ __forceinline__ void nv_row_phase(const TileArgs& a, const unsigned char* tile, const NvShared& nv,
+                                             int64_t m0, int64_t k0) {
   const NvScale& ts = nv.ts;  // the rowwise tile modes exclude row scaling
-  const int l = threadIdx.x & 31, w = threadIdx.x >> 5, r = 16 * w + (l & 15);
-  const int64_t R = a.M, C = a.K, qrow = m0 + r;
+  const int l = threadIdx.x & 31, w = threadIdx.x >> 5, cb = l & 3, r0 = 16 * w + (l >> 2);
+  const int64_t R = a.M, C = a.K, col = k0 + 16 * cb;
+  // Both blocks' amaxes first, on the packed words (a 2D tile needs both), then each block is
+  // widened and encoded in turn: one block's 16 values live at a time.
+  float bam[2];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    const int cb = (l >> 4) + 2 * j;
-    float v[16];
-    load16<T>(tile, r, 16 * cb, v);
-    float bam = absmax16(v);
-    if (a.nv_2d) bam = lanes_absmax<16>(bam);
-    uint8_t sb;
-    Codes codes;
-    if constexpr (FO6 == 0) {
-      const float enc = nv_block_scale(a, nv, false, qrow, R, bam, &sb);
-      codes = nv_block_codes(a, nv, v, bam, enc, static_cast<uint32_t>(qrow * C + k0 + 16 * cb));
-    } else {  // 4over6 here is 2D (1D rowwise runs in quant_rows_cuda.cu)
-      constexpr bool kMse = FO6 == 2;
-      const float six_b = static_cast<float>(6 * a.bound);
-      uint8_t s6, s4;  // no branch on s6 == s4 before the shuffles: see nv_col_phase
-      fourover6_candidates(bam, ts, &s6, &s4);
-      Codes c6, c4;
-      float e6 = fo6_row_error<kMse>(v, s6, ts, six_b, &c6);
-      float e4 = fo6_row_error<kMse>(v, s4, ts, six_b, &c4);
+    uint4 raw[16 / Vec<T>::kN];
+    load16_raw<T>(tile, r0 + 8 * j, 16 * cb, raw);
+    uint32_t m = 0u;
 #pragma unroll
-      for (int o = 8; o >= 1; o >>= 1) {  // the reference's tree over the tile's 16 rows
-        e6 = e6 + __shfl_down_sync(kFull, e6, o, 16);
-        e4 = e4 + __shfl_down_sync(kFull, e4, o, 16);
-      }
-      const bool map4 = __shfl_sync(kFull, e4, 0, 16) < __shfl_sync(kFull, e6, 0, 16);
-      sb = map4 ? s4 : s6;
-      codes = map4 ? c4 : c6;
-    }
-    out.q[cb * kRows + r] = make_uint2(codes.x, codes.y);
-    out.s[cb * kRows + r] = sb;
+    for (int i = 0; i < 16 / Vec<T>::kN; ++i) m = absmax_word<T>(m, raw[i]);
+    bam[j] = u2f(absmax_bits<T>(m));
   }
-  __syncthreads();
-  store_staged<4, kRows>(a, out, m0, k0, R, C);
+  if (a.nv_2d) bam[0] = bam[1] = lanes_absmax<4, 8>(u2f(max(f2u(bam[0]), f2u(bam[1]))));
+  uint8_t sb[2];
+  Codes codes[2];
+  if constexpr (FO6 == 0) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      float v[16];
+      load16<T>(tile, r0 + 8 * j, 16 * cb, v);
+      const int64_t qrow = m0 + r0 + 8 * j;
+      const float enc = nv_block_scale(a, nv, false, qrow, R, bam[j], &sb[j]);
+      codes[j] = nv_block_codes(a, nv, v, bam[j], enc, static_cast<uint32_t>(qrow * C + col));
+    }
+  } else {  // 4over6 here is 2D (1D rowwise runs in quant_rows_cuda.cu)
+    constexpr bool kMse = FO6 == 2;
+    const float six_b = static_cast<float>(6 * a.bound);
+    uint8_t s6, s4;  // no branch on s6 == s4 before the shuffles: see nv_col_phase
+    fourover6_candidates(bam[0], ts, &s6, &s4);
+    Codes c6[2], c4[2];
+    float e6[2], e4[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      float v[16];
+      load16<T>(tile, r0 + 8 * j, 16 * cb, v);
+      e6[j] = fo6_row_error<kMse>(v, s6, ts, six_b, &c6[j]);
+      e4[j] = fo6_row_error<kMse>(v, s4, ts, six_b, &c4[j]);
+    }
+    // The reference's tree over the tile's 16 rows r = l / 4 + 8 j: r + 8 is this lane's j = 1,
+    // then r + 4, r + 2 and r + 1 are lanes l + 16, l + 8 and l + 4; the sum ends in lane l % 4.
+    float t6 = e6[0] + e6[1], t4 = e4[0] + e4[1];
+#pragma unroll
+    for (int o = 16; o >= 4; o >>= 1) {
+      t6 = t6 + __shfl_down_sync(kFull, t6, o);
+      t4 = t4 + __shfl_down_sync(kFull, t4, o);
+    }
+    const bool map4 = __shfl_sync(kFull, t4, cb) < __shfl_sync(kFull, t6, cb);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      codes[j] = map4 ? c4[j] : c6[j];
+      sb[j] = map4 ? s4 : s6;
+    }
+  }
+  // K % 16 == 0 makes a block wholly in or out, and aligns its 8 code bytes.
+  if (col >= C) return;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int64_t qrow = m0 + r0 + 8 * j;
+    if (qrow < R) {
+      *reinterpret_cast<uint2*>(a.nv_q + qrow * (C / 2) + col / 2) = make_uint2(codes[j].x, codes[j].y);
+      a.nv_s[qrow * (C / 16) + col / 16] = sb[j];
+    }
+  }
 }
 
 // ---- MXFP8 ------------------------------------------------------------------------------------------
 
-// Rowwise: threads 2r and 2r+1 hold the two halves of row r's 32-blocks (one shuffle joins their
-// amaxes); each stores 16 contiguous code bytes per block.
+// Rowwise: lanes l and l ^ 8 of warp w hold the two halves (h = l / 8 % 2) of the 32-blocks of
+// row 16w + l % 8 + 8 (l / 16); one shuffle joins their amaxes, and each stores 16 contiguous code
+// bytes per block. The 8 lanes of each phase of a 16-byte shared-memory read are 8 consecutive
+// rows at one column, in distinct banks under the stage's swizzle.
 template <typename T>
 __device__ __forceinline__ void mx_row_phase(const TileArgs& a, const unsigned char* tile, int64_t m0,
                                              int64_t k0) {
-  const int r = threadIdx.x >> 1, h = threadIdx.x & 1;
+  const int l = threadIdx.x & 31, r = 16 * (threadIdx.x >> 5) + (l & 7) + 8 * (l >> 4), h = (l >> 3) & 1;
   const int64_t row = m0 + r;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
@@ -404,7 +440,7 @@ __device__ __forceinline__ void mx_row_phase(const TileArgs& a, const unsigned c
 #pragma unroll
     for (int i = 0; i < 16 / kN; ++i) am = absmax_word<T>(am, raw[i]);
     am = absmax_bits<T>(am);
-    am = max(am, __shfl_xor_sync(kFull, am, 1));
+    am = max(am, __shfl_xor_sync(kFull, am, 8));
     float v[16];
 #pragma unroll
     for (int i = 0; i < 16 / kN; ++i) Vec<T>::unpack(raw[i], v + i * kN);
@@ -542,7 +578,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
     if constexpr (MXC) mx_col_phase<T>(a, tile, part, m0, k0);
     if constexpr (NV) {
       if (a.nv_col) nv_col_phase<T, FO6>(a, tile, nv_out, nv, m0, k0);
-      else nv_row_phase<T, FO6>(a, tile, nv_out, nv, m0, k0);
+      else nv_row_phase<T, FO6>(a, tile, nv, m0, k0);
     }
     stage = stage == kStages - 1 ? 0 : stage + 1;
   }
