@@ -204,18 +204,19 @@ __device__ __forceinline__ float lanes_absmax(float bam) {
   return u2f(b);
 }
 
-// The staged outputs of one tile to the result [R, C]: ROWS result rows from r0, BLOCKS blocks
-// of 16 from c0 in each. Codes leave two blocks a thread, as one 16-byte store where the pair is
-// whole and aligned; scale bytes a row a thread, as one word where the row's blocks are whole.
-template <int BLOCKS, int ROWS>
+// The staged columnwise outputs of one tile to the result [R, C]: its 64 result rows from r0, 8
+// blocks of 16 from c0 in each. Codes leave two blocks a thread, as one 16-byte store where the
+// pair is whole and aligned; scale bytes a row a thread, as one 8-byte word where the row's blocks
+// are whole.
 __device__ __forceinline__ void store_staged(const TileArgs& a, const NvOut& out, int64_t r0, int64_t c0,
                                              int64_t R, int64_t C) {
-  static_assert(ROWS * BLOCKS / 2 == kThreads && BLOCKS <= 8, "two blocks of a result row a thread");
+  constexpr int kBlocks = 8, kResultRows = 64;
+  static_assert(kResultRows * kBlocks / 2 == kThreads, "two blocks of a result row a thread");
   {
-    const int rr = threadIdx.x / (BLOCKS / 2), h = threadIdx.x % (BLOCKS / 2);
+    const int rr = threadIdx.x / (kBlocks / 2), h = threadIdx.x % (kBlocks / 2);
     const int64_t row = r0 + rr, col = c0 + 32 * h;
     if (row < R && col < C) {
-      const uint2 lo = out.q[(2 * h) * ROWS + rr], hi = out.q[(2 * h + 1) * ROWS + rr];
+      const uint2 lo = out.q[(2 * h) * kResultRows + rr], hi = out.q[(2 * h + 1) * kResultRows + rr];
       uint8_t* dst = a.nv_q + row * (C / 2) + col / 2;
       if (col + 16 < C && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
         *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
@@ -225,18 +226,17 @@ __device__ __forceinline__ void store_staged(const TileArgs& a, const NvOut& out
       }
     }
   }
-  if (threadIdx.x < ROWS) {
+  if (threadIdx.x < kResultRows) {
     const int rr = threadIdx.x;
     const int64_t row = r0 + rr;
     if (row < R) {
-      const int64_t nb = (C - c0) / 16 < BLOCKS ? (C - c0) / 16 : BLOCKS;
+      const int64_t nb = (C - c0) / 16 < kBlocks ? (C - c0) / 16 : kBlocks;
       uint8_t* dst = a.nv_s + row * (C / 16) + c0 / 16;
       uint64_t bytes = 0u;
 #pragma unroll
-      for (int b = 0; b < BLOCKS; ++b) bytes |= static_cast<uint64_t>(out.s[b * ROWS + rr]) << (8 * b);
-      if (nb == BLOCKS && (reinterpret_cast<uintptr_t>(dst) & (BLOCKS - 1)) == 0) {
-        if constexpr (BLOCKS == 8) *reinterpret_cast<uint64_t*>(dst) = bytes;
-        else *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(bytes);
+      for (int b = 0; b < kBlocks; ++b) bytes |= static_cast<uint64_t>(out.s[b * kResultRows + rr]) << (8 * b);
+      if (nb == kBlocks && (reinterpret_cast<uintptr_t>(dst) & (kBlocks - 1)) == 0) {
+        *reinterpret_cast<uint64_t*>(dst) = bytes;
       } else {
         for (int b = 0; b < nb; ++b) dst[b] = static_cast<uint8_t>(bytes >> (8 * b));
       }
@@ -339,7 +339,7 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned c
   reinterpret_cast<uint4*>(out.q)[w * 32 + p] = make_uint4(codes[0].x, codes[0].y, codes[1].x, codes[1].y);
   reinterpret_cast<uint16_t*>(out.s)[w * 32 + p] = static_cast<uint16_t>(sb[0] | (sb[1] << 8));
   __syncthreads();
-  store_staged<8, 64>(a, out, k0, m0, R, C);
+  store_staged(a, out, k0, m0, R, C);
 }
 
 // ---- NVFP4 rowwise with 2D tiles or stochastic rounding ---------------------------------------------
