@@ -12,16 +12,18 @@
 //   The MMA's K slots are a permutation of physical K (slot j of subtile s is element
 //   16t + 4s + ...), the same for the weight and the activation, so the activation a lane needs
 //   is also contiguous: 16 elements, two 16-byte loads per 8 tokens.
-// - Decode. An E2M1 code goes to the bits of its value times 2**-126 in bf16 (2**-14 in fp16)
-//   with two masks and a shift per pair of values; one bf16x2 multiply by F then gives
+// - Decode. A word of eight E2M1 codes becomes the four MMA registers that hold them, as bf16
+//   bits of value * 2**-126 (2**-14 in fp16), by rotations and masks: the layout stores each
+//   code bit where one of a register's few (rotation, mask) pieces picks it up, 9 instructions
+//   per word in bf16 (WORD_PIECES, [Note: decode layout]). One bf16x2 multiply by F then gives
 //   value * scale. For NVFP4, F = s * 2**118 (bf16) or s * 2**7 (fp16), so the MMA multiplies
 //   (value * s) * 2**-8 (or 2**-7): exact, and exact again after the epilogue's multiply by
 //   2**8 (2**7), a power of two; the scale byte itself goes to bf16 bits the same way (its
 //   value times 2**-120) and two multiplies by 2**119 make F. For MXFP4 and MXFP8, F = 2**(code - 1) and
 //   2**(code - 7) fold both factors into one multiply while that power is a bf16 number (block
 //   scale codes up to 128 and 134); a super-tile holding a larger code takes two multiplies,
-//   chosen by a warp vote so that no lane diverges. An E4M3 byte goes to bf16 bits the same
-//   way (its value times 2**-120).
+//   chosen by a warp vote so that no lane diverges. A word of four E4M3 codes becomes two
+//   registers the same way (value * 2**-120), 5 instructions.
 // - Products. Every weight value is exact in the MMA's type (at most 6 significant bits; MXFP8
 //   as exact as bf16 holds it, as in the Triton kernels), the products are exact in fp32 and
 //   the tensor cores accumulate in fp32: the result differs from the emulated reference
@@ -88,17 +90,35 @@ struct DecodeArgs {
 
 // ---- decode --------------------------------------------------------------------------------
 
-// The two values of a pair (nibbles 3 and 7 of q) as bf16 (HALF: fp16) bits of value * 2**-126
-// (2**-14): sign to bit 15, the three magnitude bits to the low exponent bits and the top
-// mantissa bit, in each 16-bit half.
+__device__ __forceinline__ uint32_t rotr(uint32_t q, int n) { return __funnelshift_r(q, q, n); }
+
+// The four A registers of one MMA (o = 2p + r: row g + 8r, K slots 2p + h) from its word of
+// eight E2M1 codes, as bf16 (HALF: fp16) bits of value * 2**-126 (2**-14): the pieces of
+// WORD_PIECES in qtensor/formats/decode_layout.py, each a rotation and a mask. The bf16 masks
+// put the sign at bit 15 of a half and the exponent and mantissa bits at 8-6; fp16 wants them at
+// 11-9, a rotation of 3 more, so each fp16 register takes one piece more.
 template <bool HALF>
-__device__ __forceinline__ uint32_t e2m1_pair(uint32_t q) {
-  return (q & 0x80008000u) | ((q & 0x70007000u) >> (HALF ? 3 : 6));
+__device__ __forceinline__ void e2m1_regs(uint32_t q, uint32_t* a) {
+  if constexpr (HALF) {
+    constexpr uint32_t kSign = 0x80008000u, kMag = 0x0E000E00u;
+    a[0] = (q & kSign) | (rotr(q, 29) & kMag);
+    a[1] = (rotr(q, 4) & kSign) | (rotr(q, 1) & kMag);
+    a[2] = (rotr(q, 10) & kSign) | (rotr(q, 7) & kMag);
+    a[3] = (rotr(q, 14) & kSign) | (rotr(q, 3) & 0x08000800u) | (rotr(q, 11) & 0x06000600u);
+  } else {
+    constexpr uint32_t kPair = 0x81C081C0u;
+    a[0] = q & kPair;
+    a[1] = rotr(q, 4) & kPair;
+    a[2] = rotr(q, 10) & kPair;
+    a[3] = (rotr(q, 6) & 0x01000100u) | (rotr(q, 14) & 0x80C080C0u);
+  }
 }
 
-// Bytes 1 and 3 of q (E4M3) as bf16 bits of value * 2**-120.
-__device__ __forceinline__ uint32_t e4m3_pair(uint32_t q) {
-  return (q & 0x80008000u) | ((q & 0x7F007F00u) >> 4);
+// The two A registers (rows g and g + 8) from a word of four E4M3 codes, as bf16 bits of
+// value * 2**-120: sign at bit 15 of a half, exponent and mantissa at bits 10-4.
+__device__ __forceinline__ void e4m3_regs(uint32_t w, uint32_t* a) {
+  a[0] = w & 0x87F087F0u;
+  a[1] = (rotr(w, 8) & 0x07700770u) | (rotr(w, 12) & 0x80808080u);
 }
 
 template <bool HALF>
@@ -207,21 +227,16 @@ __device__ __forceinline__ void super_tile(const uint4* wv, uint32_t sc, const u
   for (int s = 0; s < 4; ++s) {
     uint32_t a[4];
     if constexpr (FMT == kMxfp8) {
-      // Subtile s: words 2s (pairs 0, 1) and 2s + 1 (pairs 2, 3) of the lane's 32 bytes.
+      // Subtile s: words 2s (registers 0, 1) and 2s + 1 (registers 2, 3) of the lane's 32 bytes.
       const uint4 v = wv[s >> 1];
-      const uint32_t w0 = (s & 1) ? v.z : v.x, w1 = (s & 1) ? v.w : v.y;
-      a[0] = fac.apply(e4m3_pair(w0), 0);
-      a[1] = fac.apply(e4m3_pair(w0 << 8), 1);
-      a[2] = fac.apply(e4m3_pair(w1), 0);
-      a[3] = fac.apply(e4m3_pair(w1 << 8), 1);
+      e4m3_regs((s & 1) ? v.z : v.x, a);
+      e4m3_regs((s & 1) ? v.w : v.y, a + 2);
     } else {
       const uint4 v = wv[0];
-      const uint32_t q = s == 0 ? v.x : s == 1 ? v.y : s == 2 ? v.z : v.w;
-      a[0] = fac.apply(e2m1_pair<HALF>(q), 0);
-      a[1] = fac.apply(e2m1_pair<HALF>(q << 4), 1);
-      a[2] = fac.apply(e2m1_pair<HALF>(q << 8), 0);
-      a[3] = fac.apply(e2m1_pair<HALF>(q << 12), 1);
+      e2m1_regs<HALF>(s == 0 ? v.x : s == 1 ? v.y : s == 2 ? v.z : v.w, a);
     }
+#pragma unroll
+    for (int o = 0; o < 4; ++o) a[o] = fac.apply(a[o], o & 1);
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
       const uint4 x = xv[i][s >> 1];

@@ -92,41 +92,62 @@ def _bf16(bits: torch.Tensor) -> torch.Tensor:
     return (bits.to(torch.int32) << 16).view(torch.float32).double()
 
 
-def emulate_kernel_units(fmt: str, codes, scales, n: int, k: int) -> torch.Tensor:
+def _rotr(q: torch.Tensor, n: int) -> torch.Tensor:
+    return ((q >> n) | (q << (32 - n))) & 0xFFFFFFFF if n else q
+
+
+# The kernel's word decode, as written in csrc/decode_gemm_cuda.cu: per MMA register, the
+# (rotate-right, mask) pieces or-ed together, for bf16 and (E2M1 only) fp16 registers.
+KERNEL_PIECES = {
+    ("e2m1", False): (((0, 0x81C081C0),), ((4, 0x81C081C0),), ((10, 0x81C081C0),),
+                      ((6, 0x01000100), (14, 0x80C080C0))),
+    ("e2m1", True): (((0, 0x80008000), (29, 0x0E000E00)), ((4, 0x80008000), (1, 0x0E000E00)),
+                     ((10, 0x80008000), (7, 0x0E000E00)),
+                     ((14, 0x80008000), (3, 0x08000800), (11, 0x06000600))),
+    ("e4m3", False): (((0, 0x87F087F0),), ((8, 0x07700770), (12, 0x80808080))),
+}
+
+
+def _half_value(bits: torch.Tensor, half: bool) -> torch.Tensor:
+    if half:
+        return bits.to(torch.int16).view(torch.float16).double()
+    return (bits.to(torch.int32) << 16).view(torch.float32).double()
+
+
+def emulate_kernel_units(fmt: str, codes, scales, n: int, k: int, half=False) -> torch.Tensor:
     """The weight values [N, K] the kernel forms from packed bytes: each lane's words, the
-    bit-level pair decode of [Note: decode GEMM], times the block's scale."""
+    bit-level register decode of [Note: decode GEMM], times the block's scale."""
     np_, kp = dl.padded(n, k)
     nt, kt = np_ // 16, kp // 64
     vec = 2 if fmt == "mxfp8" else 1
     words = codes.view(torch.int32).view(nt, kt, vec, 32, 4).long() & 0xFFFFFFFF
     sc = scales.view(nt, kt, 32, 2).long()
+    pieces = KERNEL_PIECES[("e4m3" if fmt == "mxfp8" else "e2m1", half)]
+    factor = 2.0 ** (120 if fmt == "mxfp8" else 14 if half else 126)
     out = torch.zeros(np_, kp, dtype=torch.float64)
     tiles_r = torch.arange(nt)[:, None] * 16
     tiles_k = torch.arange(kt)[None, :] * 64
     for lane in range(32):
         g, t = lane // 4, lane % 4
         for s in range(4):
+            regs = []  # the four A registers of MMA s: register o = 2p + r
             if fmt == "mxfp8":
                 v = words[:, :, s // 2, lane]
-                w0, w1 = v[..., 2 * (s % 2)], v[..., 2 * (s % 2) + 1]
-                pairs = [w0, w0 << 8, w1, w1 << 8]
-                mag, shift, factor = 0x7F007F00, 4, 2.0 ** 120
+                for w in (v[..., 2 * (s % 2)], v[..., 2 * (s % 2) + 1]):
+                    regs += [sum(_rotr(w, n) & m for n, m in reg) for reg in pieces]
             else:
                 q = words[:, :, 0, lane, s]
-                pairs = [q, q << 4, q << 8, q << 12]
-                mag, shift, factor = 0x70007000, 6, 2.0 ** 126
-            for p, q in enumerate(pairs):
-                q = q & 0xFFFFFFFF
-                bits = (q & 0x80008000) | ((q & mag) >> shift)
-                r = p % 2
+                regs = [sum(_rotr(q, n) & m for n, m in reg) for reg in pieces]
+            for o, bits in enumerate(regs):
+                r, p = o % 2, o // 2
                 code = sc[:, :, lane, r]
                 if fmt == "nvfp4":
                     scale = code.to(torch.uint8).view(torch.float8_e4m3fn).double()
                 else:
                     scale = torch.pow(2.0, code.double() - 127)
-                for h, half in ((0, bits & 0xFFFF), (1, bits >> 16)):
-                    col = 16 * t + 4 * s + 2 * (p // 2) + h
-                    out[tiles_r + g + 8 * r, tiles_k + col] = _bf16(half) * factor * scale
+                for h, value in ((0, bits & 0xFFFF), (1, bits >> 16)):
+                    col = 16 * t + 4 * s + 2 * p + h
+                    out[tiles_r + g + 8 * r, tiles_k + col] = _half_value(value, half) * factor * scale
     return out[:n, :k].float()
 
 
@@ -136,8 +157,10 @@ def test_layout_is_where_the_kernel_decodes(fmt, n, k):
     g = torch.Generator().manual_seed(7 * n + k)
     data, scale = random_bytes(fmt, n, k, g, all_values=True)
     codes, scales = dl.pack(fmt, data, scale, n, k)
-    assert torch.equal(emulate_kernel_units(fmt, codes, scales, n, k),
-                       canonical_units(fmt, data, scale))
+    expect = canonical_units(fmt, data, scale)
+    assert torch.equal(emulate_kernel_units(fmt, codes, scales, n, k), expect)
+    if fmt == "nvfp4":  # float16 activations: the kernel decodes to float16 registers
+        assert torch.equal(emulate_kernel_units(fmt, codes, scales, n, k, half=True), expect)
 
 
 def test_pack_refuses_bad_input():

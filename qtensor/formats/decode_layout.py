@@ -4,7 +4,7 @@
 A 2-D weight W [N, K] with its blocks along K (the right operand of x @ W^T) is stored in the
 canonical layout of its format (docs/formats.md): codes [N, K/2] (NVFP4, MXFP4: element 2j in
 the low nibble) or [N, K] (MXFP8), block scales [N, K/16] or [N, K/32]. The decode layout holds
-the same bytes, permuted, and zero-padded to N a multiple of 64 and K a multiple of 64:
+the same bits, permuted, and zero-padded to N a multiple of 64 and K a multiple of 64:
 - the weight is cut into super-tiles of 16 rows x 64 K, stored [N/16, K/64] row-major;
 - in a super-tile, lane l = 4g + t of a warp owns rows g and g + 8 at K offsets [16t, 16t + 16):
   its 32 values are 16 bytes (32 for MXFP8, as two 16-byte vectors stored one warp-width
@@ -12,12 +12,18 @@ the same bytes, permuted, and zero-padded to N a multiple of 64 and K a multiple
 - its two scales, of row g and row g + 8 for that K range, are one uint16 (row g in the low
   byte), so the scales are [N/16, K/64, 32] uint16. An MXFP4 or MXFP8 block covers two lanes'
   ranges; each keeps a copy.
-Within a lane's 16 bytes of 4-bit codes, word s (one per MMA, K slots 16t + 4s + 0..3) holds
-nibble 4h + 2(1 - p) + (1 - r) for row g + 8r and element 16t + 4s + 2p + h; an MXFP8 lane's
-word 2s + p holds byte 2h + (1 - r) of the same element. csrc/decode_gemm_cuda.cu
-([Note: decode GEMM]) decodes these orders.
+Within a lane's codes, word s of the 16 bytes (one per MMA, K slots 16t + 4s + 0..3) holds the
+8 codes of A fragment registers o = 2p + r (row g + 8r, elements 16t + 4s + 2p + h, h the
+register half); an MXFP8 lane's word 2s + p holds the 4 codes of registers 2p + r. A register
+is formed from its word by the pieces of WORD_PIECES: `rotr(word, n) & mask`, or-ed. The masks
+select the bits of a bf16 pair holding each value times 2**-126 (E2M1: sign at bit 15 of the
+half, exponent and mantissa at bits 8-6) or 2**-120 (E4M3: sign 15, the rest at bits 10-4), so
+the rotations decide where each code bit is stored. Four rotated copies of one mask cannot tile
+a 32-bit word, so the last E2M1 register (the second E4M3 one) takes two pieces: 9
+instructions per 8 E2M1 codes, 5 per 4 E4M3 codes. csrc/decode_gemm_cuda.cu
+([Note: decode GEMM]) applies the same pieces.
 
-`pack` and `unpack` are exact inverses on every canonical tensor (tests/test_decode_layout.py
+`pack` and `unpack` are exact inverses on every canonical tensor (tests/test_decode_gemm.py
 checks it bit for bit). The layout cannot hold an E4M3 NaN, as an MXFP8 code or an NVFP4 block
 scale, nor a negative NVFP4 block scale (quantization writes neither): the kernel's bit decode
 would misread them, so `pack` refuses such a weight (it keeps its canonical layout).
@@ -29,6 +35,48 @@ import torch
 
 FORMATS = ("nvfp4", "mxfp4", "mxfp8")  # the kernel's fmt argument is the index
 ROWS, SUPER_K = 64, 64  # padding of N (4 row tiles of 16, one CTA) and of K (one super-tile)
+
+# The decode of one 32-bit word into MMA registers: per register, its (rotate-right, mask)
+# pieces. E2M1 code bit b (mantissa, exponent low, exponent high, sign) lands at bit
+# E2M1_DEST[b] + 16h of its register, E4M3 bit b at E4M3_DEST[b] + 16h.
+WORD_PIECES = {
+    4: (((0, 0x81C081C0),), ((4, 0x81C081C0),), ((10, 0x81C081C0),),
+        ((6, 0x01000100), (14, 0x80C080C0))),
+    8: (((0, 0x87F087F0),), ((8, 0x07700770), (12, 0x80808080))),
+}
+E2M1_DEST = (6, 7, 8, 15)
+E4M3_DEST = (4, 5, 6, 7, 8, 9, 10, 15)
+
+
+def _word_sources(bits: int) -> list[int]:
+    """Word bit of code bit b of value (o, h): entry (2o + h) * bits + b."""
+    dest = E2M1_DEST if bits == 4 else E4M3_DEST
+    src = []
+    for pieces in WORD_PIECES[bits]:
+        for h in range(2):
+            for b in range(bits):
+                d = dest[b] + 16 * h
+                (rot,) = [r for r, mask in pieces if mask >> d & 1]
+                src.append((d + rot) % 32)
+    assert sorted(src) == list(range(32))
+    return src
+
+
+def _to_words(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """values [..., 32 // bits] (codes in register order 2o + h) -> the words' bytes [..., 4]."""
+    out = [torch.zeros_like(values[..., 0]) for _ in range(4)]
+    for i, pos in enumerate(_word_sources(bits)):
+        bit = (values[..., i // bits] >> (i % bits)) & 1
+        out[pos // 8] |= bit << (pos % 8)
+    return torch.stack(out, dim=-1)
+
+
+def _from_words(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of _to_words: bytes [..., 4] -> codes [..., 32 // bits]."""
+    out = [torch.zeros_like(words[..., 0]) for _ in range(32 // bits)]
+    for i, pos in enumerate(_word_sources(bits)):
+        out[i // bits] |= ((words[..., pos // 8] >> (pos % 8)) & 1) << (i % bits)
+    return torch.stack(out, dim=-1)
 
 
 def _block(fmt: str) -> int:
@@ -83,14 +131,13 @@ def pack(fmt: str, data: torch.Tensor, scale: torch.Tensor, n: int, k: int):
     nt, kt = np_ // 16, kp // SUPER_K
     if fmt == "mxfp8":
         b = _pad(data, np_, kp).view(nt, 2, 8, kt, 4, 2, 2, 2, 2)  # r g | t jH jl p h
-        b = b.permute(0, 3, 5, 2, 4, 6, 7, 8, 1).flip(-1)  # nt kt jH g t jl p h (1 - r)
-        codes = b.reshape(-1)
+        b = b.permute(0, 3, 5, 2, 4, 6, 7, 1, 8)  # nt kt jH g t jl p r h
+        codes = _to_words(b.reshape(-1, 4), 8).reshape(-1)
     else:
         nib = torch.stack((data & 15, data >> 4), dim=-1).reshape(n, k)
         b = _pad(nib, np_, kp).view(nt, 2, 8, kt, 4, 4, 2, 2)  # r g | t s p h
-        b = b.permute(0, 3, 2, 4, 5, 7, 6, 1).flip(-1, -2)  # nt kt g t s h (1 - p) (1 - r)
-        b = b.reshape(-1, 2)
-        codes = (b[:, 0] | (b[:, 1] << 4)).reshape(-1)
+        b = b.permute(0, 3, 2, 4, 5, 6, 1, 7)  # nt kt g t s p r h
+        codes = _to_words(b.reshape(-1, 8), 4).reshape(-1)
     sc = _pad(scale, np_, kp // _block(fmt))
     if fmt == "nvfp4":
         sc = sc.view(nt, 2, 8, kt, 4)
@@ -112,12 +159,11 @@ def unpack(fmt: str, codes: torch.Tensor, scales: torch.Tensor, n: int, k: int):
     np_, kp = padded(n, k)
     nt, kt = np_ // 16, kp // SUPER_K
     if fmt == "mxfp8":
-        b = codes.view(nt, kt, 2, 8, 4, 2, 2, 2, 2).flip(-1)  # nt kt jH g t jl p h r
-        data = b.permute(0, 8, 3, 1, 4, 2, 5, 6, 7).reshape(np_, kp)[:n, :k]
+        b = _from_words(codes.view(-1, 4), 8).view(nt, kt, 2, 8, 4, 2, 2, 2, 2)  # .. jl p r h
+        data = b.permute(0, 7, 3, 1, 4, 2, 5, 6, 8).reshape(np_, kp)[:n, :k]
     else:
-        b = codes.view(-1, 1)
-        nib = torch.cat((b & 15, b >> 4), dim=1).view(nt, kt, 8, 4, 4, 2, 2, 2).flip(-1, -2)
-        nib = nib.permute(0, 7, 2, 1, 3, 4, 6, 5).reshape(np_, kp)[:n, :k]  # nt r g kt t s p h
+        nib = _from_words(codes.view(-1, 4), 4).view(nt, kt, 8, 4, 4, 2, 2, 2)  # .. s p r h
+        nib = nib.permute(0, 6, 2, 1, 3, 4, 5, 7).reshape(np_, kp)[:n, :k]  # nt r g kt t s p h
         pairs = nib.reshape(n, k // 2, 2)
         data = pairs[..., 0] | (pairs[..., 1] << 4)
     sc = scales.view(nt, kt, 8, 4, 2).permute(0, 4, 2, 1, 3)  # nt r g kt t
