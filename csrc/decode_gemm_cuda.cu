@@ -30,15 +30,12 @@
 //   (qtensor/gemm/dense.py) only in the order of the fp32 additions, except where a product
 //   (value * scale * x) * 2**-8 falls below fp32's normal range, 2**-126, i.e. for activations
 //   below about 2**-108.
-// - Split-K. A CTA is 4 consumer warps over one K range, cut in whole stages, of R row tiles:
-//   up to 8 tokens one row tile (16 rows) whose super-tiles the warps share out and whose four
-//   partial tiles they sum in warp order, above that 4 row tiles (64 rows), one a warp, that share
-//   the activation rows of a stage. The S CTAs that split the K of those rows form a thread-block
-//   cluster and sum their partial tiles through distributed shared memory, in rank order, so the
-//   result is deterministic, the reduction needs no workspace, counter or second kernel, and the
-//   epilogue runs once per element. Single-row-tile CTAs of a weight with at least two row
-//   groups per SM run without a cluster (S = 1); otherwise S is the size whose clusters all fit
-//   at once (one wave) and give each CTA the fewest stages.
+// - Split-K. A CTA is 4 consumer warps on 4 row tiles (64 rows) over one K range, cut in whole
+//   stages; the S CTAs that split the K of those rows form a thread-block cluster and sum their
+//   partial tiles through distributed shared memory, in rank order, so the result is
+//   deterministic, the reduction needs no workspace, counter or second kernel, and the epilogue
+//   runs once per element. S is the size whose clusters all fit at once (one wave) and give each
+//   CTA the fewest stages.
 // - Streaming. A fifth warp fills a ring of kStages shared-memory stages of U super-tiles with
 //   bulk copies (cp.async.bulk: one per row tile for the weight and for the scales, one per
 //   activation row) as the consumers release them; a `full` mbarrier per stage counts its bytes
@@ -303,45 +300,37 @@ __device__ __forceinline__ uint32_t lds16(uint32_t addr) {
   return v;
 }
 
-// Pipeline stages in shared memory: a stage is U super-tiles of K for each of the CTA's R row
-// tiles. A single-row-tile CTA keeps four stages (its stage holds few activation bytes), a
-// 64-row one three (its activation rows take the shared memory).
-template <int R>
-constexpr int kStagesOf = R == 1 ? 4 : 3;
-constexpr int kThreads = (kWarps + 1) * 32;
+// Pipeline stages in shared memory: a stage is U super-tiles of K for the CTA's 64 rows.
+constexpr int kStages = 3;
 
-// Bytes of one stage: the R row tiles' weight vectors, their scales, and the activation's M
+// Bytes of one stage: the four warps' weight vectors, their scales, and the activation's M
 // rows of U * 64 elements, each row padded by 16 bytes so that the 8 token rows one
 // shared-memory phase reads fall in different banks.
-template <int FMT, int R, int U>
+template <int FMT, int U>
 struct Stage {
   static constexpr int V = FMT == kMxfp8 ? 2 : 1;
-  static constexpr int kW = R * U * V * 512;
-  static constexpr int kS = R * U * 64;
+  static constexpr int kW = kWarps * U * V * 512;
+  static constexpr int kS = kWarps * U * 64;
   static constexpr int kXRow = U * 128 + 16;
   static constexpr int bytes(int m) { return kW + kS + m * kXRow; }
 };
 
-// R row tiles per CTA (R * 16 rows) and U super-tiles per row tile per stage. The four consumer
-// warps take row tile warp % R, and of its U super-tiles in a stage those with index
-// warp / R (mod 4 / R): with R = 4 each warp owns a row tile, with R = 1 the four warps split the
-// K of one row tile and sum their tiles in warp order at the end. A fifth warp, the producer,
-// fills a ring of kStages stages with bulk copies (one per row tile for the weight and the
-// scales, one per activation row) as soon as the four consumer warps have released a stage: a
-// stage's `full` mbarrier counts its bytes in, its `empty` mbarrier counts the consumers out,
-// and no warp waits at a CTA barrier in the loop. Per super-tile a consumer thread issues only
-// its decode: three shared loads, the scale and value decode, and the MMAs.
-template <int FMT, int MT, bool HALF, int R, int U>
+// U: super-tiles per stage (the weight bytes a stage holds are the same for every format).
+// A fifth warp, the producer, fills a ring of kStages stages with bulk copies (one per row tile
+// for the weight and the scales, one per activation row) as soon as the four consumer warps have
+// released a stage: a stage's `full` mbarrier counts its bytes in, its `empty` mbarrier counts
+// the consumers out, and no warp waits at a CTA barrier in the loop. Per super-tile a consumer
+// thread issues only its decode: three shared loads, the scale and value decode, and the MMAs.
+constexpr int kThreads = (kWarps + 1) * 32;
+
+template <int FMT, int MT, bool HALF, int U>
 __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // clusters: sm_90 and newer (decode_mm never launches it on an older device)
 #else
-  using St = Stage<FMT, R, U>;
-  constexpr int kStages = kStagesOf<R>;
+  using St = Stage<FMT, U>;
   constexpr int V = St::V;
   constexpr int TOK = 8 * MT;
-  constexpr int kSlots = kWarps / R;  // warps per row tile
-  constexpr int kRows = R * kTileRows;
   extern __shared__ __align__(16) unsigned char smem[];
   cg::cluster_group cluster = cg::this_cluster();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -355,12 +344,10 @@ __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs 
   const int batches = (ke - kb + U - 1) / U;
   const int stage_bytes = St::bytes(a.M);
   const uint32_t base = smem_addr(smem);
-  // After the stages and the partial tiles (a.bar_offset, 8-byte aligned): kStages `full`
-  // barriers (one arrival, by the producer, plus the bytes), kStages `empty` barriers (one
-  // arrival per consumer warp), then the epilogue's per-row multiplier and bias of the CTA's rows.
+  // The stages' barriers follow the stages and the partial tile (a.bar_offset, 8-byte aligned):
+  // kStages `full` barriers (one arrival, by the producer, plus the bytes), then kStages `empty`
+  // barriers (one arrival per consumer warp).
   const uint32_t full = base + a.bar_offset, empty = full + 8 * kStages;
-  float* row_amax = reinterpret_cast<float*>(smem + a.bar_offset + 16 * kStages);
-  float* row_bias = row_amax + kRows;
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -372,11 +359,11 @@ __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs 
   }
   __syncthreads();
 
-  // The producer fills stage j with super-tiles kb + jU .. of every row tile (NT is a multiple of
-  // 4, so every consumer's row tile exists). Activation columns past K, and those of a partial
-  // stage's missing super-tiles, are written as zeros: every stage is computed whole, its weight
-  // there is zero padding or a stale (finite) decode, and a stale Inf or NaN would not vanish in
-  // the product.
+  // The producer fills stage j with super-tiles kb + jU .. of every row tile (NT = 4 * gridDim.x,
+  // so every consumer's row tile exists). Activation columns past K, and those of a partial stage's
+  // missing super-tiles, are written as zeros: every stage is computed whole, its weight there is
+  // zero padding or a stale (finite) decode, and a stale Inf or NaN would not vanish in the
+  // product.
   auto issue = [&](int j) {
     const int kt0 = kb + j * U, live = min(U, ke - kt0);
     const uint32_t st = base + (j % kStages) * stage_bytes, bar = full + 8 * (j % kStages);
@@ -386,7 +373,7 @@ __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs 
     // copies.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     // Zeros first: the arrival below releases them to the consumers with the copied bytes.
-    if (lane < R && live < U) {  // a missing super-tile's scales are zeros: finite weights
+    if (lane < kWarps && live < U) {  // a missing super-tile's scales are zeros: finite weights
       const uint32_t sc = st + St::kW + lane * U * 64;
       for (int c = live * 64; c < U * 64; c += 16)
         asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sc + c), "r"(0u) : "memory");
@@ -397,10 +384,10 @@ __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs 
         asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(row + c), "r"(0u) : "memory");
     }
     __syncwarp();
-    if (lane == 0) mbar_expect(bar, R * live * (V * 512 + 64) + a.M * xbytes);
+    if (lane == 0) mbar_expect(bar, kWarps * live * (V * 512 + 64) + a.M * xbytes);
     __syncwarp();
-    if (lane < R) {
-      const int64_t tile = static_cast<int64_t>(blockIdx.x * R + lane) * a.KT + kt0;
+    if (lane < kWarps) {
+      const int64_t tile = static_cast<int64_t>(blockIdx.x * kWarps + lane) * a.KT + kt0;
       bulk_copy(st + lane * U * V * 512, a.w + tile * V * 32, live * V * 512, bar);
       bulk_copy(st + St::kW + lane * U * 64, a.s + tile * 32, live * 64, bar);
     }
@@ -417,41 +404,27 @@ __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs 
 
   if (warp == kWarps) {
     // The producer: stage j once the consumers have released its slot's previous use, j - kStages
-    // (use u of a slot completes the empty barrier's phase u, of parity u % 2). Once the first
-    // stages are on their way it loads the epilogue's per-row amax and bias, whose latency the
-    // main loop then hides.
-    auto load_rows = [&]() {
-      for (int r = lane; r < kRows; r += 32) {
-        const int row = blockIdx.x * kRows + r;
-        if (a.amax) row_amax[r] = row < a.N ? a.amax[row * a.amax_stride] : 0.f;
-        if (a.bias) row_bias[r] = row < a.N ? load_float(a.bias, a.bias_dtype, row) : 0.f;
-      }
-    };
+    // (use u of a slot completes the empty barrier's phase u, of parity u % 2).
     for (int j = 0; j < batches; ++j) {
       if (j >= kStages) mbar_wait(empty + 8 * (j % kStages), ((j / kStages) - 1) & 1);
       issue(j);
-      if (j == min(batches, kStages) - 1) load_rows();
     }
-    if (batches == 0) load_rows();  // a rank with no K (more splits than stages)
   }
-  // This thread's offsets within a stage: its weight vector, its scale pair, its activation, at
-  // its first super-tile (index warp / R); the next is kSlots super-tiles on.
-  const int rt = warp % R, first = warp / R;
-  const uint32_t w_off = ((rt * U + first) * V * 32 + lane) * 16;
-  const uint32_t s_off = St::kW + ((rt * U + first) * 32 + lane) * 2;
+  // This thread's offsets within a stage: its weight vector, its scale pair, its activation.
+  const uint32_t w_off = (warp * U * V * 32 + lane) * 16;
+  const uint32_t s_off = St::kW + (warp * U * 32 + lane) * 2;
   // Token rows past M read row M - 1 instead: a token is one column of the MMA's B operand, so
   // they change only output columns the epilogue never writes.
   uint32_t x_off[MT];
 #pragma unroll
-  for (int i = 0; i < MT; ++i)
-    x_off[i] = St::kW + St::kS + min(8 * i + g, a.M - 1) * St::kXRow + 32 * t + first * 128;
+  for (int i = 0; i < MT; ++i) x_off[i] = St::kW + St::kS + min(8 * i + g, a.M - 1) * St::kXRow + 32 * t;
   int slot = 0;
   uint32_t parity = 0;
   for (int j = warp < kWarps ? 0 : batches; j < batches; ++j) {
     mbar_wait(full + 8 * slot, parity);
     const uint32_t st = base + slot * stage_bytes;
 #pragma unroll
-    for (int u = 0; u < U; u += kSlots) {
+    for (int u = 0; u < U; ++u) {
       uint4 wv[V];
 #pragma unroll
       for (int v = 0; v < V; ++v) wv[v] = lds128(st + w_off + (u * V + v) * 512);
@@ -471,11 +444,10 @@ __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs 
       parity ^= 1u;
     }
   }
-  __syncthreads();  // the stages are free: the partial tiles reuse their memory
+  __syncthreads();  // the stages are free: the partial tile reuses their memory
 
-  // Partial tiles [4 warps][16 rows][TOK tokens]; fragment c0, c1: row g, tokens 2t, 2t + 1;
-  // c2, c3: row g + 8. Warp w's tile is that of row tile w % R, so with R < 4 the tiles of one
-  // row tile are kRows * TOK floats apart and sum, in warp order, into the first.
+  // Partial tile [64 rows][TOK tokens] of this CTA; fragment c0, c1: row g, tokens 2t, 2t + 1;
+  // c2, c3: row g + 8.
   float* part = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int i = 0; i < MT; ++i) {
@@ -490,27 +462,18 @@ __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs 
     r0[8 * TOK] = acc[0][i][2];
     r0[8 * TOK + 1] = acc[0][i][3];
   }
-  constexpr int kElems = kRows * TOK;
-  if constexpr (kSlots > 1) {
-    __syncthreads();
-    for (int e = threadIdx.x; e < kElems; e += kThreads) {
-      float v = part[e];
-#pragma unroll
-      for (int q = 1; q < kSlots; ++q) v += part[q * kElems + e];
-      part[e] = v;
-    }
-  }
   cluster.sync();
   // Rank r reduces the elements e = r (mod splits), summing the ranks' partials in rank order.
+  constexpr int kElems = kWarps * kTileRows * TOK;
   for (int e = rank + splits * static_cast<int>(threadIdx.x); e < kElems; e += splits * kThreads) {
-    const int r = e / TOK, row = blockIdx.x * kRows + r, tok = e % TOK;
+    const int row = blockIdx.x * kWarps * kTileRows + e / TOK, tok = e % TOK;
     float v = *cluster.map_shared_rank(part + e, 0);
     for (int q = 1; q < splits; ++q) v += *cluster.map_shared_rank(part + e, q);
     if (row < a.N && tok < a.M) {
       v = v * a.ep_scale;
       if (a.has_inv) v = v * a.inv;
-      if (a.amax) v = v * row_amax[r];
-      if (a.bias) v = v + row_bias[r];
+      if (a.amax) v = v * a.amax[row * a.amax_stride];
+      if (a.bias) v = v + load_float(a.bias, a.bias_dtype, row);
       store_float(a.out, a.out_dtype, static_cast<int64_t>(tok) * a.N + row, v);
     }
   }
@@ -520,8 +483,7 @@ __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs 
 
 // ---- host ----------------------------------------------------------------------------------
 
-// The launch of `groups` clusters of `splits` CTAs (one row group each, over one K range); a
-// single CTA per group is launched without a cluster.
+// The launch of `groups` clusters of `splits` CTAs (64 rows each, over one K range).
 inline cudaLaunchConfig_t cluster_config(int groups, int splits, int smem, cudaStream_t stream,
                                          cudaLaunchAttribute* attr) {
   cudaLaunchConfig_t cfg = {};
@@ -534,71 +496,64 @@ inline cudaLaunchConfig_t cluster_config(int groups, int splits, int smem, cudaS
   attr->val.clusterDim.y = static_cast<unsigned>(splits);
   attr->val.clusterDim.z = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = splits > 1 ? 1 : 0;
+  cfg.numAttrs = 1;
   return cfg;
 }
 
-// K splits (the cluster size) when the caller leaves them to the kernel: one CTA per row group
-// when there are at least `enough` groups (single-row-tile CTAs: two per SM); else, among the sizes whose clusters are all
-// resident at once (one wave: a second wave would double the time), the one that gives each CTA
-// the fewest stages, and of those the smallest (the least to reduce). `fits[s]` is the number
-// of clusters of size s resident at once, from the occupancy API.
-inline int pick_splits(int groups, int chunks, int enough, const int* fits) {
-  if (enough > 0 && groups >= enough) return 1;
+// K splits (the cluster size) when the caller leaves them to the kernel: among the sizes whose
+// clusters are all resident at once (one wave: a second wave would double the time), the one
+// that gives each CTA the fewest stages, and of those the smallest (the least to reduce).
+// `fits[s]` is the number of clusters of size s resident at once, from the occupancy API.
+inline int pick_splits(int groups, int chunks, const int* fits) {
   int best = 1;
   for (int s = 2; s <= std::min(kMaxSplits, chunks); ++s)
     if (fits[s] >= groups && (chunks + s - 1) / s < (chunks + best - 1) / best) best = s;
   return best;
 }
 
-template <int FMT, int MT, bool HALF, int R, int U>
+template <int FMT, int MT, bool HALF, int U>
 void launch(const DecodeArgs& a, int splits, int device, cudaStream_t stream) {
-  using St = Stage<FMT, R, U>;
-  constexpr int kStages = kStagesOf<R>;
+  using St = Stage<FMT, U>;
   constexpr int TOK = 8 * MT;
   constexpr int kPart = kWarps * kTileRows * TOK * 4;
-  constexpr int kTail = 2 * kStages * 8 + 2 * R * kTileRows * 4;  // barriers, row amax and bias
-  auto kernel = decode_gemm_kernel<FMT, MT, HALF, R, U>;
+  auto kernel = decode_gemm_kernel<FMT, MT, HALF, U>;
   DecodeArgs b = a;
   b.bar_offset = (std::max(kStages * St::bytes(a.M), kPart) + 7) / 8 * 8;
-  const int smem = b.bar_offset + kTail;
-  const int groups = a.NT / R;
+  const int smem = b.bar_offset + 2 * kStages * 8;
+  const int groups = (a.NT + kWarps - 1) / kWarps;
   cudaLaunchAttribute attr[1];
   // Per device (up to 16) and activation rows: the resident clusters of each size, found once.
   static int fits[16][TOK + 1][kMaxSplits + 1] = {};
-  static int sms[16] = {};
+  static bool ready[16] = {};
   const int d = device & 15;
-  if (sms[d] == 0) {
+  if (!ready[d]) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (std::max(kStages * St::bytes(TOK), kPart) + 7) / 8 * 8 + kTail));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms[d], cudaDevAttrMultiProcessorCount, device));
+                                        (std::max(kStages * St::bytes(TOK), kPart) + 7) / 8 * 8 +
+                                            2 * kStages * 8));
+    ready[d] = true;
   }
   if (fits[d][a.M][1] == 0) {
     for (int s = 1; s <= kMaxSplits; ++s) {
       cudaLaunchConfig_t q = cluster_config(s, s, smem, stream, attr);
-      q.numAttrs = 1;
       int n = 0;
       C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &q));
       fits[d][a.M][s] = std::max(n, s == 1 ? 1 : 0);
     }
   }
-  if (splits == 0) splits = pick_splits(groups, (a.KT + U - 1) / U, R == 1 ? 2 * sms[d] : 0, fits[d][a.M]);
+  if (splits == 0) splits = pick_splits(groups, (a.KT + U - 1) / U, fits[d][a.M]);
   cudaLaunchConfig_t cfg = cluster_config(groups, splits, smem, stream, attr);
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, b));
 }
 
-// Tokens per kernel (8 * MT), row tiles per CTA and super-tiles per stage. Up to 8 tokens a CTA
-// is one row tile whose stage holds 8 super-tiles (4 KB of weights): each CTA streams one
-// contiguous run of the weight, and the row groups alone fill the GPU on large weights, without
-// clusters. With more tokens the activation rows a stage holds weigh more than its weights, so a
-// CTA takes 4 row tiles that share them (8 KB of weights a stage up to 16 tokens, 4 KB above).
+// Tokens per kernel (8 * MT) and super-tiles per stage: a stage holds 8 KB of weights up to 16
+// tokens, 4 KB above, where the activation rows take the shared memory.
 template <int FMT, bool HALF>
 void launch_mt(const DecodeArgs& a, int splits, int device, cudaStream_t stream) {
   constexpr int U = FMT == kMxfp8 ? 2 : 4;
-  if (a.M <= 8) launch<FMT, 1, HALF, 1, 2 * U>(a, splits, device, stream);
-  else if (a.M <= 16) launch<FMT, 2, HALF, 4, U>(a, splits, device, stream);
-  else if (a.M <= 32) launch<FMT, 4, HALF, 4, U / 2>(a, splits, device, stream);
-  else launch<FMT, 8, HALF, 4, U / 2>(a, splits, device, stream);
+  if (a.M <= 8) launch<FMT, 1, HALF, U>(a, splits, device, stream);
+  else if (a.M <= 16) launch<FMT, 2, HALF, U>(a, splits, device, stream);
+  else if (a.M <= 32) launch<FMT, 4, HALF, U / 2>(a, splits, device, stream);
+  else launch<FMT, 8, HALF, U / 2>(a, splits, device, stream);
 }
 
 at::Tensor decode_gemm_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
