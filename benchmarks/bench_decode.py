@@ -19,6 +19,11 @@ of 2048 tokens, and the peak GPU memory. How it is measured:
   its model was built (weights, KV cache, workspaces, CUDA graph pools).
 - Every quantized config's first greedy tokens are compared with eager's own: compiled and
   eager run the same kernels, so they must agree.
+- The step table (--step) times one decode step without generate()'s host loop: the forward of
+  one token per sequence (without a KV cache), captured in a CUDA graph (eager, or compiled
+  with Inductor where eager does not capture) and replayed; its GPU time per token is what the
+  weight formats change. Its last column is the layers' linear layers alone (each module of
+  layer 0 replayed from a CUDA graph, times the layers).
 """
 
 from __future__ import annotations
@@ -111,6 +116,85 @@ def prefill_ms(model, tokens: int = 2048) -> float:
         return statistics.median(timed(lambda: model(ids, use_cache=False)) for _ in range(3)) * 1e3
 
 
+def graph_us(fn, reps: int = 50) -> float:
+    """Median microseconds of fn replayed from a CUDA graph (warm-up calls first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def step_us(model, batch: int) -> tuple[float, str]:
+    """GPU time of one token per sequence through the model (no KV cache: attention over that
+    token only, which at decode lengths of a few hundred is a small part of a step), and how
+    it was captured."""
+    tok = torch.randint(0, 32000, (batch, 1), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(3))
+    with torch.no_grad():
+        errors = []
+        for how, fwd in (("eager", model.forward),
+                         ("compiled", torch.compile(model.forward, fullgraph=True))):
+            try:
+                return graph_us(lambda: fwd(input_ids=tok, use_cache=False)), how
+            except Exception as e:  # a capture that syncs: try the next way
+                errors.append(f"{how}: {type(e).__name__}: {str(e)[:60]}")
+                torch.cuda.synchronize()
+        raise RuntimeError("; ".join(errors))
+
+
+def linears_us(model, batch: int) -> float:
+    """GPU time of one token's pass through every decoder layer's linear layers."""
+    layer = model.model.layers[0]
+    total = 0.0
+    for mod in layer.modules():
+        if isinstance(mod, torch.nn.Linear):
+            x = torch.randn(batch, mod.in_features, device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad():
+                total += graph_us(lambda mod=mod, x=x: mod(x))
+    return total * len(model.model.layers)
+
+
+def step_table(args) -> None:
+    emit(f"\n### One decode step from a CUDA graph (no generate() loop), {args.layers} layers\n")
+    emit("| config | batch | step us | tok/s | vs bf16 | captured | linears us | vs bf16 |")
+    emit("|---|---|---|---|---|---|---|---|")
+    base: dict[int, tuple[float, float]] = {}
+    for name in ["bf16"] + [c for c in args.configs.split(",") if c]:
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+        model = quantize(build_model(args.layers), name)
+        for batch in (1, 8):
+            try:
+                us, how = step_us(model, batch)
+                lin = linears_us(model, batch)
+            except Exception as e:  # reported in the table, the sweep goes on
+                emit(f"| {name} | {batch} | {type(e).__name__}: {str(e)[:80]} | | | | | |")
+                continue
+            if name == "bf16":
+                base[batch] = (us, lin)
+            b_us, b_lin = base.get(batch, (float("nan"), float("nan")))
+            emit(f"| {name} | {batch} | {us:.0f} | {batch / us * 1e6:.0f} | {b_us / us:.2f}x | "
+                 f"{how} | {lin:.0f} | {b_lin / lin:.2f}x |")
+        del model
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="markdown file for the table")
@@ -119,6 +203,8 @@ def main() -> None:
     p.add_argument("--configs", default=",".join(CONFIGS), help="quantized configs to run")
     p.add_argument("--compiled", default=",".join(["bf16"] + list(CONFIGS)),
                    help="configs also measured compiled (each compile takes a minute)")
+    p.add_argument("--step", action="store_true", help="also time one CUDA-graphed decode step")
+    p.add_argument("--step-only", action="store_true", help="only the step table")
     args = p.parse_args()
     import transformers
     from torch._dynamo.utils import counters
@@ -128,12 +214,17 @@ def main() -> None:
          f"transformers {transformers.__version__}")
     emit(f"Llama hidden 4096, intermediate 14336, {args.layers} layers, 32/8 heads, vocab "
          f"32000, bf16 lm_head; prompt 32 tokens; {args.steps} timed decode steps\n")
-    emit("| config | batch | eager tok/s | vs bf16 | compiled tok/s | vs bf16 "
-         "| graphs, breaks, cudagraph skips "
-         "| prefill 2048 ms | peak GiB | tokens agree |")
-    emit("|---|---|---|---|---|---|---|---|---|---|")
+    if args.step_only:
+        step_table(args)
+        names = []
+    else:
+        names = ["bf16_first", "bf16"] + [c for c in args.configs.split(",") if c]
+    if names:
+        emit("| config | batch | eager tok/s | vs bf16 | compiled tok/s | vs bf16 "
+             "| graphs, breaks, cudagraph skips "
+             "| prefill 2048 ms | peak GiB | tokens agree |")
+        emit("|---|---|---|---|---|---|---|---|---|---|")
     compiled_set = set(args.compiled.split(",")) if args.compiled else set()
-    names = ["bf16_first", "bf16"] + [c for c in args.configs.split(",") if c]
     base: dict[tuple[int, str], float] = {}
     for name in names:
         torch._dynamo.reset()
@@ -182,6 +273,8 @@ def main() -> None:
                  f"{pre:.1f} | {peak:.1f} | {row.get('agree', '')} |")
         del model
         torch.cuda.empty_cache()
+    if args.step and not args.step_only:
+        step_table(args)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(ROWS) + "\n")

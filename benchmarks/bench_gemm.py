@@ -269,6 +269,40 @@ def decode_section(n: int, k: int, ms_list, splits_sweep: bool) -> None:
                  + ", ".join(row))
 
 
+def llama_section() -> None:
+    """The decode GEMM at M = 1 on the linear shapes of a Llama layer (hidden 4096, 8 KV heads,
+    intermediate 14336), against bf16 F.linear, with the floor every CUDA-graphed launch pays:
+    a one-element kernel, and the decode kernel on one 64 x 64 tile."""
+    from qtensor.ops import decode_mm as dmm
+
+    one = torch.zeros(1, device="cuda")
+    emit("\n### decode GEMM on a Llama layer's shapes, M = 1, CUDA-graphed\n")
+    emit(f"- one-element add: {graph_ms(lambda: one.add_(1)) * 1e3:.1f} us per launch")
+    emit("\n| weight (N x K) | use | bf16 us | NVFP4 us | vs bf16 | MXFP8 us | vs bf16 |")
+    emit("|---|---|---|---|---|---|---|")
+    for (n, k), use in (((64, 64), "one tile"), ((1024, 4096), "k_proj, v_proj"),
+                        ((4096, 4096), "q_proj, o_proj"), ((14336, 4096), "gate, up"),
+                        ((4096, 14336), "down")):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        _, wb_next = rotating(lambda i: w.roll(i, 0).contiguous(), n * k * 2)
+        base = graph_ms(lambda: F.linear(x, wb_next()))
+        cells = []
+        for fmt, (codes, scales, amax) in packed_weights(w).items():
+            if fmt == "mxfp4":
+                continue
+            _, nxt = rotating(lambda i, c=codes, s_=scales: (c.roll(i), s_.roll(i)),
+                              codes.numel() + scales.numel())
+
+            def run(nxt=nxt, fmt=fmt, amax=amax):
+                c, s_ = nxt()
+                return dmm.cuda(x, c, s_, amax, None, fmt, n, k, 448, torch.bfloat16)
+
+            ms = graph_ms(run)
+            cells += [f"{ms * 1e3:.1f}", f"{base / ms:.2f}x"]
+        emit(f"| {n}x{k} | {use} | {base * 1e3:.1f} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="markdown file for the tables")
@@ -286,6 +320,7 @@ def main() -> None:
         ms_dec = ms_list if "--ms" in sys.argv else [1, 4, 16, 64, 128]
         for n, k in [(8192, 8192), (28672, 8192), (8192, 28672)]:
             decode_section(n, k, ms_dec, splits_sweep=(n, k) == (8192, 8192) and args.sweep)
+        llama_section()
         if args.out:
             with open(args.out, "w") as f:
                 f.write("\n".join(ROWS) + "\n")

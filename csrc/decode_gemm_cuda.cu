@@ -42,8 +42,8 @@
 //   in and an `empty` one counts the consumer warps out, so no warp waits at a CTA barrier. Every
 //   stage is computed whole (a partial last stage is zero-filled), so a stage's U super-tiles are
 //   one straight-line block that the compiler schedules across; with up to 16 tokens the MMAs
-//   alternate between two accumulators. The kernel is bound by the instructions it issues, not
-//   by memory (docs/decode.md, "Status"), so the per-super-tile path holds only its three shared
+//   alternate between two accumulators. The decode's instructions take about as long as the
+//   streaming (docs/decode.md, "Status"), so the per-super-tile path holds only its three shared
 //   loads, the decode and the MMAs.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
