@@ -2,8 +2,8 @@
 
 CPU (CI): `pack` / `unpack` are exact inverses, bit for bit, on every byte value and ragged
 shapes; the layout puts each value where the kernel's decode reads it (a bit-level emulation of
-the kernel's pair extraction, written here from [Note: decode GEMM], gives the reference's unit
-values); the op's CPU kernel is the emulated reference; bad arguments fail clearly.
+the kernel's word decode, its rotations and masks copied from csrc/decode_gemm_cuda.cu, gives
+the reference's unit values, in bf16 and fp16 registers); the op's CPU kernel is the emulated reference; bad arguments fail clearly.
 
 CUDA (marked): the kernel against the emulated reference, up to fp32 accumulation order
 ([Tolerance] of test_gemm_triton.py: relative Frobenius error under 1e-5 in fp32; bf16 results
