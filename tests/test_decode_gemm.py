@@ -3,7 +3,8 @@
 CPU (CI): `pack` / `unpack` are exact inverses, bit for bit, on every byte value and ragged
 shapes; the layout puts each value where the kernel's decode reads it (a bit-level emulation of
 the kernel's word decode, its rotations and masks copied from csrc/decode_gemm_cuda.cu, gives
-the reference's unit values, in bf16 and fp16 registers); the op's CPU kernel is the emulated reference; bad arguments fail clearly.
+the reference's unit values, in bf16 and fp16 registers); the op's CPU kernel is the emulated
+reference; bad arguments fail clearly.
 
 CUDA (marked): the kernel against the emulated reference, up to fp32 accumulation order
 ([Tolerance] of test_gemm_triton.py: relative Frobenius error under 1e-5 in fp32; bf16 results
@@ -88,10 +89,6 @@ def test_pack_unpack_all_65536_nibble_pairs_of_rows():
     assert torch.equal(d2, data) and torch.equal(s2, scale)
 
 
-def _bf16(bits: torch.Tensor) -> torch.Tensor:
-    return (bits.to(torch.int32) << 16).view(torch.float32).double()
-
-
 def _rotr(q: torch.Tensor, n: int) -> torch.Tensor:
     return ((q >> n) | (q << (32 - n))) & 0xFFFFFFFF if n else q
 
@@ -108,7 +105,8 @@ KERNEL_PIECES = {
 }
 
 
-def _half_value(bits: torch.Tensor, half: bool) -> torch.Tensor:
+def _register_half(bits: torch.Tensor, half: bool) -> torch.Tensor:
+    """The value of 16 register bits: fp16 if `half`, else bf16."""
     if half:
         return bits.to(torch.int16).view(torch.float16).double()
     return (bits.to(torch.int32) << 16).view(torch.float32).double()
@@ -147,7 +145,8 @@ def emulate_kernel_units(fmt: str, codes, scales, n: int, k: int, half=False) ->
                     scale = torch.pow(2.0, code.double() - 127)
                 for h, value in ((0, bits & 0xFFFF), (1, bits >> 16)):
                     col = 16 * t + 4 * s + 2 * p + h
-                    out[tiles_r + g + 8 * r, tiles_k + col] = _half_value(value, half) * factor * scale
+                    out[tiles_r + g + 8 * r, tiles_k + col] = \
+                        _register_half(value, half) * factor * scale
     return out[:n, :k].float()
 
 

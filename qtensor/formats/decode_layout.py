@@ -48,7 +48,7 @@ E2M1_DEST = (6, 7, 8, 15)
 E4M3_DEST = (4, 5, 6, 7, 8, 9, 10, 15)
 
 
-def _word_sources(bits: int) -> list[int]:
+def _word_sources(bits: int) -> tuple[int, ...]:
     """Word bit of code bit b of value (o, h): entry (2o + h) * bits + b."""
     dest = E2M1_DEST if bits == 4 else E4M3_DEST
     src = []
@@ -58,14 +58,18 @@ def _word_sources(bits: int) -> list[int]:
                 d = dest[b] + 16 * h
                 (rot,) = [r for r, mask in pieces if mask >> d & 1]
                 src.append((d + rot) % 32)
-    assert sorted(src) == list(range(32))
-    return src
+    if sorted(src) != list(range(32)):
+        raise AssertionError(f"WORD_PIECES[{bits}] does not place each of the 32 bits once")
+    return tuple(src)
+
+
+_SOURCES = {bits: _word_sources(bits) for bits in WORD_PIECES}  # checked once, at import
 
 
 def _to_words(values: torch.Tensor, bits: int) -> torch.Tensor:
     """values [..., 32 // bits] (codes in register order 2o + h) -> the words' bytes [..., 4]."""
     out = [torch.zeros_like(values[..., 0]) for _ in range(4)]
-    for i, pos in enumerate(_word_sources(bits)):
+    for i, pos in enumerate(_SOURCES[bits]):
         bit = (values[..., i // bits] >> (i % bits)) & 1
         out[pos // 8] |= bit << (pos % 8)
     return torch.stack(out, dim=-1)
@@ -74,7 +78,7 @@ def _to_words(values: torch.Tensor, bits: int) -> torch.Tensor:
 def _from_words(words: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of _to_words: bytes [..., 4] -> codes [..., 32 // bits]."""
     out = [torch.zeros_like(words[..., 0]) for _ in range(32 // bits)]
-    for i, pos in enumerate(_word_sources(bits)):
+    for i, pos in enumerate(_SOURCES[bits]):
         out[i // bits] |= ((words[..., pos // 8] >> (pos % 8)) & 1) << (i % bits)
     return torch.stack(out, dim=-1)
 
