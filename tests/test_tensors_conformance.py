@@ -80,6 +80,25 @@ def test_flatten_unflatten_round_trip(qt):
     assert torch.equal(back.dequantize(), qt.dequantize())
 
 
+def test_flatten_is_computed_once_and_never_pickled(qt):
+    """A compiled function's guards flatten every quantized input on every call, so the
+    flatten is computed once per tensor; the cache is not part of the tensor's state, so a
+    pickle does not depend on whether the tensor was flattened before."""
+    first = io.BytesIO()
+    torch.save(qt, first)
+    names, ctx = qt.__tensor_flatten__()
+    names.append("not_a_field")  # the caller owns the list it gets
+    again, ctx_again = qt.__tensor_flatten__()
+    assert "not_a_field" not in again and ctx_again is ctx
+    assert ctx == (tuple(qt.shape), qt.dtype,
+                   tuple(getattr(qt, n) for n in qt.tensor_attribute_names))
+    second = io.BytesIO()
+    torch.save(qt, second)
+    assert first.getvalue() == second.getvalue()
+    first.seek(0)
+    assert_same(torch.load(first, weights_only=False), qt)
+
+
 def test_outer_dtype_and_dequantize(qt):
     assert qt.dtype == torch.bfloat16 and not qt.requires_grad
     assert qt.dequantize().dtype == torch.bfloat16

@@ -121,9 +121,15 @@ class QuantizedTensor(torch.Tensor):
         return self.replace(**data, **changes)
 
     def __tensor_flatten__(self):
-        names = [n for n in self.tensor_data_names if getattr(self, n) is not None]
-        attrs = tuple(getattr(self, n) for n in self.tensor_attribute_names)
-        return names, (tuple(self.shape), self.dtype, attrs)
+        # Computed once per tensor: a compiled function's guards flatten every quantized input on
+        # every call, and `self.shape` and `self.dtype` each cost a __torch_function__ round trip.
+        # The fields are set once, in __init__, so the result never goes stale.
+        flat = self.__dict__.get("_flat")
+        if flat is None:
+            names = tuple(n for n in self.tensor_data_names if getattr(self, n) is not None)
+            attrs = tuple(getattr(self, n) for n in self.tensor_attribute_names)
+            flat = self.__dict__["_flat"] = (names, (tuple(self.shape), self.dtype, attrs))
+        return list(flat[0]), flat[1]
 
     @classmethod
     def __tensor_unflatten__(cls, inner_tensors, ctx, outer_size, outer_stride):
@@ -164,6 +170,13 @@ class QuantizedTensor(torch.Tensor):
     def upgrade_attributes(cls, attrs: dict) -> dict:
         """Attributes stored under `legacy_attribute_names`, as the class holds them now."""
         return dict(attrs)
+
+    def __getstate__(self):
+        """The pickled state: the fields, without the cache `__tensor_flatten__` keeps (a pickle
+        must not depend on whether the tensor was flattened before)."""
+        state = dict(self.__dict__)
+        state.pop("_flat", None)
+        return state
 
     def __setstate__(self, state):
         """Unpickling (torch.load): a tensor pickled before the spec moved onto it comes back

@@ -1,0 +1,74 @@
+"""Where a decode token's GPU time goes: the kernels of compiled (or eager) greedy decoding with a
+static KV cache, per token, for bf16 and each qtensor config of bench_decode.py.
+
+Run on one GPU:
+    python benchmarks/profile_decode.py [--configs bf16,nvfp4_weight_only] [--eager] [--top 20]
+For each config: generate() twice as a warm-up (compilation, CUDA graph capture), then once
+under torch.profiler. It prints the kernels sorted by their total GPU time, divided by the new
+tokens (the prefill is one forward among them, so a kernel seen once is most likely the
+prefill's), and the host-side ops that launched the most. With TORCH_LOGS=cudagraphs the CUDA
+graph trees also say when they record again and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_decode import build_model, decode_ms_per_token, generate, quantize  # noqa: E402
+
+
+def profile_config(name: str, layers: int, tokens: int, compiled: bool, top: int) -> None:
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    model = quantize(build_model(layers), name)
+    ids = torch.randint(0, 32000, (1, 32), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(2))
+    ms, _ = decode_ms_per_token(model, ids, compiled, 32)  # also the warm-up
+    generate(model, ids, tokens, compiled)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        generate(model, ids, tokens, compiled)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    gpu = sorted((e for e in events if e.device_type == DeviceType.CUDA),
+                 key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in gpu)
+    mode = "compiled" if compiled else "eager"
+    print(f"\n### {name}, {mode}: {ms * 1e3:.0f} us/token wall (generate(), 32 tokens); "
+          f"profiled {tokens} new tokens: GPU busy {total / tokens:.0f} us/token")
+    print("| kernel | calls | us total / token | us each |")
+    print("|---|---|---|---|")
+    for e in gpu[:top]:
+        print(f"| {e.key[:90]} | {e.count} | {e.self_device_time_total / tokens:.1f} | "
+              f"{e.self_device_time_total / e.count:.1f} |")
+    cpu = sorted((e for e in events if e.count >= tokens), key=lambda e: -e.cpu_time_total)
+    print("\nhost events called at least once per token, by host time per token: "
+          + ", ".join(f"{e.key[:60]} x{e.count} {e.cpu_time_total / tokens:.0f} us"
+                      for e in cpu[:14]))
+    del model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", default="bf16,nvfp4_weight_only")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--eager", action="store_true", help="profile eager decoding instead")
+    p.add_argument("--top", type=int, default=20)
+    args = p.parse_args()
+    for name in args.configs.split(","):
+        profile_config(name, args.layers, args.tokens, not args.eager, args.top)
+
+
+if __name__ == "__main__":
+    main()
