@@ -645,8 +645,143 @@ at::Tensor decode_gemm_cuda(const at::Tensor& x, const at::Tensor& w, const at::
   return out;
 }
 
+// ---- unpack: the decode layout back to the canonical bytes ----------------------------------
+
+// One thread per lane of a super-tile: the lane's code bytes become the canonical bytes of its
+// rows g and g + 8 at K offsets [16t, 16t + 16), and its scale pair the two rows' block scales.
+// The codes go through the GEMM's own register decode (e2m1_regs, e4m3_regs), read backwards:
+// a bf16 half holds an E2M1 code's sign at bit 15 and its other bits at 8-6, an E4M3 code's sign
+// at bit 15 and its other bits at 10-4. The inverse of qtensor/formats/decode_layout.pack;
+// qtensor/formats/decode_layout.unpack is the reference (tests/test_decode_gemm.py).
+__device__ __forceinline__ uint32_t e2m1_code(uint32_t reg, int h) {
+  return ((reg >> (6 + 16 * h)) & 7u) | ((reg >> (12 + 16 * h)) & 8u);
+}
+__device__ __forceinline__ uint32_t e4m3_code(uint32_t reg, int h) {
+  return ((reg >> (4 + 16 * h)) & 0x7Fu) | ((reg >> (8 + 16 * h)) & 0x80u);
+}
+
+template <int FMT>
+__global__ void decode_unpack_kernel(const uint4* __restrict__ w, const uint16_t* __restrict__ s,
+                                     uint8_t* __restrict__ data, uint8_t* __restrict__ scale,
+                                     int n, int k, int KT, int64_t lanes) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= lanes) return;
+  const int lane = static_cast<int>(i & 31), g = lane >> 2, t = lane & 3;
+  const int64_t tile = i >> 5;
+  const int nt = static_cast<int>(tile / KT), kt = static_cast<int>(tile % KT);
+  const int k0 = kt * kSuperK + 16 * t;  // K is whole blocks: a lane's range is in or out
+  if (k0 >= k) return;
+  constexpr int kBlock = FMT == kNvfp4 ? 16 : 32;
+  const int blocks = k / kBlock;
+  const uint32_t sc = s[i];
+  if constexpr (FMT == kMxfp8) {
+    // Word 2jl + p of vector jH holds registers r (row g + 8r) of elements 8jH + 4jl + 2p + h.
+    const uint4 v0 = w[(tile * 2) * 32 + lane], v1 = w[(tile * 2 + 1) * 32 + lane];
+    const uint32_t words[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+    uint32_t out[2][4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // q = 2jH + jl: output word q of each row, elements 4q..4q+3
+      uint32_t a0[2], a1[2];
+      e4m3_regs(words[2 * q], a0);
+      e4m3_regs(words[2 * q + 1], a1);
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        out[r][q] = e4m3_code(a0[r], 0) | (e4m3_code(a0[r], 1) << 8) |
+                    (e4m3_code(a1[r], 0) << 16) | (e4m3_code(a1[r], 1) << 24);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = nt * kTileRows + 8 * r + g;
+      if (row < n)
+        *reinterpret_cast<uint4*>(data + static_cast<int64_t>(row) * k + k0) =
+            make_uint4(out[r][0], out[r][1], out[r][2], out[r][3]);
+    }
+  } else {
+    // Word s holds registers 2p + r (row g + 8r) of elements 4s + 2p + h: canonical byte 2s + p
+    // of the row, element h in its high nibble when h = 1.
+    const uint4 v = w[tile * 32 + lane];
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    uint32_t out[2][2] = {{0u, 0u}, {0u, 0u}};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      uint32_t a[4];
+      e2m1_regs<false>(words[q], a);
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+          const uint32_t byte = e2m1_code(a[2 * p + r], 0) | (e2m1_code(a[2 * p + r], 1) << 4);
+          out[r][q >> 1] |= byte << (8 * (2 * (q & 1) + p));
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = nt * kTileRows + 8 * r + g;
+      if (row < n)
+        *reinterpret_cast<uint2*>(data + static_cast<int64_t>(row) * (k / 2) + k0 / 2) =
+            make_uint2(out[r][0], out[r][1]);
+    }
+  }
+  // The scale pair: NVFP4 blocks are a lane's range; an MX block spans two lanes, both holding
+  // its scale, and the even one writes it.
+  if (FMT == kNvfp4 || (t & 1) == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = nt * kTileRows + 8 * r + g;
+      if (row < n) scale[static_cast<int64_t>(row) * blocks + k0 / kBlock] = (sc >> (8 * r)) & 0xFFu;
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_unpack_cuda(const at::Tensor& w, const at::Tensor& s,
+                                                     int64_t fmt, int64_t n, int64_t k) {
+  const char* op = "qtensor.decode_unpack";
+  TORCH_CHECK(fmt == kNvfp4 || fmt == kMxfp4 || fmt == kMxfp8, op,
+              ": fmt is 0 (NVFP4), 1 (MXFP4) or 2 (MXFP8); got ", num(fmt), ".");
+  const int64_t block = fmt == kNvfp4 ? 16 : 32;
+  TORCH_CHECK(n > 0 && k > 0 && k % block == 0, op, ": needs N > 0 and K > 0 divisible by ",
+              num(block), "; got N = ", num(n), ", K = ", num(k), ".");
+  const int64_t NT = (n + 63) / 64 * 4, KT = (k + kSuperK - 1) / kSuperK;
+  const int64_t V = fmt == kMxfp8 ? 2 : 1;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == NT * KT * V * 512, op,
+              ": the packed weight must be contiguous uint8 of ", num(NT * KT * V * 512),
+              " bytes (decode layout of ", num(n), "x", num(k), "); got ", w.scalar_type(), " ",
+              shape_str(w), ".");
+  TORCH_CHECK(s.scalar_type() == at::kByte && s.is_contiguous() && s.numel() == NT * KT * 64, op,
+              ": the packed scales must be contiguous uint8 of ", num(NT * KT * 64), " bytes; got ",
+              s.scalar_type(), " ", shape_str(s), ".");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(s.data_ptr()) % 2 == 0,
+              op, ": the packed weight must start on a 16-byte boundary and the scales on a "
+              "2-byte one; pass them as allocated, or .clone() a view.");
+  check_same_device(w, s, op, "the packed scales");
+  const c10::cuda::CUDAGuard guard(w.device());
+  at::Tensor data = at::empty({n, fmt == kMxfp8 ? k : k / 2}, w.options());
+  at::Tensor scale = at::empty({n, k / block}, w.options());
+  const int64_t lanes = NT * KT * 32;
+  constexpr int kBlockThreads = 256;
+  const auto grid = static_cast<unsigned>((lanes + kBlockThreads - 1) / kBlockThreads);
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  const auto* wp = reinterpret_cast<const uint4*>(w.data_ptr());
+  const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr());
+  auto* dp = data.data_ptr<uint8_t>();
+  auto* scp = scale.data_ptr<uint8_t>();
+  const int ni = static_cast<int>(n), ki = static_cast<int>(k), kti = static_cast<int>(KT);
+  if (fmt == kNvfp4)
+    decode_unpack_kernel<kNvfp4><<<grid, kBlockThreads, 0, stream>>>(wp, sp, dp, scp, ni, ki, kti, lanes);
+  else if (fmt == kMxfp4)
+    decode_unpack_kernel<kMxfp4><<<grid, kBlockThreads, 0, stream>>>(wp, sp, dp, scp, ni, ki, kti, lanes);
+  else
+    decode_unpack_kernel<kMxfp8><<<grid, kBlockThreads, 0, stream>>>(wp, sp, dp, scp, ni, ki, kti, lanes);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {data, scale};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(qtensor, CUDA, m) { m.impl("decode_gemm", &decode_gemm_cuda); }
+TORCH_LIBRARY_IMPL(qtensor, CUDA, m) {
+  m.impl("decode_gemm", &decode_gemm_cuda);
+  m.impl("decode_unpack", &decode_unpack_cuda);
+}
 
 }  // namespace qtensor

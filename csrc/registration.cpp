@@ -60,4 +60,7 @@ TORCH_LIBRARY(qtensor, m) {
   m.def(
       "decode_gemm(Tensor x, Tensor w, Tensor s, Tensor? amax, Tensor? bias, int fmt, int n, "
       "int k, float inv, int splits, ScalarType out_dtype) -> Tensor");
+  // The canonical (codes, scales) uint8 bytes of a weight [N, K] in the decode layout: the
+  // inverse of qtensor/formats/decode_layout.pack (CUDA only; the reference is its `unpack`).
+  m.def("decode_unpack(Tensor w, Tensor s, int fmt, int n, int k) -> (Tensor, Tensor)");
 }

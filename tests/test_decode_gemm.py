@@ -356,3 +356,63 @@ def test_kernel_reads_strided_and_misaligned_activations():
     odd[1:] = args[0].reshape(-1)
     args[0] = odd[1:].view(6, 256)  # 2-byte aligned: the kernel copies it
     assert_close_to_reference(dmm.cuda(*args, torch.float32), _reference(args, torch.float32), args)
+
+
+# ---- the CUDA unpack ---------------------------------------------------------------------------
+
+needs_unpack = pytest.mark.skipif(
+    not (torch.cuda.is_available() and has_kernel("decode_unpack", "CUDA")),
+    reason="needs a GPU and the CUDA unpack kernel")
+
+
+@pytest.mark.cuda
+@needs_unpack
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", SHAPES + [(4096, 4160)])
+def test_cuda_unpack_gives_the_canonical_bytes(fmt, n, k):
+    """qtensor::decode_unpack against the reference unpack (and so the canonical bytes pack
+    started from), on ragged shapes, every byte value and the scales of every lane."""
+    if k % (16 if fmt == "nvfp4" else 32):
+        pytest.skip("K is not a whole number of blocks")
+    g = torch.Generator().manual_seed(n + 3 * k)
+    data, scale = random_bytes(fmt, n, k, g, all_values=True)
+    codes, scales = dl.pack(fmt, data, scale, n, k)
+    d2, s2 = dmm.unpack(fmt, codes.cuda(), scales.cuda(), n, k)
+    assert d2.is_cuda and d2.dtype == s2.dtype == torch.uint8
+    assert torch.equal(d2.cpu(), data) and torch.equal(s2.cpu(), scale)
+
+
+@pytest.mark.cuda
+@needs_unpack
+def test_cuda_unpack_all_65536_nibble_pairs_of_rows():
+    n, k = 256, 1024
+    words = torch.arange(65536, dtype=torch.int32)
+    data = torch.stack(((words & 0xFF), (words >> 8)), dim=-1).to(torch.uint8).reshape(n, k // 2)
+    scale = torch.arange(n * k // 16, dtype=torch.int32).remainder(0x7F).to(torch.uint8)
+    scale = scale.reshape(n, k // 16)
+    codes, scales = dl.pack("nvfp4", data, scale, n, k)
+    d2, s2 = dmm.unpack("nvfp4", codes.cuda(), scales.cuda(), n, k)
+    assert torch.equal(d2.cpu(), data) and torch.equal(s2.cpu(), scale)
+
+
+@pytest.mark.cuda
+@needs_unpack
+def test_cuda_unpack_errors_and_the_canonical_tensor():
+    data, scale = random_bytes("nvfp4", 64, 128, torch.Generator().manual_seed(1))
+    codes, scales = (t.cuda() for t in dl.pack("nvfp4", data, scale, 64, 128))
+    op = torch.ops.qtensor.decode_unpack.default
+    with pytest.raises(RuntimeError, match="packed weight must be contiguous uint8 of 4096 bytes"):
+        op(codes[:-16], scales, 0, 64, 128)
+    with pytest.raises(RuntimeError, match="divisible by 32"):
+        op(codes, scales, 2, 64, 112)
+    with pytest.raises(RuntimeError, match=r"fmt is 0 \(NVFP4\)"):
+        op(codes, scales, 3, 64, 128)
+    # DecodeWeight.canonical() takes the kernel on the GPU: the canonical tensor's bytes.
+    from qtensor import NVFP4Tensor
+    from qtensor.tensors import DecodeWeight
+
+    w = NVFP4Tensor.from_hp(torch.randn(200, 2080, generator=torch.Generator().manual_seed(4))
+                            .to(torch.bfloat16).cuda())
+    back = DecodeWeight.pack(w).canonical()
+    assert torch.equal(back.qdata, w.qdata) and torch.equal(back.scale.view(torch.uint8),
+                                                            w.scale.view(torch.uint8))

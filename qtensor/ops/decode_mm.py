@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from qtensor.backends import has_kernel
+from qtensor.backends import has_kernel, has_ops
 from qtensor.formats import decode_layout
 from qtensor.ops import gemm_ops
 from qtensor.ops.gemm_operands import BOUNDS, FLOAT_DTYPES, INV, Side, apply_epilogue, units
@@ -45,9 +45,26 @@ _CANONICAL_DTYPES = {"nvfp4": (torch.uint8, torch.float8_e4m3fn),
                      "mxfp8": (torch.float8_e4m3fn, torch.float8_e8m0fnu)}
 
 
+@functools.lru_cache(maxsize=None)
+def _unpack_kernel_on(device: torch.device) -> bool:
+    """Whether the CUDA unpack kernel runs on `device` (chosen once per device)."""
+    return torch.device(device).type == "cuda" and has_kernel("decode_unpack", "CUDA")
+
+
+def unpack(fmt: str, w, s, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The canonical (data, scale) uint8 bytes of a packed weight: qtensor::decode_unpack on a
+    GPU where the extension has it (one pass at memory speed), else the reference,
+    decode_layout.unpack (the same bytes: tests/test_decode_gemm.py)."""
+    if _unpack_kernel_on(w.device) and w.device == s.device:
+        decode_layout.check(fmt, n, k)
+        return torch.ops.qtensor.decode_unpack.default(w, s, decode_layout.FORMATS.index(fmt),
+                                                        n, k)
+    return decode_layout.unpack(fmt, w, s, n, k)
+
+
 def canonical(fmt: str, w, s, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The canonical (codes, scales) of a packed weight, in the dtypes the GEMM ops take."""
-    data, scale = decode_layout.unpack(fmt, w, s, n, k)
+    data, scale = unpack(fmt, w, s, n, k)
     data_dtype, scale_dtype = _CANONICAL_DTYPES[fmt]
     return data.view(data_dtype), scale.view(scale_dtype)
 
@@ -167,6 +184,15 @@ def _backward(ctx, grad):
         dbias = grad.float().sum(0).to(bias.dtype)
     return dx, None, None, None, dbias, None, None, None, None, None
 
+
+def _unpack_fake(w, s, fmt, n, k):
+    width = k if fmt == decode_layout.FORMATS.index("mxfp8") else k // 2
+    block = 16 if fmt == decode_layout.FORMATS.index("nvfp4") else 32
+    return w.new_empty((n, width)), w.new_empty((n, k // block))
+
+
+if has_ops("decode_unpack"):
+    torch.library.register_fake("qtensor::decode_unpack", _unpack_fake)
 
 _LIB = torch.library.Library("qtensor", "FRAGMENT")
 _LIB.define("decode_mm" + SCHEMA)

@@ -64,8 +64,10 @@ class DecodeWeight(QuantizedTensor):
 
     def canonical(self) -> QuantizedTensor:
         """The tensor this one was packed from: the same class, attributes and bytes."""
+        from qtensor.ops.decode_mm import unpack
+
         n, k = self.shape
-        data, scale = decode_layout.unpack(self.fmt, self.codes, self.scales, n, k)
+        data, scale = unpack(self.fmt, self.codes, self.scales, n, k)
         cls = QuantizedTensor.classes[self.canonical_class]
         attrs = dict(self.canonical_attrs)
         template = cls.inner_layout(self.shape, attrs)
