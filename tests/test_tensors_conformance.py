@@ -90,13 +90,44 @@ def test_flatten_is_computed_once_and_never_pickled(qt):
     names.append("not_a_field")  # the caller owns the list it gets
     again, ctx_again = qt.__tensor_flatten__()
     assert "not_a_field" not in again and ctx_again is ctx
-    assert ctx == (tuple(qt.shape), qt.dtype,
-                   tuple(getattr(qt, n) for n in qt.tensor_attribute_names))
+    assert ctx[:3] == (tuple(qt.shape), qt.dtype,
+                       tuple(getattr(qt, n) for n in qt.tensor_attribute_names))
     second = io.BytesIO()
     torch.save(qt, second)
     assert first.getvalue() == second.getvalue()
     first.seek(0)
     assert_same(torch.load(first, weights_only=False), qt)
+
+
+def test_metadata_guard_tells_the_metadata_apart(qt, monkeypatch):
+    """torch.compile's guard on a quantized input compares flatten contexts through the class's
+    __metadata_guard__: a copy matches, another outer dtype or shape does not, and a compiled
+    function runs the guard on each call and recompiles for another dtype only."""
+    import copy
+
+    from torch._dynamo.testing import CompileCounter
+
+    cls = type(qt)
+    guard, calls = cls.__metadata_guard__.__func__, []
+    monkeypatch.setattr(cls, "__metadata_guard__",
+                        classmethod(lambda c, a, b: calls.append(c) or guard(c, a, b)))
+    _, ctx = qt.__tensor_flatten__()
+    other_dtype = qt.replace(dtype=torch.float16)
+    other_shape = qt.replace(shape=torch.Size([*qt.shape[:-1], qt.shape[-1] + 1]))
+    assert cls.__metadata_guard__(copy.deepcopy(ctx), qt.__tensor_flatten__()[1])
+    assert cls.__metadata_guard__(ctx, copy.deepcopy(qt).__tensor_flatten__()[1])
+    for other in (other_dtype, other_shape):
+        assert not cls.__metadata_guard__(ctx, other.__tensor_flatten__()[1])
+    counter = CompileCounter()
+    fn = torch.compile(lambda t: t.dequantize(), backend=counter, fullgraph=True)
+    torch._dynamo.reset()
+    fn(qt)
+    calls.clear()
+    fn(copy.deepcopy(qt))
+    assert counter.frame_count == 1 and calls
+    fn(other_dtype)
+    assert counter.frame_count == 2
+    torch._dynamo.reset()
 
 
 def test_outer_dtype_and_dequantize(qt):
