@@ -36,10 +36,13 @@
 //   deterministic, the reduction needs no workspace, counter or second kernel, and the epilogue
 //   runs once per element. S is the size whose clusters all fit at once (one wave) and give each
 //   CTA the fewest stages.
-// - Streaming. A fifth warp fills a ring of kStages shared-memory stages of U super-tiles with
-//   bulk copies (cp.async.bulk: one per row tile for the weight and for the scales, one per
-//   activation row) as the consumers release them; a `full` mbarrier per stage counts its bytes
-//   in and an `empty` one counts the consumer warps out, so no warp waits at a CTA barrier. Every
+// - Streaming. A fifth warp fills a ring of kStages shared-memory stages of U super-tiles as the
+//   consumers release them: bulk copies (cp.async.bulk, one per row tile for the weight and for
+//   the scales) and, for the activation, 16-byte cp.async by all its lanes (the copy engine
+//   takes as long for one 256-byte row as for a 2 KB weight tile, so row copies bounded the
+//   kernel from 16 tokens up); a `full` mbarrier per stage counts the bulk bytes and the lanes'
+//   copies in and an `empty` one counts the consumer warps out, so no warp waits at a CTA
+//   barrier. Every
 //   stage is computed whole (a partial last stage is zero-filled), so a stage's U super-tiles are
 //   one straight-line block that the compiler schedules across; with up to 16 tokens the MMAs
 //   alternate between two accumulators. The decode's instructions take about as long as the
@@ -288,6 +291,16 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
+// 16 bytes global -> shared (cp.async, generic proxy), zero-filled past src_bytes (0 or 16).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+// An arrival on `bar` once every cp.async this thread has issued has landed; the barrier's
+// expected count includes it (.noinc).
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -317,9 +330,10 @@ struct Stage {
 
 // U: super-tiles per stage (the weight bytes a stage holds are the same for every format).
 // A fifth warp, the producer, fills a ring of kStages stages with bulk copies (one per row tile
-// for the weight and the scales, one per activation row) as soon as the four consumer warps have
-// released a stage: a stage's `full` mbarrier counts its bytes in, its `empty` mbarrier counts
-// the consumers out, and no warp waits at a CTA barrier in the loop. Per super-tile a consumer
+// for the weight and the scales) and the lanes' cp.async of the activation as soon as the four
+// consumer warps have released a stage: a stage's `full` mbarrier counts its bytes and copies
+// in, its `empty` mbarrier counts the consumers out, and no warp waits at a CTA barrier in the
+// loop. Per super-tile a consumer
 // thread issues only its decode: three shared loads, the scale and value decode, and the MMAs.
 constexpr int kThreads = (kWarps + 1) * 32;
 
@@ -345,14 +359,14 @@ __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs 
   const int stage_bytes = St::bytes(a.M);
   const uint32_t base = smem_addr(smem);
   // The stages' barriers follow the stages and the partial tile (a.bar_offset, 8-byte aligned):
-  // kStages `full` barriers (one arrival, by the producer, plus the bytes), then kStages `empty`
-  // barriers (one arrival per consumer warp).
+  // kStages `full` barriers (the producer's arrival with the bulk bytes, and one cp.async arrival
+  // per producer lane), then kStages `empty` barriers (one arrival per consumer warp).
   const uint32_t full = base + a.bar_offset, empty = full + 8 * kStages;
 
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int i = 0; i < kStages; ++i) {
-      mbar_init(full + 8 * i, 1);
+      mbar_init(full + 8 * i, 1 + 32);  // the producer's expect_tx, its lanes' cp.async arrivals
       mbar_init(empty + 8 * i, kWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -368,7 +382,6 @@ __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs 
     const int kt0 = kb + j * U, live = min(U, ke - kt0);
     const uint32_t st = base + (j % kStages) * stage_bytes, bar = full + 8 * (j % kStages);
     const int xcols = min(live * kSuperK, a.K - kt0 * kSuperK);  // activation columns copied
-    const uint32_t xbytes = static_cast<uint32_t>(xcols) * 2;
     // The stage was last read (and zero-filled) through the generic proxy; order that before the
     // copies.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -378,22 +391,26 @@ __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs 
       for (int c = live * 64; c < U * 64; c += 16)
         asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sc + c), "r"(0u) : "memory");
     }
-    for (int r = lane; r < a.M; r += 32) {
-      const uint32_t row = st + St::kW + St::kS + r * St::kXRow;
-      for (int c = static_cast<int>(xbytes); c < U * 128; c += 16)
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(row + c), "r"(0u) : "memory");
-    }
     __syncwarp();
-    if (lane == 0) mbar_expect(bar, kWarps * live * (V * 512 + 64) + a.M * xbytes);
+    if (lane == 0) mbar_expect(bar, kWarps * live * (V * 512 + 64));
     __syncwarp();
     if (lane < kWarps) {
       const int64_t tile = static_cast<int64_t>(blockIdx.x * kWarps + lane) * a.KT + kt0;
       bulk_copy(st + lane * U * V * 512, a.w + tile * V * 32, live * V * 512, bar);
       bulk_copy(st + St::kW + lane * U * 64, a.s + tile * 32, live * 64, bar);
     }
-    for (int r = lane; r < a.M; r += 32)
-      bulk_copy(st + St::kW + St::kS + r * St::kXRow,
-                a.x + static_cast<int64_t>(r) * a.ldx + kt0 * kSuperK, xbytes, bar);
+    // The activation: M rows of U * 8 16-byte chunks, the lanes taking consecutive chunks;
+    // chunks past xcols land as zeros. Every lane arrives, with or without copies.
+    constexpr int kChunks = U * 8;
+    const int xchunks = xcols / 8;
+    for (int i = lane; i < a.M * kChunks; i += 32) {
+      const int r = i / kChunks, c = i % kChunks;
+      const bool in = c < xchunks;
+      cp_async16(st + St::kW + St::kS + r * St::kXRow + 16 * c,
+                 a.x + static_cast<int64_t>(r) * a.ldx + kt0 * kSuperK + (in ? 8 * c : 0),
+                 in ? 16u : 0u);
+    }
+    cp_async_arrive(bar);
   };
 
   float acc[kChains<MT>][MT][4];

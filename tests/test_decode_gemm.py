@@ -253,6 +253,20 @@ def test_op_errors_name_the_requirement():
         torch.ops.qtensor.decode_mm(*bad, torch.float32)
 
 
+def test_kernel_path_crossover():
+    """One launch up to DECODE_M rows; launches of DECODE_M rows up to the format's crossover;
+    unpack + dense above it, except for MXFP4, which has no dense kernel."""
+    for fmt in dl.FORMATS:
+        assert dmm.kernel_path(fmt, 1) == dmm.kernel_path(fmt, dmm.DECODE_M) == "decode"
+        assert dmm.kernel_path(fmt, dmm.DECODE_M + 1) == "chunked"
+        limit = dmm.CHUNKED_M[fmt]
+        if fmt in gemm_ops.NO_KERNEL:
+            assert limit is None and dmm.kernel_path(fmt, 4096) == "chunked"
+        else:
+            assert dmm.kernel_path(fmt, limit) == "chunked"
+            assert dmm.kernel_path(fmt, limit + 1) == "unpack"
+
+
 def test_fake_gives_shape_and_dtype():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -13,11 +13,12 @@ Implementations:
 - CPU (and the CUDA fallback): the exact reference, on the canonical bytes `unpack` gives back.
 - CUDA: the decode GEMM of csrc/decode_gemm_cuda.cu ([Note: decode GEMM]) for a bf16
   activation (fp16 too with NVFP4 weights, whose unit values fp16 holds exactly). Up to
-  DECODE_M rows in one launch; up to CHUNKED_M rows in launches of DECODE_M rows, each
-  streaming the weight again. Above that, and for what the kernel does not take (an fp16
-  activation with an MX weight, an fp32 one, a GPU without the kernel), the weight is unpacked
-  for the call and the canonical product runs: the dense Triton kernels where they take it
-  (NVFP4 and MXFP8 with a bf16 activation), else the reference.
+  DECODE_M rows in one launch; up to CHUNKED_M[fmt] rows (any number for MXFP4) in launches of
+  DECODE_M rows, each streaming the weight again. Above that, and for what the kernel does not
+  take (an fp16 activation with an MX weight, an fp32 one, a GPU without the kernel), the
+  weight is unpacked for the call (qtensor::decode_unpack) and the canonical product runs: the
+  dense Triton kernels where they take it (NVFP4 and MXFP8 with a bf16 activation), else the
+  reference.
 - Meta: the output's shape and dtype. Autograd: the gradient of x and of the bias.
 """
 
@@ -35,11 +36,13 @@ from qtensor.ops.gemm_operands import BOUNDS, FLOAT_DTYPES, INV, Side, apply_epi
 SCHEMA = ("(Tensor x, Tensor w, Tensor s, Tensor? amax, Tensor? bias, str fmt, int n, int k, "
           "int bound, ScalarType out_dtype) -> Tensor")
 DECODE_M = 64  # rows one launch of the decode kernel takes
-# Rows up to which launches of DECODE_M rows beat unpacking for the dense kernel: each launch
-# streams the weight once, and on the H200 one costs 1/6.6 to 1/8.3 of the unpack + dense
-# product on the benchmark's shapes (benchmarks/RESULTS.md, "the decode GEMM, bulk-copy
-# stages"), so six launches still win.
-CHUNKED_M = 384
+# Rows up to which launches of DECODE_M rows beat unpacking the weight for the dense Triton
+# kernel, per format. On the H200 (benchmarks/RESULTS.md, "the decode GEMM, activation by
+# cp.async") one launch at 64 rows takes 0.41-0.62x the unpack + dense product (NVFP4) and
+# 0.62-0.83x (MXFP8) on the benchmark's shapes; two launches at 128 rows win on two of the three
+# shapes and lose by 13-27 % on 28672x8192, and more launches lose. MXFP4 has no dense kernel
+# (its canonical product is the emulated reference), so its launches run at any M.
+CHUNKED_M = {"nvfp4": 128, "mxfp4": None, "mxfp8": 128}
 _CANONICAL_DTYPES = {"nvfp4": (torch.uint8, torch.float8_e4m3fn),
                      "mxfp4": (torch.uint8, torch.uint8),
                      "mxfp8": (torch.float8_e4m3fn, torch.float8_e8m0fnu)}
@@ -138,11 +141,22 @@ def _launch(x, w, s, amax, bias, fmt, n, k, bound, out_dtype, splits=0):
         x, w, s, amax, bias, decode_layout.FORMATS.index(fmt), n, k, inv, splits, out_dtype)
 
 
+def kernel_path(fmt: str, m: int) -> str:
+    """How the CUDA op multiplies m activation rows by a `fmt` weight where the decode kernel
+    takes the product: "decode" (one launch), "chunked" (launches of DECODE_M rows) or
+    "unpack" (the canonical product on the weight unpacked for the call)."""
+    if m <= DECODE_M:
+        return "decode"
+    limit = CHUNKED_M[fmt]
+    return "chunked" if limit is None or m <= limit else "unpack"
+
+
 def cuda(x, w, s, amax, bias, fmt, n, k, bound, out_dtype) -> torch.Tensor:
     _check(x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
     m = x.shape[0]
-    if x.numel() and kernel_problem(x, fmt, out_dtype) is None and m <= CHUNKED_M:
-        if m <= DECODE_M:
+    path = kernel_path(fmt, m)
+    if x.numel() and kernel_problem(x, fmt, out_dtype) is None and path != "unpack":
+        if path == "decode":
             return _launch(x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
         return torch.cat([_launch(x[i:i + DECODE_M], w, s, amax, bias, fmt, n, k, bound,
                                   out_dtype) for i in range(0, m, DECODE_M)])
