@@ -573,20 +573,17 @@ void launch_mt(const DecodeArgs& a, int splits, int device, cudaStream_t stream)
   else launch<FMT, 8, HALF, U / 2>(a, splits, device, stream);
 }
 
-at::Tensor decode_gemm_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
-                            const std::optional<at::Tensor>& amax, const std::optional<at::Tensor>& bias,
-                            int64_t fmt, int64_t n, int64_t k, double inv, int64_t splits,
-                            at::ScalarType out_dtype) {
-  const char* op = "qtensor.decode_gemm";
+// The block size and the tile counts of a packed weight [N, K] (NT row tiles of 16, KT
+// super-tiles of 64 K), after checking fmt, N, K and the packed bytes: contiguous uint8 of the
+// layout's sizes, the weight on a 16-byte boundary and the scales on a `scale_align`-byte one.
+struct PackedDims {
+  int64_t block, NT, KT, V;
+};
+
+PackedDims check_packed(const char* op, const at::Tensor& w, const at::Tensor& s, int64_t fmt,
+                        int64_t n, int64_t k, int64_t scale_align) {
   TORCH_CHECK(fmt == kNvfp4 || fmt == kMxfp4 || fmt == kMxfp8, op,
               ": fmt is 0 (NVFP4), 1 (MXFP4) or 2 (MXFP8); got ", num(fmt), ".");
-  const bool half = x.scalar_type() == at::kHalf;
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || (half && fmt == kNvfp4), op,
-              ": the activation must be bfloat16 (float16 with NVFP4 weights, whose values "
-              "float16 holds exactly); got ", x.scalar_type(), ".");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.size(0) <= 64, op,
-              ": takes an activation [M <= 64, K = ", num(k), "]; got ", shape_str(x),
-              ". Larger M runs the dense kernels.");
   const int64_t block = fmt == kNvfp4 ? 16 : 32;
   TORCH_CHECK(n > 0 && k > 0 && k % block == 0, op, ": needs N > 0 and K > 0 divisible by ",
               num(block), "; got N = ", num(n), ", K = ", num(k), ".");
@@ -600,9 +597,27 @@ at::Tensor decode_gemm_cuda(const at::Tensor& x, const at::Tensor& w, const at::
               ": the packed scales must be contiguous uint8 of ", num(NT * KT * 64), " bytes; got ",
               s.scalar_type(), " ", shape_str(s), ".");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 &&
-                  reinterpret_cast<uintptr_t>(s.data_ptr()) % 16 == 0,
-              op, ": the packed weight and scales must start on 16-byte boundaries (they are "
-              "copied in 16-byte vectors); pass them as allocated, or .clone() a view.");
+                  reinterpret_cast<uintptr_t>(s.data_ptr()) % scale_align == 0,
+              op, ": the packed weight must start on a 16-byte boundary and the scales on a ",
+              num(scale_align), "-byte one (they are read in vectors); pass them as allocated, "
+              "or .clone() a view.");
+  return {block, NT, KT, V};
+}
+
+at::Tensor decode_gemm_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
+                            const std::optional<at::Tensor>& amax, const std::optional<at::Tensor>& bias,
+                            int64_t fmt, int64_t n, int64_t k, double inv, int64_t splits,
+                            at::ScalarType out_dtype) {
+  const char* op = "qtensor.decode_gemm";
+  const PackedDims p = check_packed(op, w, s, fmt, n, k, 16);
+  const int64_t NT = p.NT, KT = p.KT;
+  const bool half = x.scalar_type() == at::kHalf;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || (half && fmt == kNvfp4), op,
+              ": the activation must be bfloat16 (float16 with NVFP4 weights, whose values "
+              "float16 holds exactly); got ", x.scalar_type(), ".");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.size(0) <= 64, op,
+              ": takes an activation [M <= 64, K = ", num(k), "]; got ", shape_str(x),
+              ". Larger M runs the dense kernels.");
   check_same_device(x, w, op, "the packed weight");
   check_same_device(x, s, op, "the packed scales");
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf, op,
@@ -753,24 +768,8 @@ __global__ void decode_unpack_kernel(const uint4* __restrict__ w, const uint16_t
 std::tuple<at::Tensor, at::Tensor> decode_unpack_cuda(const at::Tensor& w, const at::Tensor& s,
                                                      int64_t fmt, int64_t n, int64_t k) {
   const char* op = "qtensor.decode_unpack";
-  TORCH_CHECK(fmt == kNvfp4 || fmt == kMxfp4 || fmt == kMxfp8, op,
-              ": fmt is 0 (NVFP4), 1 (MXFP4) or 2 (MXFP8); got ", num(fmt), ".");
-  const int64_t block = fmt == kNvfp4 ? 16 : 32;
-  TORCH_CHECK(n > 0 && k > 0 && k % block == 0, op, ": needs N > 0 and K > 0 divisible by ",
-              num(block), "; got N = ", num(n), ", K = ", num(k), ".");
-  const int64_t NT = (n + 63) / 64 * 4, KT = (k + kSuperK - 1) / kSuperK;
-  const int64_t V = fmt == kMxfp8 ? 2 : 1;
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == NT * KT * V * 512, op,
-              ": the packed weight must be contiguous uint8 of ", num(NT * KT * V * 512),
-              " bytes (decode layout of ", num(n), "x", num(k), "); got ", w.scalar_type(), " ",
-              shape_str(w), ".");
-  TORCH_CHECK(s.scalar_type() == at::kByte && s.is_contiguous() && s.numel() == NT * KT * 64, op,
-              ": the packed scales must be contiguous uint8 of ", num(NT * KT * 64), " bytes; got ",
-              s.scalar_type(), " ", shape_str(s), ".");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 &&
-                  reinterpret_cast<uintptr_t>(s.data_ptr()) % 2 == 0,
-              op, ": the packed weight must start on a 16-byte boundary and the scales on a "
-              "2-byte one; pass them as allocated, or .clone() a view.");
+  const PackedDims p = check_packed(op, w, s, fmt, n, k, 2);
+  const int64_t block = p.block, NT = p.NT, KT = p.KT;
   check_same_device(w, s, op, "the packed scales");
   const c10::cuda::CUDAGuard guard(w.device());
   at::Tensor data = at::empty({n, fmt == kMxfp8 ? k : k / 2}, w.options());

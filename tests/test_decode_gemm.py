@@ -75,6 +75,9 @@ def test_pack_unpack_is_bitwise_inverse(fmt, n, k):
     assert (codes.numel(), scales.numel()) == dl.packed_sizes(fmt, n, k)
     d2, s2 = dl.unpack(fmt, codes, scales, n, k)
     assert torch.equal(d2, data) and torch.equal(s2, scale)
+    assert (tuple(d2.shape), tuple(s2.shape)) == dl.canonical_shapes(fmt, n, k)
+    fake = dmm._unpack_fake(codes, scales, dl.FORMATS.index(fmt), n, k)
+    assert (tuple(fake[0].shape), tuple(fake[1].shape)) == dl.canonical_shapes(fmt, n, k)
 
 
 def test_pack_unpack_all_65536_nibble_pairs_of_rows():

@@ -106,6 +106,11 @@ def packed_sizes(fmt: str, n: int, k: int) -> tuple[int, int]:
     return tiles * 512 * (2 if fmt == "mxfp8" else 1), tiles * 64
 
 
+def canonical_shapes(fmt: str, n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Shapes of the canonical (data, scale) uint8 tensors of a [N, K] weight."""
+    return (n, k if fmt == "mxfp8" else k // 2), (n, k // _block(fmt))
+
+
 def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     if tuple(t.shape) == (rows, cols):
         return t

@@ -200,9 +200,8 @@ def _backward(ctx, grad):
 
 
 def _unpack_fake(w, s, fmt, n, k):
-    width = k if fmt == decode_layout.FORMATS.index("mxfp8") else k // 2
-    block = 16 if fmt == decode_layout.FORMATS.index("nvfp4") else 32
-    return w.new_empty((n, width)), w.new_empty((n, k // block))
+    data, scale = decode_layout.canonical_shapes(decode_layout.FORMATS[fmt], n, k)
+    return w.new_empty(data), w.new_empty(scale)
 
 
 if has_ops("decode_unpack"):
