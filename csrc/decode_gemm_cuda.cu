@@ -30,24 +30,24 @@
 //   (qtensor/gemm/dense.py) only in the order of the fp32 additions, except where a product
 //   (value * scale * x) * 2**-8 falls below fp32's normal range, 2**-126, i.e. for activations
 //   below about 2**-108.
-// - Split-K. A CTA is 4 consumer warps on 4 row tiles (64 rows) over one K range, cut in whole
-//   stages; the S CTAs that split the K of those rows form a thread-block cluster and sum their
-//   partial tiles through distributed shared memory, in rank order, so the result is
-//   deterministic, the reduction needs no workspace, counter or second kernel, and the epilogue
-//   runs once per element. S is the size whose clusters all fit at once (one wave) and give each
-//   CTA the fewest stages.
+// - Split-K. A CTA is 4 consumer warps, each on R row tiles (64R rows in all), over one K
+//   range, cut in whole stages; the S CTAs that split the K of those rows form a thread-block
+//   cluster and sum their partial tiles through distributed shared memory, in rank order, so the
+//   result is deterministic, the reduction needs no workspace, counter or second kernel, and the
+//   epilogue runs once per element. S is the size whose clusters all fit at once (one wave) and
+//   give each CTA the fewest stages. R is 2 for the 4-bit formats from 9 tokens on weights of
+//   2**27 elements or more (a warp's activation reads feed twice the MMAs), else 1 (launch_r).
 // - Streaming. A fifth warp fills a ring of kStages shared-memory stages of U super-tiles as the
 //   consumers release them: bulk copies (cp.async.bulk, one per row tile for the weight and for
 //   the scales) and, for the activation, 16-byte cp.async by all its lanes (the copy engine
 //   takes as long for one 256-byte row as for a 2 KB weight tile, so row copies bounded the
 //   kernel from 16 tokens up); a `full` mbarrier per stage counts the bulk bytes and the lanes'
 //   copies in and an `empty` one counts the consumer warps out, so no warp waits at a CTA
-//   barrier. Every
-//   stage is computed whole (a partial last stage is zero-filled), so a stage's U super-tiles are
-//   one straight-line block that the compiler schedules across; with up to 16 tokens the MMAs
-//   alternate between two accumulators. The decode's instructions take about as long as the
-//   streaming (docs/decode.md, "Status"), so the per-super-tile path holds only its three shared
-//   loads, the decode and the MMAs.
+//   barrier. Every stage is computed whole (a partial last stage is zero-filled); with up to 16
+//   tokens a warp reads the next super-tile's operands into a second set of registers while its
+//   MMAs run on this one, and its MMAs alternate between two accumulators. The decode's
+//   instructions take about as long as the streaming (docs/decode.md, "Status"), so the
+//   per-super-tile path holds only its shared loads, the decode and the MMAs.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -68,7 +68,7 @@ namespace cg = cooperative_groups;
 
 // Weight formats of the decode layout (qtensor/formats/decode_layout.py, FORMATS).
 constexpr int kNvfp4 = 0, kMxfp4 = 1, kMxfp8 = 2;
-constexpr int kWarps = 4;        // row tiles per CTA
+constexpr int kWarps = 4;        // consumer warps per CTA
 constexpr int kMaxSplits = 8;    // portable cluster size
 constexpr int kSuperK = 64;      // K per super-tile
 constexpr int kTileRows = 16;    // rows per super-tile
@@ -213,42 +213,6 @@ __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, ui
   }
 }
 
-// Accumulator chains: with one or two token tiles the four MMAs of a super-tile alternate
-// between two accumulators, so that consecutive MMAs do not wait on each other; they are summed
-// once at the end (fp32 additions in another order, within the bound of the reference).
-template <int MT>
-constexpr int kChains = MT <= 2 ? 2 : 1;
-
-// One super-tile: its weight vectors wv, scales sc, and the lane's activation chunks xv[i]
-// (tokens 8i + g, 16 elements each as two vectors) into acc[subtile % chains][i].
-template <int FMT, int MT, bool HALF>
-__device__ __forceinline__ void super_tile(const uint4* wv, uint32_t sc, const uint4 (*xv)[2],
-                                           float (*acc)[MT][4]) {
-  Factors<FMT, HALF> fac;
-  fac.load(sc);
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    uint32_t a[4];
-    if constexpr (FMT == kMxfp8) {
-      // Subtile s: words 2s (registers 0, 1) and 2s + 1 (registers 2, 3) of the lane's 32 bytes.
-      const uint4 v = wv[s >> 1];
-      e4m3_regs((s & 1) ? v.z : v.x, a);
-      e4m3_regs((s & 1) ? v.w : v.y, a + 2);
-    } else {
-      const uint4 v = wv[0];
-      e2m1_regs<HALF>(s == 0 ? v.x : s == 1 ? v.y : s == 2 ? v.z : v.w, a);
-    }
-#pragma unroll
-    for (int o = 0; o < 4; ++o) a[o] = fac.apply(a[o], o & 1);
-#pragma unroll
-    for (int i = 0; i < MT; ++i) {
-      const uint4 x = xv[i][s >> 1];
-      const uint32_t b0 = (s & 1) ? x.z : x.x, b1 = (s & 1) ? x.w : x.y;
-      mma<HALF>(acc[s % kChains<MT>][i], a, b0, b1);
-    }
-  }
-}
-
 template <typename T>
 __device__ __forceinline__ float to_f32(const void* p, int64_t i) {
   return static_cast<float>(static_cast<const T*>(p)[i]);
@@ -313,17 +277,87 @@ __device__ __forceinline__ uint32_t lds16(uint32_t addr) {
   return v;
 }
 
-// Pipeline stages in shared memory: a stage is U super-tiles of K for the CTA's 64 rows.
+// Accumulator chains: with one or two tiles of rows x tokens the four MMAs of a super-tile
+// alternate between two accumulators, so that consecutive MMAs do not wait on each other; they
+// are summed once at the end (fp32 additions in another order, within the bound of the
+// reference).
+template <int MT, int R>
+constexpr int kChains = MT * R <= 2 ? 2 : 1;
+
+// The operands of one super-tile for a warp's R row tiles: their weight vectors and scale pairs,
+// and the lane's activation chunks (tokens 8i + g, 16 elements each as two vectors), read once
+// for all R row tiles. The consumer holds two: it reads the next super-tile's while the tensor
+// cores work on this one, so that no warp waits on shared memory before its MMAs.
+template <int FMT, int MT, int R, bool HALF>
+struct Operands {
+  static constexpr int V = FMT == kMxfp8 ? 2 : 1;
+  uint4 w[R][V];
+  uint32_t sc[R];
+  uint4 x[MT][2];
+
+  // Super-tile u of the stage at `st`: row tile r's weight and scales at w_off and s_off, U
+  // super-tiles further on for each r, the activation at x_off[i].
+  template <int U>
+  __device__ __forceinline__ void load(uint32_t st, int u, uint32_t w_off, uint32_t s_off,
+                                       const uint32_t* x_off) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int v = 0; v < V; ++v) w[r][v] = lds128(st + w_off + ((r * U + u) * V + v) * 512);
+      sc[r] = lds16(st + s_off + (r * U + u) * 64);
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+      x[i][0] = lds128(st + x_off[i] + u * 128);
+      x[i][1] = lds128(st + x_off[i] + u * 128 + 16);
+    }
+  }
+
+  // The products into acc[r][subtile % chains][i].
+  __device__ __forceinline__ void mma_into(float (*acc)[kChains<MT, R>][MT][4]) const {
+    Factors<FMT, HALF> fac[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) fac[r].load(sc[r]);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        uint32_t a[4];
+        if constexpr (FMT == kMxfp8) {
+          // Subtile s: words 2s (registers 0, 1) and 2s + 1 (registers 2, 3) of the lane's 32 bytes.
+          const uint4 v = w[r][s >> 1];
+          e4m3_regs((s & 1) ? v.z : v.x, a);
+          e4m3_regs((s & 1) ? v.w : v.y, a + 2);
+        } else {
+          const uint4 v = w[r][0];
+          e2m1_regs<HALF>(s == 0 ? v.x : s == 1 ? v.y : s == 2 ? v.z : v.w, a);
+        }
+#pragma unroll
+        for (int o = 0; o < 4; ++o) a[o] = fac[r].apply(a[o], o & 1);
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          const uint4 xv = x[i][s >> 1];
+          const uint32_t b0 = (s & 1) ? xv.z : xv.x, b1 = (s & 1) ? xv.w : xv.y;
+          mma<HALF>(acc[r][s % kChains<MT, R>][i], a, b0, b1);
+        }
+      }
+    }
+  }
+};
+
+// Pipeline stages in shared memory: a stage is U super-tiles of K for the CTA's kWarps * R row
+// tiles (64R rows).
 constexpr int kStages = 3;
 
 // Bytes of one stage: the four warps' weight vectors, their scales, and the activation's M
 // rows of U * 64 elements, each row padded by 16 bytes so that the 8 token rows one
 // shared-memory phase reads fall in different banks.
-template <int FMT, int U>
+template <int FMT, int U, int R>
 struct Stage {
   static constexpr int V = FMT == kMxfp8 ? 2 : 1;
-  static constexpr int kW = kWarps * U * V * 512;
-  static constexpr int kS = kWarps * U * 64;
+  static constexpr int kTiles = kWarps * R;  // row tiles of a CTA
+  static constexpr int kW = kTiles * U * V * 512;
+  static constexpr int kS = kTiles * U * 64;
   static constexpr int kXRow = U * 128 + 16;
   static constexpr int bytes(int m) { return kW + kS + m * kXRow; }
 };
@@ -337,13 +371,13 @@ struct Stage {
 // thread issues only its decode: three shared loads, the scale and value decode, and the MMAs.
 constexpr int kThreads = (kWarps + 1) * 32;
 
-template <int FMT, int MT, bool HALF, int U>
+template <int FMT, int MT, bool HALF, int U, int R>
 __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // clusters: sm_90 and newer (decode_mm never launches it on an older device)
 #else
-  using St = Stage<FMT, U>;
-  constexpr int V = St::V;
+  using St = Stage<FMT, U, R>;
+  constexpr int V = St::V, kTiles = St::kTiles;
   constexpr int TOK = 8 * MT;
   extern __shared__ __align__(16) unsigned char smem[];
   cg::cluster_group cluster = cg::this_cluster();
@@ -357,6 +391,7 @@ __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs 
   const int ke = min(a.KT, (chunks * (rank + 1)) / splits * U);
   const int batches = (ke - kb + U - 1) / U;
   const int stage_bytes = St::bytes(a.M);
+  const int tiles = min(kTiles, a.NT - static_cast<int>(blockIdx.x) * kTiles);  // row tiles here
   const uint32_t base = smem_addr(smem);
   // The stages' barriers follow the stages and the partial tile (a.bar_offset, 8-byte aligned):
   // kStages `full` barriers (the producer's arrival with the bulk bytes, and one cp.async arrival
@@ -373,8 +408,9 @@ __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs 
   }
   __syncthreads();
 
-  // The producer fills stage j with super-tiles kb + jU .. of every row tile (NT = 4 * gridDim.x,
-  // so every consumer's row tile exists). Activation columns past K, and those of a partial stage's
+  // The producer fills stage j with super-tiles kb + jU .. of every row tile of the CTA that
+  // exists (the last CTA may hold fewer than kTiles: its missing tiles' shared memory is left
+  // as it is and their results, rows past N, are never written). Activation columns past K, and those of a partial stage's
   // missing super-tiles, are written as zeros: every stage is computed whole, its weight there is
   // zero padding or a stale (finite) decode, and a stale Inf or NaN would not vanish in the
   // product.
@@ -386,16 +422,16 @@ __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs 
     // copies.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     // Zeros first: the arrival below releases them to the consumers with the copied bytes.
-    if (lane < kWarps && live < U) {  // a missing super-tile's scales are zeros: finite weights
+    if (lane < kTiles && live < U) {  // a missing super-tile's scales are zeros: finite weights
       const uint32_t sc = st + St::kW + lane * U * 64;
       for (int c = live * 64; c < U * 64; c += 16)
         asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sc + c), "r"(0u) : "memory");
     }
     __syncwarp();
-    if (lane == 0) mbar_expect(bar, kWarps * live * (V * 512 + 64));
+    if (lane == 0) mbar_expect(bar, tiles * live * (V * 512 + 64));
     __syncwarp();
-    if (lane < kWarps) {
-      const int64_t tile = static_cast<int64_t>(blockIdx.x * kWarps + lane) * a.KT + kt0;
+    if (lane < tiles) {
+      const int64_t tile = static_cast<int64_t>(blockIdx.x * kTiles + lane) * a.KT + kt0;
       bulk_copy(st + lane * U * V * 512, a.w + tile * V * 32, live * V * 512, bar);
       bulk_copy(st + St::kW + lane * U * 64, a.s + tile * 32, live * 64, bar);
     }
@@ -413,11 +449,14 @@ __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs 
     cp_async_arrive(bar);
   };
 
-  float acc[kChains<MT>][MT][4];
+  constexpr int C = kChains<MT, R>;
+  float acc[R][C][MT][4];
 #pragma unroll
-  for (int c = 0; c < kChains<MT>; ++c)
+  for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int i = 0; i < MT; ++i) acc[c][i][0] = acc[c][i][1] = acc[c][i][2] = acc[c][i][3] = 0.f;
+    for (int c = 0; c < C; ++c)
+#pragma unroll
+      for (int i = 0; i < MT; ++i) acc[r][c][i][0] = acc[r][c][i][1] = acc[r][c][i][2] = acc[r][c][i][3] = 0.f;
 
   if (warp == kWarps) {
     // The producer: stage j once the consumers have released its slot's previous use, j - kStages
@@ -427,63 +466,84 @@ __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs 
       issue(j);
     }
   }
-  // This thread's offsets within a stage: its weight vector, its scale pair, its activation.
-  const uint32_t w_off = (warp * U * V * 32 + lane) * 16;
-  const uint32_t s_off = St::kW + (warp * U * 32 + lane) * 2;
+  // This thread's offsets within a stage: its first row tile's weight vector and scale pair (the
+  // warp's R row tiles follow each other), its activation.
+  const uint32_t w_off = (warp * R * U * V * 32 + lane) * 16;
+  const uint32_t s_off = St::kW + (warp * R * U * 32 + lane) * 2;
   // Token rows past M read row M - 1 instead: a token is one column of the MMA's B operand, so
   // they change only output columns the epilogue never writes.
   uint32_t x_off[MT];
 #pragma unroll
   for (int i = 0; i < MT; ++i) x_off[i] = St::kW + St::kS + min(8 * i + g, a.M - 1) * St::kXRow + 32 * t;
+  // Up to 16 tokens, super-tile q (stage q / U, offset q % U) computes from ops[q % 2] while
+  // super-tile q + 1 is read into ops[(q + 1) % 2], the last of a stage waiting for the next
+  // stage first. With more tokens the second set of activation registers would cost CTAs per SM
+  // (occupancy), so a super-tile is read, then computed. Two stages per iteration keep q % 2 a
+  // constant of the unrolled code for any U.
+  constexpr bool kPrefetch = MT <= 2;
+  Operands<FMT, MT, R, HALF> ops[2];
+  const bool consumer = warp < kWarps;
   int slot = 0;
   uint32_t parity = 0;
-  for (int j = warp < kWarps ? 0 : batches; j < batches; ++j) {
-    mbar_wait(full + 8 * slot, parity);
-    const uint32_t st = base + slot * stage_bytes;
+  if (kPrefetch && consumer && batches > 0) {
+    mbar_wait(full, 0);
+    ops[0].template load<U>(base, 0, w_off, s_off, x_off);
+  }
+  for (int j0 = consumer ? 0 : batches; j0 < batches; j0 += 2) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      uint4 wv[V];
+    for (int h = 0; h < 2; ++h) {
+      const int j = j0 + h;
+      if (j < batches) {
+        const uint32_t st = base + slot * stage_bytes;
+        const int next = slot + 1 == kStages ? 0 : slot + 1;
+        const uint32_t next_parity = next == 0 ? parity ^ 1u : parity;
+        if (!kPrefetch) mbar_wait(full + 8 * slot, parity);
 #pragma unroll
-      for (int v = 0; v < V; ++v) wv[v] = lds128(st + w_off + (u * V + v) * 512);
-      const uint32_t sc = lds16(st + s_off + u * 64);
-      uint4 xv[MT][2];
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        xv[i][0] = lds128(st + x_off[i] + u * 128);
-        xv[i][1] = lds128(st + x_off[i] + u * 128 + 16);
+        for (int u = 0; u < U; ++u) {
+          const int q = h * U + u;
+          if (!kPrefetch) {
+            ops[q & 1].template load<U>(st, u, w_off, s_off, x_off);
+          } else if (u + 1 < U) {
+            ops[(q + 1) & 1].template load<U>(st, u + 1, w_off, s_off, x_off);
+          } else if (j + 1 < batches) {
+            mbar_wait(full + 8 * next, next_parity);
+            ops[(q + 1) & 1].template load<U>(base + next * stage_bytes, 0, w_off, s_off, x_off);
+          }
+          ops[q & 1].mma_into(acc);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + 8 * slot);  // this warp is done with the stage
+        slot = next;
+        parity = next_parity;
       }
-      super_tile<FMT, MT, HALF>(wv, sc, xv, acc);
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty + 8 * slot);  // this warp is done with the stage
-    if (++slot == kStages) {
-      slot = 0;
-      parity ^= 1u;
     }
   }
   __syncthreads();  // the stages are free: the partial tile reuses their memory
 
-  // Partial tile [64 rows][TOK tokens] of this CTA; fragment c0, c1: row g, tokens 2t, 2t + 1;
+  // Partial tile [64R rows][TOK tokens] of this CTA; fragment c0, c1: row g, tokens 2t, 2t + 1;
   // c2, c3: row g + 8.
   float* part = reinterpret_cast<float*>(smem);
+  if (warp < kWarps) {  // the producer holds no tile
 #pragma unroll
-  for (int i = 0; i < MT; ++i) {
-    if (warp == kWarps) break;  // the producer holds no tile
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int c = 1; c < kChains<MT>; ++c)
+      for (int i = 0; i < MT; ++i) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[0][i][e] += acc[c][i][e];
-    float* r0 = part + (warp * kTileRows + g) * TOK + 8 * i + 2 * t;
-    r0[0] = acc[0][i][0];
-    r0[1] = acc[0][i][1];
-    r0[8 * TOK] = acc[0][i][2];
-    r0[8 * TOK + 1] = acc[0][i][3];
+        for (int c = 1; c < C; ++c)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[r][0][i][e] += acc[r][c][i][e];
+        float* r0 = part + ((warp * R + r) * kTileRows + g) * TOK + 8 * i + 2 * t;
+        r0[0] = acc[r][0][i][0];
+        r0[1] = acc[r][0][i][1];
+        r0[8 * TOK] = acc[r][0][i][2];
+        r0[8 * TOK + 1] = acc[r][0][i][3];
+      }
   }
   cluster.sync();
   // Rank r reduces the elements e = r (mod splits), summing the ranks' partials in rank order.
-  constexpr int kElems = kWarps * kTileRows * TOK;
+  constexpr int kElems = kTiles * kTileRows * TOK;
   for (int e = rank + splits * static_cast<int>(threadIdx.x); e < kElems; e += splits * kThreads) {
-    const int row = blockIdx.x * kWarps * kTileRows + e / TOK, tok = e % TOK;
+    const int row = blockIdx.x * kTiles * kTileRows + e / TOK, tok = e % TOK;
     float v = *cluster.map_shared_rank(part + e, 0);
     for (int q = 1; q < splits; ++q) v += *cluster.map_shared_rank(part + e, q);
     if (row < a.N && tok < a.M) {
@@ -528,16 +588,16 @@ inline int pick_splits(int groups, int chunks, const int* fits) {
   return best;
 }
 
-template <int FMT, int MT, bool HALF, int U>
+template <int FMT, int MT, bool HALF, int U, int R>
 void launch(const DecodeArgs& a, int splits, int device, cudaStream_t stream) {
-  using St = Stage<FMT, U>;
+  using St = Stage<FMT, U, R>;
   constexpr int TOK = 8 * MT;
-  constexpr int kPart = kWarps * kTileRows * TOK * 4;
-  auto kernel = decode_gemm_kernel<FMT, MT, HALF, U>;
+  constexpr int kPart = St::kTiles * kTileRows * TOK * 4;
+  auto kernel = decode_gemm_kernel<FMT, MT, HALF, U, R>;
   DecodeArgs b = a;
   b.bar_offset = (std::max(kStages * St::bytes(a.M), kPart) + 7) / 8 * 8;
   const int smem = b.bar_offset + 2 * kStages * 8;
-  const int groups = (a.NT + kWarps - 1) / kWarps;
+  const int groups = (a.NT + St::kTiles - 1) / St::kTiles;
   cudaLaunchAttribute attr[1];
   // Per device (up to 16) and activation rows: the resident clusters of each size, found once.
   static int fits[16][TOK + 1][kMaxSplits + 1] = {};
@@ -562,15 +622,29 @@ void launch(const DecodeArgs& a, int splits, int device, cudaStream_t stream) {
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, b));
 }
 
-// Tokens per kernel (8 * MT) and super-tiles per stage: a stage holds 8 KB of weights up to 16
-// tokens, 4 KB above, where the activation rows take the shared memory.
+// Tokens per launch (8 * MT), row tiles per warp (R) and super-tiles per stage (U). A stage
+// holds 8 KB of weights up to 16 tokens, 4 KB above, where the activation rows take the shared
+// memory. A 4-bit weight of 2**27 elements or more takes two row tiles per warp from 9 tokens
+// on: each activation chunk a warp reads feeds twice the MMAs, and every CTA's copy of the
+// activation serves twice the rows (on the H200, 28672x8192 NVFP4: M = 16 61 against 67 us,
+// M = 64 190 against 238 us); on smaller weights the halved CTA count costs more than that
+// saves, and MXFP8's twice larger weight vectors leave it no gain.
+template <int FMT, int MT, bool HALF, int U>
+void launch_r(const DecodeArgs& a, int splits, int device, cudaStream_t stream) {
+  if constexpr (FMT != kMxfp8 && MT >= 2) {
+    if (static_cast<int64_t>(a.N) * a.K >= (int64_t{1} << 27))
+      return launch<FMT, MT, HALF, (U >= 2 ? U / 2 : 1), 2>(a, splits, device, stream);
+  }
+  launch<FMT, MT, HALF, U, 1>(a, splits, device, stream);
+}
+
 template <int FMT, bool HALF>
 void launch_mt(const DecodeArgs& a, int splits, int device, cudaStream_t stream) {
   constexpr int U = FMT == kMxfp8 ? 2 : 4;
-  if (a.M <= 8) launch<FMT, 1, HALF, U>(a, splits, device, stream);
-  else if (a.M <= 16) launch<FMT, 2, HALF, U>(a, splits, device, stream);
-  else if (a.M <= 32) launch<FMT, 4, HALF, U / 2>(a, splits, device, stream);
-  else launch<FMT, 8, HALF, U / 2>(a, splits, device, stream);
+  if (a.M <= 8) launch_r<FMT, 1, HALF, U>(a, splits, device, stream);
+  else if (a.M <= 16) launch_r<FMT, 2, HALF, U>(a, splits, device, stream);
+  else if (a.M <= 32) launch_r<FMT, 4, HALF, U / 2>(a, splits, device, stream);
+  else launch_r<FMT, 8, HALF, U / 2>(a, splits, device, stream);
 }
 
 // The block size and the tile counts of a packed weight [N, K] (NT row tiles of 16, KT

@@ -322,11 +322,23 @@ def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, args) -> Non
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 33, 64, 100, 128])
-@pytest.mark.parametrize("n,k", [(80, 96), (200, 2080), (1000, 1024)])
+@pytest.mark.parametrize("n,k", [(80, 96), (200, 2080), (1200, 1024)])
 def test_kernel_matches_reference(fmt, m, n, k):
     args = _problem(fmt, m, n, k, "cuda", seed=m + n)
     for out_dtype in (torch.float32, torch.bfloat16):
         assert_close_to_reference(dmm.cuda(*args, out_dtype), _reference(args, out_dtype), args)
+
+
+@pytest.mark.cuda
+@needs_kernel
+@pytest.mark.parametrize("fmt,m", [("nvfp4", 16), ("mxfp4", 40)])
+def test_kernel_on_a_weight_of_two_row_tiles_per_warp(fmt, m):
+    """A 4-bit weight of 2**27 elements or more runs the tile of two row tiles per warp from 9
+    tokens on; N = 2112 leaves its last CTA half its row tiles."""
+    n, k = 2112, 65536
+    args = _problem(fmt, m, n, k, "cuda", seed=m)
+    assert_close_to_reference(dmm.cuda(*args, torch.float32), _reference(args, torch.float32),
+                              args)
 
 
 @pytest.mark.cuda
