@@ -286,11 +286,14 @@ constexpr int kChains = MT * R <= 2 ? 2 : 1;
 
 // The operands of one super-tile for a warp's R row tiles: their weight vectors and scale pairs,
 // and the lane's activation chunks (tokens 8i + g, 16 elements each as two vectors), read once
-// for all R row tiles. The consumer holds two: it reads the next super-tile's while the tensor
-// cores work on this one, so that no warp waits on shared memory before its MMAs.
+// for all R row tiles. Up to 16 tokens the consumer holds two: it reads the next super-tile's
+// while the tensor cores work on this one, so that no warp waits on shared memory before its
+// MMAs. With 64 tokens it holds half the activation chunks (subtiles 0 and 1) and reads the
+// other half before subtile 2: 32 registers fewer keep three CTAs on an SM.
 template <int FMT, int MT, int R, bool HALF>
 struct Operands {
   static constexpr int V = FMT == kMxfp8 ? 2 : 1;
+  static constexpr bool kHalves = MT >= 8;
   uint4 w[R][V];
   uint32_t sc[R];
   uint4 x[MT][2];
@@ -307,19 +310,24 @@ struct Operands {
       sc[r] = lds16(st + s_off + (r * U + u) * 64);
     }
 #pragma unroll
-    for (int i = 0; i < MT; ++i) {
-      x[i][0] = lds128(st + x_off[i] + u * 128);
-      x[i][1] = lds128(st + x_off[i] + u * 128 + 16);
-    }
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int h = 0; h < (kHalves ? 1 : 2); ++h) x[i][h] = lds128(st + x_off[i] + u * 128 + 16 * h);
   }
 
-  // The products into acc[r][subtile % chains][i].
-  __device__ __forceinline__ void mma_into(float (*acc)[kChains<MT, R>][MT][4]) const {
+  // The products into acc[r][subtile % chains][i]; with kHalves the activation's second half is
+  // read from `half1` + x_off[i] (the super-tile's chunks + 16 bytes).
+  __device__ __forceinline__ void mma_into(float (*acc)[kChains<MT, R>][MT][4], uint32_t half1,
+                                           const uint32_t* x_off) {
     Factors<FMT, HALF> fac[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) fac[r].load(sc[r]);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
+      if (kHalves && s == 2) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i) x[i][0] = lds128(half1 + x_off[i]);
+      }
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         uint32_t a[4];
@@ -336,7 +344,7 @@ struct Operands {
         for (int o = 0; o < 4; ++o) a[o] = fac[r].apply(a[o], o & 1);
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
-          const uint4 xv = x[i][s >> 1];
+          const uint4 xv = x[i][kHalves ? 0 : s >> 1];
           const uint32_t b0 = (s & 1) ? xv.z : xv.x, b1 = (s & 1) ? xv.w : xv.y;
           mma<HALF>(acc[r][s % kChains<MT, R>][i], a, b0, b1);
         }
@@ -371,8 +379,9 @@ struct Stage {
 // thread issues only its decode: three shared loads, the scale and value decode, and the MMAs.
 constexpr int kThreads = (kWarps + 1) * 32;
 
+// With 64 tokens, at most 128 registers a thread: three CTAs of five warps per SM.
 template <int FMT, int MT, bool HALF, int U, int R>
-__global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs a) {
+__global__ void __launch_bounds__(kThreads, MT == 8 ? 3 : 1) decode_gemm_kernel(const DecodeArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // clusters: sm_90 and newer (decode_mm never launches it on an older device)
 #else
@@ -509,7 +518,7 @@ __global__ void __launch_bounds__(kThreads) decode_gemm_kernel(const DecodeArgs 
             mbar_wait(full + 8 * next, next_parity);
             ops[(q + 1) & 1].template load<U>(base + next * stage_bytes, 0, w_off, s_off, x_off);
           }
-          ops[q & 1].mma_into(acc);
+          ops[q & 1].mma_into(acc, st + u * 128 + 16, x_off);
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + 8 * slot);  // this warp is done with the stage
