@@ -357,7 +357,7 @@ struct Operands {
 // tiles (64R rows).
 constexpr int kStages = 3;
 
-// Bytes of one stage: the four warps' weight vectors, their scales, and the activation's M
+// Bytes of one stage: the CTA's row tiles' weight vectors, their scales, and the activation's M
 // rows of U * 64 elements, each row padded by 16 bytes so that the 8 token rows one
 // shared-memory phase reads fall in different banks.
 template <int FMT, int U, int R>
@@ -569,7 +569,7 @@ __global__ void __launch_bounds__(kThreads, MT == 8 ? 3 : 1) decode_gemm_kernel(
 
 // ---- host ----------------------------------------------------------------------------------
 
-// The launch of `groups` clusters of `splits` CTAs (64 rows each, over one K range).
+// The launch of `groups` clusters of `splits` CTAs (64R weight rows each, over one K range).
 inline cudaLaunchConfig_t cluster_config(int groups, int splits, int smem, cudaStream_t stream,
                                          cudaLaunchAttribute* attr) {
   cudaLaunchConfig_t cfg = {};
