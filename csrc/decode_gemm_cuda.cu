@@ -312,7 +312,8 @@ struct Operands {
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
-      for (int h = 0; h < (kHalves ? 1 : 2); ++h) x[i][h] = lds128(st + x_off[i] + u * 128 + 16 * h);
+      for (int h = 0; h < (kHalves ? 1 : 2); ++h)
+        x[i][h] = lds128(st + x_off[i] + u * 128 + 16 * h);
   }
 
   // The products into acc[r][subtile % chains][i]; with kHalves the activation's second half is
@@ -332,7 +333,8 @@ struct Operands {
       for (int r = 0; r < R; ++r) {
         uint32_t a[4];
         if constexpr (FMT == kMxfp8) {
-          // Subtile s: words 2s (registers 0, 1) and 2s + 1 (registers 2, 3) of the lane's 32 bytes.
+          // Subtile s: words 2s (registers 0, 1) and 2s + 1 (registers 2, 3) of the lane's 32
+          // bytes.
           const uint4 v = w[r][s >> 1];
           e4m3_regs((s & 1) ? v.z : v.x, a);
           e4m3_regs((s & 1) ? v.w : v.y, a + 2);
@@ -381,7 +383,8 @@ constexpr int kThreads = (kWarps + 1) * 32;
 
 // With 64 tokens, at most 128 registers a thread: three CTAs of five warps per SM.
 template <int FMT, int MT, bool HALF, int U, int R>
-__global__ void __launch_bounds__(kThreads, MT == 8 ? 3 : 1) decode_gemm_kernel(const DecodeArgs a) {
+__global__ void __launch_bounds__(kThreads, MT == 8 ? 3 : 1)
+    decode_gemm_kernel(const DecodeArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // clusters: sm_90 and newer (decode_mm never launches it on an older device)
 #else
@@ -419,10 +422,10 @@ __global__ void __launch_bounds__(kThreads, MT == 8 ? 3 : 1) decode_gemm_kernel(
 
   // The producer fills stage j with super-tiles kb + jU .. of every row tile of the CTA that
   // exists (the last CTA may hold fewer than kTiles: its missing tiles' shared memory is left
-  // as it is and their results, rows past N, are never written). Activation columns past K, and those of a partial stage's
-  // missing super-tiles, are written as zeros: every stage is computed whole, its weight there is
-  // zero padding or a stale (finite) decode, and a stale Inf or NaN would not vanish in the
-  // product.
+  // as it is and their results, rows past N, are never written). Activation columns past K,
+  // and those of a partial stage's missing super-tiles, are written as zeros: every stage is
+  // computed whole, its weight there is zero padding or a stale (finite) decode, and a stale Inf
+  // or NaN would not vanish in the product.
   auto issue = [&](int j) {
     const int kt0 = kb + j * U, live = min(U, ke - kt0);
     const uint32_t st = base + (j % kStages) * stage_bytes, bar = full + 8 * (j % kStages);
@@ -465,7 +468,9 @@ __global__ void __launch_bounds__(kThreads, MT == 8 ? 3 : 1) decode_gemm_kernel(
 #pragma unroll
     for (int c = 0; c < C; ++c)
 #pragma unroll
-      for (int i = 0; i < MT; ++i) acc[r][c][i][0] = acc[r][c][i][1] = acc[r][c][i][2] = acc[r][c][i][3] = 0.f;
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[r][c][i][e] = 0.f;
 
   if (warp == kWarps) {
     // The producer: stage j once the consumers have released its slot's previous use, j - kStages
@@ -843,7 +848,8 @@ __global__ void decode_unpack_kernel(const uint4* __restrict__ w, const uint16_t
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = nt * kTileRows + 8 * r + g;
-      if (row < n) scale[static_cast<int64_t>(row) * blocks + k0 / kBlock] = (sc >> (8 * r)) & 0xFFu;
+      if (row < n)
+        scale[static_cast<int64_t>(row) * blocks + k0 / kBlock] = (sc >> (8 * r)) & 0xFFu;
     }
   }
 }
@@ -866,12 +872,10 @@ std::tuple<at::Tensor, at::Tensor> decode_unpack_cuda(const at::Tensor& w, const
   auto* dp = data.data_ptr<uint8_t>();
   auto* scp = scale.data_ptr<uint8_t>();
   const int ni = static_cast<int>(n), ki = static_cast<int>(k), kti = static_cast<int>(KT);
-  if (fmt == kNvfp4)
-    decode_unpack_kernel<kNvfp4><<<grid, kBlockThreads, 0, stream>>>(wp, sp, dp, scp, ni, ki, kti, lanes);
-  else if (fmt == kMxfp4)
-    decode_unpack_kernel<kMxfp4><<<grid, kBlockThreads, 0, stream>>>(wp, sp, dp, scp, ni, ki, kti, lanes);
-  else
-    decode_unpack_kernel<kMxfp8><<<grid, kBlockThreads, 0, stream>>>(wp, sp, dp, scp, ni, ki, kti, lanes);
+  auto kernel = fmt == kNvfp4   ? decode_unpack_kernel<kNvfp4>
+                : fmt == kMxfp4 ? decode_unpack_kernel<kMxfp4>
+                                : decode_unpack_kernel<kMxfp8>;
+  kernel<<<grid, kBlockThreads, 0, stream>>>(wp, sp, dp, scp, ni, ki, kti, lanes);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {data, scale};
 }

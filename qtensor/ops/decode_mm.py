@@ -58,7 +58,7 @@ def unpack(fmt: str, w, s, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The canonical (data, scale) uint8 bytes of a packed weight: qtensor::decode_unpack on a
     GPU where the extension has it (one pass at memory speed), else the reference,
     decode_layout.unpack (the same bytes: tests/test_decode_gemm.py)."""
-    if _unpack_kernel_on(w.device) and w.device == s.device:
+    if _unpack_kernel_on(w.device):  # the op refuses scales on another device
         decode_layout.check(fmt, n, k)
         return torch.ops.qtensor.decode_unpack.default(w, s, decode_layout.FORMATS.index(fmt),
                                                         n, k)
