@@ -77,6 +77,8 @@ def gpu_cases(shape):
         ("nvfp4 row", given(NVFP4Spec()), 2 + NV_OUT, None),
         ("nvfp4 col", given(col), 2 + NV_OUT, None),
         ("nvfp4 col rht+sr", given(col_rht_sr), 2 + NV_OUT, "nvfp4 col"),
+        ("amax rht (col)", lambda x: Q.amax(x, columnwise=True, rht=True), 2, None),
+        ("nvfp4 amax+col rht+sr", lambda x: Q.quantize_nvfp4(x, col_rht_sr, sr), 4 + NV_OUT, "nvfp4 col rht+sr"),
         ("nvfp4 2d", given(NVFP4Spec(block_2d=True)), 2 + NV_OUT, None),
         ("nvfp4 rowscaled", given(NVFP4Spec(row_scaled=True)), 2 + NV_OUT, "nvfp4 row"),
         ("nvfp4 4o6 mae", given(NVFP4Spec(fourover6="mae", e4m3_bound=256)), 2 + NV_OUT, "nvfp4 row"),

@@ -106,19 +106,23 @@ __global__ void __launch_bounds__(kThreads) rht_amax_kernel(const T* x, int64_t 
 #pragma unroll
     for (int i = 0; i < 16; ++i)
       raw[i] = (kin && rb + i < M) ? __ldcs(reinterpret_cast<const Word*>(x + (rb + i) * K + k)) : Word{};
-    Bf16Range range;
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if constexpr (std::is_same_v<T, at::BFloat16>) {  // both runs at once, max on the packed results
+      rht16x2_bf16(raw);
+      uint32_t m = 0u;
 #pragma unroll
-      for (int i = 0; i < 16; ++i) range.add(raw[i]);
-    }
+      for (int i = 0; i < 16; ++i) m = __vmaxu2(m, raw[i] & 0x7FFF7FFFu);
+      cmax[0] = nan_max(cmax[0], u2f(m << 16));
+      cmax[1] = nan_max(cmax[1], u2f(m & 0xFFFF0000u));
+    } else {
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      float v[16];
+      for (int c = 0; c < 2; ++c) {
+        float v[16];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) v[i] = c ? PairWord<T>::hi(raw[i]) : PairWord<T>::lo(raw[i]);
-      rht16_fast(v, std::is_same_v<T, at::BFloat16> && range.f32_exact(c));
+        for (int i = 0; i < 16; ++i) v[i] = c ? PairWord<T>::hi(raw[i]) : PairWord<T>::lo(raw[i]);
+        rht16_fast(v, false);
 #pragma unroll
-      for (int i = 0; i < 16; ++i) cmax[c] = nan_max(cmax[c], abs_f(v[i]));
+        for (int i = 0; i < 16; ++i) cmax[c] = nan_max(cmax[c], abs_f(v[i]));
+      }
     }
   }
   if (mode == 2) {

@@ -156,18 +156,20 @@ __device__ __forceinline__ void store16(T* dst, const float* v) {
 // <= fmin + 12 suffices, and fmax <= 250 keeps every partial sum below FLT_MAX. The sum / 4 is
 // then exact in fp32 too, and its nearest-even bf16 is the reference's fp64 -> fp32 -> bf16.
 // Bf16Range tracks two runs at once, one per 16-bit half of packed bf16 pairs: the max magnitude
-// bits, and the min of (magnitude bits - 1), where a zero wraps to 0xFFFF and drops out (the -1
-// can lower the exponent field by one: conservative only).
+// bits, and the min of (magnitude bits - 1) with a zero dropping out. That min is kept on
+// a + 0x7FFF per half, read as signed 16-bit: a zero gives 0x7FFF (the largest), a nonzero a gives
+// 0x8000 + a - 1 (negative, ordered by a), and no carry crosses the halves since a <= 0x7FFF.
 struct Bf16Range {
-  uint32_t hi = 0u, lo = 0xFFFFFFFFu;
+  uint32_t hi = 0u, lo = 0x7FFF7FFFu;
   __device__ __forceinline__ void add(uint32_t w) {
     const uint32_t a = w & 0x7FFF7FFFu;
     hi = __vmaxu2(hi, a);
-    lo = __vminu2(lo, __vsub2(a, 0x00010001u));
+    lo = __vmins2(lo, a + 0x7FFF7FFFu);
   }
   __device__ __forceinline__ bool f32_exact(int half) const {
     const uint32_t fmax = (hi >> (16 * half + 7)) & 0xFFu;
-    const uint32_t fmin = max((lo >> (16 * half + 7)) & 0xFFu, 1u);
+    // (lo ^ 0x8000) per half is min(a - 1), 0xFFFF when the run is all zeros
+    const uint32_t fmin = max(((lo ^ 0x80008000u) >> (16 * half + 7)) & 0xFFu, 1u);
     return fmax <= 250u && fmax <= fmin + 12u;
   }
 };
@@ -181,6 +183,40 @@ __device__ __forceinline__ void rht16_fast(float* v, bool f32_exact) {
   signed_hadamard16(v);
 #pragma unroll
   for (int i = 0; i < 16; ++i) v[i] = __bfloat162float(__float2bfloat16_rn(v[i] * 0.25f));
+}
+
+// The bf16 bits of (lo, hi), nearest-even, packed (lo in the low half): one conversion for both.
+__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// RHT of two bf16 16-runs held as packed pairs (run 0 in the low halves of w[0..15], run 1 in the
+// high halves), in place: w becomes the packed bf16 results, exactly rht16 of each run. When both
+// runs pass the exactness test the butterflies run in fp32 and each pair is rounded by one
+// conversion; otherwise each run goes through rht16_fast on its own.
+__device__ __forceinline__ void rht16x2_bf16(uint32_t* w) {
+  Bf16Range range;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) range.add(w[i]);
+  const bool exact[2] = {range.f32_exact(0), range.f32_exact(1)};
+  float v[2][16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    v[0][i] = u2f(w[i] << 16);
+    v[1][i] = u2f(w[i] & 0xFFFF0000u);
+  }
+  if (exact[0] && exact[1]) {
+    signed_hadamard16(v[0]);
+    signed_hadamard16(v[1]);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) w[i] = bf16x2_bits(v[0][i] * 0.25f, v[1][i] * 0.25f);
+    return;
+  }
+  rht16_fast(v[0], exact[0]);
+  rht16_fast(v[1], exact[1]);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) w[i] = (f2u(v[0][i]) >> 16) | (f2u(v[1][i]) & 0xFFFF0000u);
 }
 
 // A contiguous, 16-byte aligned [M, K] view of x (a copy only when x is not already one).

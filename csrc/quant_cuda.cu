@@ -183,11 +183,14 @@ __device__ __forceinline__ float nv_block_scale(const TileArgs& a, const NvShare
 }
 
 // Codes of one block at its factor enc (plain or stochastic rounding); bam is its amax (the 16x16
-// tile's in 2D). Stochastic rounding draws element i's bits at counter nv.base + offset + i.
+// tile's in 2D). Stochastic rounding draws element i's bits at counter nv.base + offset + i; the
+// offset is a multiple of 16, so the block's counters start on one whenever nv.base does (the
+// training modules keep it at 0 and move the seed on), and nv_codes_sr hashes them in fewer steps.
 __device__ __forceinline__ Codes nv_block_codes(const TileArgs& a, const NvShared& nv, const float* v, float bam,
                                                 float enc, uint32_t offset) {
   if (!a.nv_sr) return nv_codes(v, bam, enc);
   const uint32_t base = nv.base + offset;
+  if (f2u(bam) <= 0x7F800000u && enc > 0.f && (base & 15u) == 0u) return nv_codes_sr(v, enc, nv.key, base);
   unsigned w[2] = {0u, 0u};
 #pragma unroll
   for (int i = 0; i < 16; ++i) w[i >> 3] |= e2m1_encode_sr(v[i] * enc, sr_bits(nv.key, base + i)) << (4 * (i & 7));
@@ -257,36 +260,46 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned c
   const int64_t R = a.K, C = a.M;
   constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
   float v[2][16];
-  uint32_t pmax = 0u;  // bf16: both columns' max |element| bits, one per 16-bit half
+  float bam[2];
+  bool packed_rht = false;  // bf16 RHT: both runs transformed on their packed pairs
+  if constexpr (kBf16) packed_rht = a.nv_rht;
+  if (packed_rht) {
+    uint32_t wd[16];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    uint32_t raw;
-    load_pair<T>(tile, 16 * w + i, p, v[0][i], v[1][i], raw);
-    if constexpr (kBf16) pmax = __vmaxu2(pmax, raw & 0x7FFF7FFFu);
+    for (int i = 0; i < 16; ++i) wd[i] = *reinterpret_cast<const uint32_t*>(tile + Stage<T>::at(16 * w + i, 4 * p));
+    rht16x2_bf16(wd);
+    uint32_t m = 0u;  // both runs' max |result| bits, one per 16-bit half
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      m = __vmaxu2(m, wd[i] & 0x7FFF7FFFu);
+      v[0][i] = u2f(wd[i] << 16);
+      v[1][i] = u2f(wd[i] & 0xFFFF0000u);
+    }
+    bam[0] = u2f(m << 16);
+    bam[1] = u2f(m & 0xFFFF0000u);
+  } else {
+    uint32_t pmax = 0u;  // bf16: both columns' max |element| bits, one per 16-bit half
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      uint32_t raw;
+      load_pair<T>(tile, 16 * w + i, p, v[0][i], v[1][i], raw);
+      if constexpr (kBf16) pmax = __vmaxu2(pmax, raw & 0x7FFF7FFFu);
+    }
+    if (a.nv_rht) {  // fp16 / fp32: the reference's fp64 butterfly
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        rht16_fast(v[c], false);
+        bam[c] = absmax16(v[c]);
+      }
+    } else if constexpr (kBf16) {
+      bam[0] = u2f(pmax << 16);
+      bam[1] = u2f(pmax & 0xFFFF0000u);
+    } else {
+      bam[0] = absmax16(v[0]);
+      bam[1] = absmax16(v[1]);
+    }
   }
   const int64_t qcol0 = m0 + 16 * w;
-  float bam[2];
-  if (a.nv_rht) {
-    bool exact[2] = {false, false};
-    if constexpr (kBf16) {  // the runs' magnitude range, on the pairs packed again
-      Bf16Range range;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) range.add(__byte_perm(f2u(v[0][i]), f2u(v[1][i]), 0x7632));
-      exact[0] = range.f32_exact(0);
-      exact[1] = range.f32_exact(1);
-    }
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      rht16_fast(v[c], exact[c]);
-      bam[c] = absmax16(v[c]);
-    }
-  } else if constexpr (kBf16) {
-    bam[0] = u2f(pmax << 16);
-    bam[1] = u2f(pmax & 0xFFFF0000u);
-  } else {
-    bam[0] = absmax16(v[0]);
-    bam[1] = absmax16(v[1]);
-  }
   if (a.nv_2d) bam[0] = bam[1] = lanes_absmax<1, 8>(u2f(max(f2u(bam[0]), f2u(bam[1]))));
   uint8_t sb[2];
   Codes codes[2];

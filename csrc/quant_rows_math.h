@@ -133,6 +133,83 @@ QT_HD Codes nv_codes(const float* v, float bam, float enc) {
   return Codes{w[0], w[1]};
 }
 
+// ---- stochastic rounding in fewer instructions ------------------------------------------------
+
+// The counter hash of a block's 16 elements at once. Their counters are c0 + i with c0 a multiple
+// of 16, so c0 + i = c0 | i, and y = (c0 + i) ^ key differs between them only in bits 0..3: the
+// first step of mix32, y ^ (y >> 16), is then z ^ i with z = sr_block_key(key, c0).
+QT_HD uint32_t sr_block_key(uint32_t key, uint32_t c0) {
+  const uint32_t y = c0 ^ key;
+  return y ^ (y >> 16);
+}
+
+// The rest of mix32 on x = z ^ i, returning the 8 random bits at bits 15..22 (r8 << 15, where the
+// stochastic code wants them). mix32's last step, x ^= x >> 16, leaves the top 8 bits alone, so it
+// is dropped. sr_tail_bits(sr_block_key(key, c0) ^ i) == sr_bits(key, c0 + i) << 15 (checked by
+// check_lanes).
+QT_HD uint32_t sr_tail_bits(uint32_t x) {
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x1B873593u;
+  return (x >> 9) & 0x7F8000u;
+}
+
+// min(floor(2t), floor(t + 2), floor(t / 2 + 4), 7) for t >= 0: the E2M1 code of t rounded down
+// to the grid (7 for a NaN t). The three maps index the grid of each binade (step 0.5 below 2, 1 in [2, 4), 2
+// from 4) and the code is their lower envelope, as in e2m1_code_fma. On the GPU each floor is one
+// fused multiply-add rounded down onto 2**23 + o, exact below 2**22; on the host (the check) the
+// same floors in fp64, where t * {2, 1, 0.5} + {0, 2, 4} cannot round across an integer.
+QT_HD uint32_t e2m1_floor_code(float t) {
+#if defined(__CUDA_ARCH__)
+  const uint32_t c1 = f2u(__fmaf_rd(t, 2.f, 0x1p23f));
+  const uint32_t c2 = f2u(__fadd_rd(t, 0x1p23f + 2.f));
+  const uint32_t c3 = f2u(__fmaf_rd(t, 0.5f, 0x1p23f + 4.f));
+  uint32_t m = c1 < c2 ? c1 : c2;
+  m = m < c3 ? m : c3;
+  m = m < 0x4B000007u ? m : 0x4B000007u;
+  return m - 0x4B000000u;
+#else
+  const double d = static_cast<double>(t);
+  double m = std::floor(2.0 * d);
+  m = std::fmin(m, std::floor(d + 2.0));
+  m = std::fmin(m, std::floor(0.5 * d + 4.0));
+  return static_cast<uint32_t>(std::fmin(m, 7.0));
+#endif
+}
+
+// e2m1_encode_sr's code without its sign, for a = |v| >= 0, not NaN, with rb = r8 << 15.
+// t = a + u step(a) is formed as a + (2 step(a) (1 + u) - 2 step(a)) / 2: 2 step(a) (1, 2 or 4)
+// is a's binade, at least 1; its bits with rb or-ed in are 2 step(a) (1 + r8 / 256), the
+// difference is exact (Sterbenz) and so is its half, so t gets the reference's one rounding.
+// From a = 8 up the binade is not capped at 4: t >= a >= 8 gives code 7 whatever is added, and an
+// infinite a gives a NaN t, whose floors are NaN, which the caps of e2m1_floor_code also turn
+// into 7 (on the GPU their bits exceed every bound; on the host fmin drops them).
+QT_HD uint32_t e2m1_code_sr_fast(float a, uint32_t rb) {
+  uint32_t s2 = f2u(a) & 0x7F800000u;
+  s2 = s2 < 0x3F800000u ? 0x3F800000u : s2;
+  const float d = u2f(s2 | rb) - u2f(s2);
+#if defined(__CUDA_ARCH__)
+  const float t = fmaf(0.5f, d, a);  // the product is exact: one rounding, as a + 0.5 d
+#else
+  const float t = a + 0.5f * d;
+#endif
+  return e2m1_floor_code(t);
+}
+
+// Stochastic-rounding codes of one block, e2m1_encode_sr(v[i] * enc, sr_bits(key, c0 + i)), where
+// no product can be NaN (no NaN input, 0 < enc) and c0 % 16 == 0: the product's sign is v's, so
+// the sign nibbles come from v and each code is added onto them, as in nv_codes.
+QT_HD Codes nv_codes_sr(const float* v, float enc, uint32_t key, uint32_t c0) {
+  Codes w = sign_nibbles(v);
+  const uint32_t z = sr_block_key(key, c0);
+#pragma unroll
+  for (uint32_t i = 0; i < 8; ++i) w.x += e2m1_code_sr_fast(fabsf(v[i]) * enc, sr_tail_bits(z ^ i)) << (4 * i);
+#pragma unroll
+  for (uint32_t i = 0; i < 8; ++i)
+    w.y += e2m1_code_sr_fast(fabsf(v[i + 8]) * enc, sr_tail_bits(z ^ (i + 8))) << (4 * i);
+  return w;
+}
+
 // 4over6 error of candidate scale s and its codes, the general way (any amax, any scale): the
 // tile kernel's candidate() with the reference's true division by 6B.
 template <bool MSE>

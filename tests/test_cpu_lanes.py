@@ -2,8 +2,8 @@
 kernels) against the scalar functions of csrc/quant_math.h, bit for bit, through the host
 program csrc/tools/check_lanes.cpp built with the extension's compiler flags, at both codegens
 of the CPU kernels' clones (baseline x86-64 and AVX2). CI runs its `sample` sweep (every
-rounding boundary with every sticky state, 4M patterns per function); `check_lanes full` runs
-all 2**32 fp32 patterns (docs/kernels.md)."""
+rounding boundary with every sticky state, 4M patterns per function, and the stochastic code
+with all 256 random bytes); `check_lanes full` runs all 2**32 fp32 patterns (docs/kernels.md)."""
 
 import ast
 import os
@@ -54,7 +54,7 @@ def test_lanes_equal_scalar_math(tmp_path, codegen):
     assert {k.strip(): v for k, v in lines.items()} == {
         "e4m3_lanes": "equal", "e4m3_lanes (no NaN)": "equal", "e2m1_lanes": "equal",
         "e4m3_value_lanes": "equal", "e4m3_scale_value": "equal", "e2m1_code_nonan": "equal",
-        "e2m1_code_fma": "equal"}
+        "e2m1_code_fma": "equal", "sr_tail_bits": "equal", "e2m1_code_sr_fast": "equal"}
 
 
 def test_a_wrong_tie_rule_is_caught(tmp_path):

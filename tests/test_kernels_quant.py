@@ -134,6 +134,25 @@ def test_rht_all_finite_bf16_patterns(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spec", [NVFP4Spec(stochastic_rounding=True),
+                                  NVFP4Spec(columnwise=True, stochastic_rounding=True),
+                                  NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)], ids=str)
+@pytest.mark.parametrize("offset", [0, 9, 2**32 - 4096])
+def test_stochastic_rounding_all_finite_bf16_patterns(device, spec, offset):
+    # The tile kernel hashes a block's 16 counters in fewer steps when the first is a multiple of
+    # 16 (offsets 0 and 2**32 - 4096, where the counters wrap inside the tensor) and the general
+    # way otherwise (offset 9). The patterns span the whole bf16 range, so small blocks under the
+    # huge global amax get scale 0 and products that overflow to inf.
+    p = all_bf16_patterns()
+    finite = p[torch.isfinite(p)]
+    if spec.rht:  # 16-runs down the columns, as in test_rht_all_finite_bf16_patterns
+        x = finite.reshape(-1, 16).t().contiguous()
+    else:
+        x = finite.reshape(-1, 16 * 16)[:240]
+    check_nvfp4(x.to(device), spec, SRSeed(11, offset))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rule", ["rceil", "floor"])
 def test_mxfp8_all_bf16_patterns(device, rule):
     x = all_bf16_patterns().reshape(2048, 32).to(device)

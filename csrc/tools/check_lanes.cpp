@@ -6,7 +6,12 @@
 //   e4m3_scale_value == e4m3_value on all 256 bytes;
 //   e2m1_code_nonan (quant_rows_math.h: the E2M1 code of the CPU fast paths) and e2m1_code_fma
 //   (its FMA form, the code of the CUDA rowwise and tile kernels) == e2m1_code_bits on every
-//   non-negative, non-NaN pattern swept.
+//   non-negative, non-NaN pattern swept;
+//   the stochastic-rounding forms of the CUDA tile kernel (quant_rows_math.h): sr_tail_bits of
+//   sr_block_key == sr_bits on the 16 counters of 2**16 blocks (keys and block starts from a
+//   counter hash, plus the starts next to 2**16 and 2**32), and e2m1_code_sr_fast with the sign
+//   nibble == e2m1_encode_sr on every non-negative pattern swept below 16 with all 256 random
+//   bytes (from 16 up, where every code is 7, with r8 = 0 and 255).
 //
 //   check_lanes full     every one of the 2**32 fp32 patterns (a minute or two on one core)
 //   check_lanes sample   bits 12..31 in full with bits 0..11 in {0, 1, 0x800, 0xFFF}: every
@@ -138,6 +143,53 @@ bool check_code(const char* name, bool full, Code code) {
   return ok;
 }
 
+// The block hash of the stochastic rounding against sr_bits, counter by counter.
+bool check_sr_hash() {
+  for (uint32_t j = 0; j < (1u << 16) + 4; ++j) {
+    const uint32_t key = mix32(j * 0x9E3779B9u);
+    uint32_t c0 = mix32(j) & ~15u;
+    if (j >= (1u << 16)) c0 = (j & 1u) ? 0xFFF0u : 0xFFFFFFF0u;  // last block before a carry / the wrap
+    const uint32_t z = sr_block_key(key, c0);
+    for (uint32_t i = 0; i < 16; ++i) {
+      if (sr_tail_bits(z ^ i) != sr_bits(key, c0 + i) << 15) {
+        std::printf("sr_tail_bits: key 0x%08" PRIx32 ", counter 0x%08" PRIx32 ": reference 0x%02" PRIx32
+                    ", got 0x%02" PRIx32 "\n", key, c0 + i, sr_bits(key, c0 + i), sr_tail_bits(z ^ i) >> 15);
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// The stochastic code of each non-negative, non-NaN pattern (inf included) with random bytes r8 (its sign nibble,
+// the input's sign, is or-ed on by the kernel, so both signs are compared).
+bool check_sr_code(bool full) {
+  const bool ok = sweep(full, [&](uint32_t u, bool consecutive) {
+    uint32_t p[8];
+    patterns(u, consecutive, p);
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t b = p[i] & 0x7FFFFFFFu;
+      if (b > 0x7F800000u || (!consecutive && (i & 4))) continue;  // NaN; sample: each low once
+      const uint32_t last = b < 0x41800000u ? 255u : 1u;
+      for (uint32_t r = 0; r <= last; ++r) {
+        const uint32_t r8 = b < 0x41800000u ? r : 255u * r;
+        const uint32_t got = e2m1_code_sr_fast(u2f(b), r8 << 15);
+        for (uint32_t sign = 0; sign < 2; ++sign) {
+          const uint32_t want = e2m1_encode_sr(u2f(b | (sign << 31)), r8);
+          if ((got | (sign << 3)) != want) {
+            std::printf("e2m1_code_sr_fast: pattern 0x%08" PRIx32 ", r8 %" PRIu32 ": reference %" PRIu32
+                        ", got %" PRIu32 "\n", b | (sign << 31), r8, want, got | (sign << 3));
+            return false;
+          }
+        }
+      }
+    }
+    return true;
+  });
+  std::printf("%-24s %s\n", "e2m1_code_sr_fast", ok ? "equal" : "DIFFERENT");
+  return ok;
+}
+
 uint32_t e4m3_ref(float v) { return e4m3_bits(v); }
 uint32_t e2m1_ref(float v) { return e2m1_encode(v); }
 
@@ -177,5 +229,9 @@ int main(int argc, char** argv) {
   ok = scale_values && ok;
   ok = check_code("e2m1_code_nonan", full, [](uint32_t b) { return e2m1_code_nonan(b); }) && ok;
   ok = check_code("e2m1_code_fma", full, [](uint32_t b) { return e2m1_code_fma(u2f(b)); }) && ok;
+  const bool hash = check_sr_hash();
+  std::printf("%-24s %s\n", "sr_tail_bits", hash ? "equal" : "DIFFERENT");
+  ok = hash && ok;
+  ok = check_sr_code(full) && ok;
   return ok && values ? 0 : 1;
 }
