@@ -65,11 +65,14 @@ def gpu_cases(shape):
             return Q.nvfp4_codes(x, amax[key], spec, sr if spec.stochastic_rounding else None)
         return fn
 
-    def hybrid(x):
-        key = (id(x), True, False, False)
-        if key not in amax:
-            amax[key] = Q.amax(x, columnwise=True)
-        return torch.ops.qtensor.hybrid_quantize.default(x, amax[key], 0, 0, 448, False, False, None)
+    def hybrid(rht_sr):  # MXFP8 rowwise + NVFP4 columnwise from one read (dgrad_mxfp8's gradient)
+        def fn(x):
+            key = (id(x), True, rht_sr, False)
+            if key not in amax:
+                amax[key] = Q.amax(x, columnwise=True, rht=rht_sr)
+            return torch.ops.qtensor.hybrid_quantize.default(
+                x, amax[key], 0, 0, 448, rht_sr, rht_sr, sr if rht_sr else None)
+        return fn
 
     return [
         ("copy", lambda x: x.clone(), 4, None),
@@ -87,7 +90,8 @@ def gpu_cases(shape):
         ("mxfp8 row", lambda x: Q.mxfp8_both(x, "rceil", True, False), 2 + MX_OUT, None),
         ("mxfp8 col", lambda x: Q.mxfp8_both(x, "rceil", False, True), 2 + MX_OUT, None),
         ("mxfp8 both", lambda x: Q.mxfp8_both(x, "rceil", True, True), 2 + 2 * MX_OUT, None),
-        ("hybrid grad", hybrid, 2 + MX_OUT + NV_OUT, "nvfp4 col"),
+        ("hybrid grad", hybrid(False), 2 + MX_OUT + NV_OUT, "nvfp4 col"),
+        ("hybrid grad rht+sr", hybrid(True), 2 + MX_OUT + NV_OUT, "nvfp4 col rht+sr"),
     ]
 
 
