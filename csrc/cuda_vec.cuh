@@ -219,6 +219,39 @@ __device__ __forceinline__ void rht16x2_bf16(uint32_t* w) {
   for (int i = 0; i < 16; ++i) w[i] = (f2u(v[0][i]) >> 16) | (f2u(v[1][i]) & 0xFFFF0000u);
 }
 
+// The max |result| of rht16x2_bf16, packed the same way, without the results: bf16(y / 4) is
+// monotone in |y|, so over an exact fp32 run it is bf16(max |y| / 4), one rounding per run.
+__device__ __forceinline__ uint32_t rht16x2_bf16_absmax(const uint32_t* w) {
+  Bf16Range range;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) range.add(w[i]);
+  uint32_t m = 0u;
+  if (range.f32_exact(0) && range.f32_exact(1)) {
+    float v[2][16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      v[0][i] = u2f(w[i] << 16);
+      v[1][i] = u2f(w[i] & 0xFFFF0000u);
+    }
+    signed_hadamard16(v[0]);
+    signed_hadamard16(v[1]);
+    float m0 = 0.f, m1 = 0.f;  // the exact runs are finite: fmaxf's NaN rule does not arise
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      m0 = fmaxf(m0, fabsf(v[0][i]));
+      m1 = fmaxf(m1, fabsf(v[1][i]));
+    }
+    return bf16x2_bits(m0 * 0.25f, m1 * 0.25f);
+  }
+  uint32_t r[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) r[i] = w[i];
+  rht16x2_bf16(r);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) m = __vmaxu2(m, r[i] & 0x7FFF7FFFu);
+  return m;
+}
+
 // A contiguous, 16-byte aligned [M, K] view of x (a copy only when x is not already one).
 inline at::Tensor as_aligned_2d(const at::Tensor& x) {
   at::Tensor c = x.reshape({-1, x.size(-1)}).contiguous();

@@ -147,9 +147,9 @@ struct NvOut {
 template <bool MSE>
 __device__ __forceinline__ float fo6_row_error(const float* v, uint8_t s, const NvScale& ts,
                                                float six_b, Codes* codes) {
-  const float sf = e4m3_scale_value(s);
-  if (f2u(absmax16(v)) < 0x7F800000u && fo6_fast_domain(ts.amax, sf)) {
-    const float e = fo6_error_fast<MSE>(v, sf, ts, six_b, codes);
+  const float sf = e4m3_scale_value(s), bam = absmax16(v);
+  if (f2u(bam) < 0x7F800000u && fo6_fast_domain(ts.amax, sf)) {
+    const float e = fo6_error_fast<MSE>(v, bam, sf, ts, six_b, codes);
     const Codes sg = sign_nibbles(v);
     *codes = Codes{codes->x | sg.x, codes->y | sg.y};
     return e;

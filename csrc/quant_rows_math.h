@@ -31,21 +31,30 @@ QT_HD uint32_t e2m1_code_nonan(uint32_t b) {
 // Equal to e2m1_code_bits on the same patterns (checked exhaustively by check_lanes). On the GPU
 // the three FMAs run on the FP32 pipe, which the NVFP4 kernels leave mostly idle, in place of
 // four integer instructions on the integer pipe, which issues at half the rate and bounds them.
-QT_HD uint32_t e2m1_code_fma(float a) {
+// The envelope's bits, 2**23 + the code before the cap.
+QT_HD uint32_t e2m1_envelope(float a) {
   const uint32_t c1 = f2u(fmaf(a, 2.f, 0x1p23f));
   const uint32_t c2 = f2u(fmaf(a, 1.f, 0x1p23f + 2.f));
   const uint32_t c3 = f2u(fmaf(a, 0.5f, 0x1p23f + 4.f));
-  uint32_t m = c1 < c2 ? c1 : c2;
-  m = m < c3 ? m : c3;
-  m = m < 0x4B000007u ? m : 0x4B000007u;
-  return m - 0x4B000000u;
+  const uint32_t m = c1 < c2 ? c1 : c2;
+  return m < c3 ? m : c3;
 }
+QT_HD uint32_t e2m1_code_fma(float a) {
+  const uint32_t m = e2m1_envelope(a);
+  return (m < 0x4B000007u ? m : 0x4B000007u) - 0x4B000000u;
+}
+
+// e2m1_code_fma for 0 <= a <= 6.5 without the cap: there a / 2 + 4 <= 7.25 rounds to at most 7,
+// so the envelope never exceeds code 7 (checked on every such pattern by check_lanes).
+QT_HD uint32_t e2m1_code_fma_small(float a) { return e2m1_envelope(a) - 0x4B000000u; }
 
 // The E2M1 code of a non-negative, non-NaN product a in the kernels' fast paths: the FMA form on
 // the GPU, the integer form on the CPU (where fmaf without hardware FMA is a library call).
+// SMALL: the caller has shown a <= 6.5, and the GPU form drops its cap.
+template <bool SMALL = false>
 QT_HD uint32_t e2m1_code_fast(float a) {
 #if defined(__CUDA_ARCH__)
-  return e2m1_code_fma(a);
+  return SMALL ? e2m1_code_fma_small(a) : e2m1_code_fma(a);
 #else
   return e2m1_code_nonan(f2u(a));
 #endif
@@ -118,15 +127,21 @@ QT_HD Codes sign_nibbles(const float* v) {
 // NaN-free code (equal to e2m1_code_bits on every non-NaN pattern, checked exhaustively) and v's
 // sign bits give the same nibbles; otherwise the general encoder runs. Codes and signs occupy
 // disjoint bits, so each code is added onto the sign word: one shift-and-add per element.
+// Every product is at most r(bam * enc) (rounding is monotone), which is at most 6.5 for any block
+// whose scale byte is a normal E4M3 number (about 6 / (1 - 2**-4)): such blocks take the code
+// without its cap; a subnormal scale (or an encode scale at FLT_MAX) keeps the cap.
+template <bool SMALL>
+QT_HD Codes nv_codes_nonan(const float* v, float enc) {
+  Codes w = sign_nibbles(v);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w.x += e2m1_code_fast<SMALL>(fabsf(v[i]) * enc) << (4 * i);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w.y += e2m1_code_fast<SMALL>(fabsf(v[i + 8]) * enc) << (4 * i);
+  return w;
+}
 QT_HD Codes nv_codes(const float* v, float bam, float enc) {
-  if (f2u(bam) <= 0x7F800000u && enc > 0.f) {
-    Codes w = sign_nibbles(v);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) w.x += e2m1_code_fast(fabsf(v[i]) * enc) << (4 * i);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) w.y += e2m1_code_fast(fabsf(v[i + 8]) * enc) << (4 * i);
-    return w;
-  }
+  if (f2u(bam) <= 0x7F800000u && enc > 0.f)
+    return bam * enc <= 6.5f ? nv_codes_nonan<true>(v, enc) : nv_codes_nonan<false>(v, enc);
   unsigned w[2] = {0u, 0u};
 #pragma unroll
   for (int i = 0; i < 16; ++i) w[i >> 3] |= e2m1_encode(v[i] * enc) << (4 * (i & 7));
@@ -236,23 +251,29 @@ QT_HD float fo6_error_general(const float* v, uint8_t s, const NvScale& ts, floa
 // The same in fo6_fast_domain with a finite block: there enc > 0, so v * enc is never NaN and
 // its sign is v's; then val - v = sign(v) (|val| - |v|) exactly, and |d| and d * d only see
 // |val| - |v|. |val| comes from the code by an exponent shift (fo6_value, checked for every
-// scale byte). The sum runs element 0..15 like the reference. Codes without sign bits.
-template <bool MSE>
-QT_HD float fo6_error_fast(const float* v, float sf, const NvScale& ts, float six_b, Codes* codes) {
-  const float enc = clamp_max(1.f / (sf * ts.s_dec), FLT_MAX);  // nv_block_enc of sf's byte
-  const Fo6Values t = fo6_values(sf, ts.amax, six_b);
+// scale byte). The sum runs element 0..15 like the reference. Codes without sign bits. bam is
+// max |v[i]|: where r(bam * enc) <= 6.5 the codes skip their cap (as in nv_codes).
+template <bool MSE, bool SMALL>
+QT_HD float fo6_error_fast_at(const float* v, float enc, const Fo6Values& t, Codes* codes) {
   float err = 0.f;
   unsigned w[2] = {0u, 0u};
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const float a = fabsf(v[i]);
-    const uint32_t c = e2m1_code_fast(a * enc);
+    const uint32_t c = e2m1_code_fast<SMALL>(a * enc);
     w[i >> 3] += c << (4 * (i & 7));  // codes 0..7 in disjoint nibbles: + is |, one shift-and-add
     const float d = fo6_value(c, t) - a;
     err = err + (MSE ? d * d : fabsf(d));
   }
   *codes = Codes{w[0], w[1]};
   return err;
+}
+template <bool MSE>
+QT_HD float fo6_error_fast(const float* v, float bam, float sf, const NvScale& ts, float six_b, Codes* codes) {
+  const float enc = clamp_max(1.f / (sf * ts.s_dec), FLT_MAX);  // nv_block_enc of sf's byte
+  const Fo6Values t = fo6_values(sf, ts.amax, six_b);
+  return bam * enc <= 6.5f ? fo6_error_fast_at<MSE, true>(v, enc, t, codes)
+                           : fo6_error_fast_at<MSE, false>(v, enc, t, codes);
 }
 
 // One 4over6 block: both candidates, map-to-4 where its error is strictly lower (ties and NaN
@@ -269,8 +290,8 @@ QT_HD uint8_t fo6_block(const float* v, float bam, const NvScale& ts, float six_
   Codes c6, c4;
   float e6, e4;
   if (f2u(bam) < 0x7F800000u && fo6_fast_domain(ts.amax, sf6) && fo6_fast_domain(ts.amax, sf4)) {
-    e6 = fo6_error_fast<MSE>(v, sf6, ts, six_b, &c6);
-    e4 = fo6_error_fast<MSE>(v, sf4, ts, six_b, &c4);
+    e6 = fo6_error_fast<MSE>(v, bam, sf6, ts, six_b, &c6);
+    e4 = fo6_error_fast<MSE>(v, bam, sf4, ts, six_b, &c4);
     const Codes sg = sign_nibbles(v);
     c6 = Codes{c6.x | sg.x, c6.y | sg.y};
     c4 = Codes{c4.x | sg.x, c4.y | sg.y};

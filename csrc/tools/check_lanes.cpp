@@ -6,7 +6,8 @@
 //   e4m3_scale_value == e4m3_value on all 256 bytes;
 //   e2m1_code_nonan (quant_rows_math.h: the E2M1 code of the CPU fast paths) and e2m1_code_fma
 //   (its FMA form, the code of the CUDA rowwise and tile kernels) == e2m1_code_bits on every
-//   non-negative, non-NaN pattern swept;
+//   non-negative, non-NaN pattern swept, and e2m1_code_fma_small (the FMA form without its cap)
+//   on every such pattern up to 6.5;
 //   the stochastic-rounding forms of the CUDA tile kernel (quant_rows_math.h): sr_tail_bits of
 //   sr_block_key == sr_bits on the 16 counters of 2**16 blocks (keys and block starts from a
 //   counter hash, plus the starts next to 2**16 and 2**32), and e2m1_code_sr_fast with the sign
@@ -229,6 +230,9 @@ int main(int argc, char** argv) {
   ok = scale_values && ok;
   ok = check_code("e2m1_code_nonan", full, [](uint32_t b) { return e2m1_code_nonan(b); }) && ok;
   ok = check_code("e2m1_code_fma", full, [](uint32_t b) { return e2m1_code_fma(u2f(b)); }) && ok;
+  ok = check_code("e2m1_code_fma_small", full, [](uint32_t b) {
+    return b <= 0x40D00000u ? e2m1_code_fma_small(u2f(b)) : e2m1_code_bits(b);  // a <= 6.5
+  }) && ok;
   const bool hash = check_sr_hash();
   std::printf("%-24s %s\n", "sr_tail_bits", hash ? "equal" : "DIFFERENT");
   ok = hash && ok;
