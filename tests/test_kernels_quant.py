@@ -302,13 +302,15 @@ def test_tile_kernel_many_tiles(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 def test_hybrid_cast_many_tiles(device):
     x = spread_input((1056, 800), torch.bfloat16, 23).to(device)
-    for spec in (NVFP4Spec(columnwise=True), NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)):
-        mx, nv, _ = Q.quantize_hybrid_grad(x, "rceil", spec, SRSeed(3, 1))
-        ref_mx, ref_nv = mxfp8.quantize(x, MXFP8Spec("rceil")), nvfp4.quantize(x, spec, SRSeed(3, 1))
+    rht_sr = NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)
+    # Offsets 1 and 32: the stochastic codes' general hash and their block hash (a multiple of 16).
+    for spec, sr in ((NVFP4Spec(columnwise=True), None), (rht_sr, SRSeed(3, 1)), (rht_sr, SRSeed(3, 32))):
+        mx, nv, _ = Q.quantize_hybrid_grad(x, "rceil", spec, sr)
+        ref_mx, ref_nv = mxfp8.quantize(x, MXFP8Spec("rceil")), nvfp4.quantize(x, spec, sr)
         assert_bytes_equal(mx.qdata, ref_mx.qdata, "hybrid mxfp8 data")
         assert_bytes_equal(mx.scale, ref_mx.scale, "hybrid mxfp8 scale")
-        assert_bytes_equal(nv.qdata, ref_nv.qdata, f"hybrid nvfp4 codes {spec}")
-        assert_bytes_equal(nv.scale, ref_nv.scale, f"hybrid nvfp4 scale {spec}")
+        assert_bytes_equal(nv.qdata, ref_nv.qdata, f"hybrid nvfp4 codes {spec} {sr}")
+        assert_bytes_equal(nv.scale, ref_nv.scale, f"hybrid nvfp4 scale {spec} {sr}")
 
 
 # ---- stochastic rounding -------------------------------------------------------------------------
