@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(kThreads) rht_amax_kernel(const T* x, int64_t 
 #pragma unroll
     for (int i = 0; i < 16; ++i)
       raw[i] = (kin && rb + i < M) ? __ldcs(reinterpret_cast<const Word*>(x + (rb + i) * K + k)) : Word{};
-    if constexpr (std::is_same_v<T, at::BFloat16>) {  // both runs at once, max on the packed results
+    if constexpr (std::is_same_v<T, at::BFloat16>) {  // both runs at once, packed maxima
       const uint32_t m = rht16x2_bf16_absmax(raw);
       cmax[0] = nan_max(cmax[0], u2f(m << 16));
       cmax[1] = nan_max(cmax[1], u2f(m & 0xFFFF0000u));

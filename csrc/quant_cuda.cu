@@ -190,7 +190,8 @@ __device__ __forceinline__ Codes nv_block_codes(const TileArgs& a, const NvShare
                                                 float enc, uint32_t offset) {
   if (!a.nv_sr) return nv_codes(v, bam, enc);
   const uint32_t base = nv.base + offset;
-  if (f2u(bam) <= 0x7F800000u && enc > 0.f && (base & 15u) == 0u) return nv_codes_sr(v, enc, nv.key, base);
+  if (f2u(bam) <= 0x7F800000u && enc > 0.f && (base & 15u) == 0u)
+    return nv_codes_sr(v, enc, nv.key, base);
   unsigned w[2] = {0u, 0u};
 #pragma unroll
   for (int i = 0; i < 16; ++i) w[i >> 3] |= e2m1_encode_sr(v[i] * enc, sr_bits(nv.key, base + i)) << (4 * (i & 7));
@@ -266,7 +267,8 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned c
   if (packed_rht) {
     uint32_t wd[16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) wd[i] = *reinterpret_cast<const uint32_t*>(tile + Stage<T>::at(16 * w + i, 4 * p));
+    for (int i = 0; i < 16; ++i)
+      wd[i] = *reinterpret_cast<const uint32_t*>(tile + Stage<T>::at(16 * w + i, 4 * p));
     rht16x2_bf16(wd);
     uint32_t m = 0u;  // both runs' max |result| bits, one per 16-bit half
 #pragma unroll

@@ -170,10 +170,11 @@ QT_HD uint32_t sr_tail_bits(uint32_t x) {
 }
 
 // min(floor(2t), floor(t + 2), floor(t / 2 + 4), 7) for t >= 0: the E2M1 code of t rounded down
-// to the grid (7 for a NaN t). The three maps index the grid of each binade (step 0.5 below 2, 1 in [2, 4), 2
-// from 4) and the code is their lower envelope, as in e2m1_code_fma. On the GPU each floor is one
-// fused multiply-add rounded down onto 2**23 + o, exact below 2**22; on the host (the check) the
-// same floors in fp64, where t * {2, 1, 0.5} + {0, 2, 4} cannot round across an integer.
+// to the grid (7 for a NaN t). The three maps index the grid of each binade (step 0.5 below 2, 1
+// in [2, 4), 2 from 4) and the code is their lower envelope, as in e2m1_code_fma. On the GPU each
+// floor is one fused multiply-add rounded down onto 2**23 + o, exact below 2**22; on the host (the
+// check) the same floors in fp64, where t * {2, 1, 0.5} + {0, 2, 4} cannot round across an
+// integer.
 QT_HD uint32_t e2m1_floor_code(float t) {
 #if defined(__CUDA_ARCH__)
   const uint32_t c1 = f2u(__fmaf_rd(t, 2.f, 0x1p23f));
@@ -218,7 +219,8 @@ QT_HD Codes nv_codes_sr(const float* v, float enc, uint32_t key, uint32_t c0) {
   Codes w = sign_nibbles(v);
   const uint32_t z = sr_block_key(key, c0);
 #pragma unroll
-  for (uint32_t i = 0; i < 8; ++i) w.x += e2m1_code_sr_fast(fabsf(v[i]) * enc, sr_tail_bits(z ^ i)) << (4 * i);
+  for (uint32_t i = 0; i < 8; ++i)
+    w.x += e2m1_code_sr_fast(fabsf(v[i]) * enc, sr_tail_bits(z ^ i)) << (4 * i);
 #pragma unroll
   for (uint32_t i = 0; i < 8; ++i)
     w.y += e2m1_code_sr_fast(fabsf(v[i + 8]) * enc, sr_tail_bits(z ^ (i + 8))) << (4 * i);
@@ -269,7 +271,8 @@ QT_HD float fo6_error_fast_at(const float* v, float enc, const Fo6Values& t, Cod
   return err;
 }
 template <bool MSE>
-QT_HD float fo6_error_fast(const float* v, float bam, float sf, const NvScale& ts, float six_b, Codes* codes) {
+QT_HD float fo6_error_fast(const float* v, float bam, float sf, const NvScale& ts, float six_b,
+                           Codes* codes) {
   const float enc = clamp_max(1.f / (sf * ts.s_dec), FLT_MAX);  // nv_block_enc of sf's byte
   const Fo6Values t = fo6_values(sf, ts.amax, six_b);
   return bam * enc <= 6.5f ? fo6_error_fast_at<MSE, true>(v, enc, t, codes)

@@ -133,10 +133,12 @@ def test_rht_all_finite_bf16_patterns(device):
     check_nvfp4(x, NVFP4Spec(rht=True, columnwise=True, stochastic_rounding=True), SRSeed(5, 9))
 
 
+SR_SPECS = [NVFP4Spec(stochastic_rounding=True), NVFP4Spec(columnwise=True, stochastic_rounding=True),
+            NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("spec", [NVFP4Spec(stochastic_rounding=True),
-                                  NVFP4Spec(columnwise=True, stochastic_rounding=True),
-                                  NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)], ids=str)
+@pytest.mark.parametrize("spec", SR_SPECS, ids=str)
 @pytest.mark.parametrize("offset", [0, 9, 2**32 - 4096])
 def test_stochastic_rounding_all_finite_bf16_patterns(device, spec, offset):
     # The tile kernel hashes a block's 16 counters in fewer steps when the first is a multiple of
@@ -304,7 +306,8 @@ def test_hybrid_cast_many_tiles(device):
     x = spread_input((1056, 800), torch.bfloat16, 23).to(device)
     rht_sr = NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)
     # Offsets 1 and 32: the stochastic codes' general hash and their block hash (a multiple of 16).
-    for spec, sr in ((NVFP4Spec(columnwise=True), None), (rht_sr, SRSeed(3, 1)), (rht_sr, SRSeed(3, 32))):
+    cases = ((NVFP4Spec(columnwise=True), None), (rht_sr, SRSeed(3, 1)), (rht_sr, SRSeed(3, 32)))
+    for spec, sr in cases:
         mx, nv, _ = Q.quantize_hybrid_grad(x, "rceil", spec, sr)
         ref_mx, ref_nv = mxfp8.quantize(x, MXFP8Spec("rceil")), nvfp4.quantize(x, spec, sr)
         assert_bytes_equal(mx.qdata, ref_mx.qdata, "hybrid mxfp8 data")

@@ -149,12 +149,13 @@ bool check_sr_hash() {
   for (uint32_t j = 0; j < (1u << 16) + 4; ++j) {
     const uint32_t key = mix32(j * 0x9E3779B9u);
     uint32_t c0 = mix32(j) & ~15u;
-    if (j >= (1u << 16)) c0 = (j & 1u) ? 0xFFF0u : 0xFFFFFFF0u;  // last block before a carry / the wrap
+    if (j >= (1u << 16)) c0 = (j & 1u) ? 0xFFF0u : 0xFFFFFFF0u;  // before a carry / the wrap
     const uint32_t z = sr_block_key(key, c0);
     for (uint32_t i = 0; i < 16; ++i) {
       if (sr_tail_bits(z ^ i) != sr_bits(key, c0 + i) << 15) {
-        std::printf("sr_tail_bits: key 0x%08" PRIx32 ", counter 0x%08" PRIx32 ": reference 0x%02" PRIx32
-                    ", got 0x%02" PRIx32 "\n", key, c0 + i, sr_bits(key, c0 + i), sr_tail_bits(z ^ i) >> 15);
+        std::printf("sr_tail_bits: key 0x%08" PRIx32 ", counter 0x%08" PRIx32
+                    ": reference 0x%02" PRIx32 ", got 0x%02" PRIx32 "\n",
+                    key, c0 + i, sr_bits(key, c0 + i), sr_tail_bits(z ^ i) >> 15);
         return false;
       }
     }
@@ -162,8 +163,8 @@ bool check_sr_hash() {
   return true;
 }
 
-// The stochastic code of each non-negative, non-NaN pattern (inf included) with random bytes r8 (its sign nibble,
-// the input's sign, is or-ed on by the kernel, so both signs are compared).
+// The stochastic code of each non-negative, non-NaN pattern (inf included) with random bytes r8
+// (its sign nibble, the input's sign, is or-ed on by the kernel, so both signs are compared).
 bool check_sr_code(bool full) {
   const bool ok = sweep(full, [&](uint32_t u, bool consecutive) {
     uint32_t p[8];
@@ -178,8 +179,9 @@ bool check_sr_code(bool full) {
         for (uint32_t sign = 0; sign < 2; ++sign) {
           const uint32_t want = e2m1_encode_sr(u2f(b | (sign << 31)), r8);
           if ((got | (sign << 3)) != want) {
-            std::printf("e2m1_code_sr_fast: pattern 0x%08" PRIx32 ", r8 %" PRIu32 ": reference %" PRIu32
-                        ", got %" PRIu32 "\n", b | (sign << 31), r8, want, got | (sign << 3));
+            std::printf("e2m1_code_sr_fast: pattern 0x%08" PRIx32 ", r8 %" PRIu32
+                        ": reference %" PRIu32 ", got %" PRIu32 "\n",
+                        b | (sign << 31), r8, want, got | (sign << 3));
             return false;
           }
         }
