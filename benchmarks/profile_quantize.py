@@ -25,8 +25,11 @@ def main() -> None:
         "nvfp4 col rht+sr": lambda: Q.nvfp4_codes(
             x, amax_rht, NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True), sr),
         "nvfp4 2d": lambda: Q.nvfp4_codes(x, amax, NVFP4Spec(block_2d=True), None),
+        "mxfp8 col": lambda: Q.mxfp8_both(x, "rceil", False, True),
         "mxfp8 both": lambda: Q.mxfp8_both(x, "rceil", True, True),
         "hybrid grad": lambda: torch.ops.qtensor.hybrid_quantize.default(x, amax, 0, 0, 448, False, False, None),
+        "hybrid grad rht+sr": lambda: torch.ops.qtensor.hybrid_quantize.default(
+            x, amax_rht, 0, 0, 448, True, True, sr),
     }
     torch.cuda.synchronize()
     for name, fn in cases.items():

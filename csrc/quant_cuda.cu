@@ -117,12 +117,49 @@ __device__ __forceinline__ void load16(const unsigned char* tile, int r, int c0,
 
 // ---- the arguments ---------------------------------------------------------------------------------
 
+// The options of an NVFP4 cast that pick its code path.
+struct NvFlags {
+  bool col, b2d, rht, sr, row_scaled;
+};
+
+// The general NVFP4 kernel reads its flags from its arguments and holds every path in one loop,
+// more code than the instruction cache keeps. The casts of a training step (bf16) get kernels
+// with their flags fixed, each holding its own path only.
+enum NvMode : int {
+  kNvAny,       // flags from the arguments
+  kNvCol,       // columnwise: activations
+  kNvColRhtSr,  // columnwise, RHT, stochastic rounding: gradients for wgrad
+  kNvRowSr,     // rowwise, stochastic rounding: gradients for dgrad
+  kNvCol2d,     // 2D, columnwise and rowwise: weights
+  kNvRow2d,
+};
+
+template <int MODE>
+__device__ __forceinline__ NvFlags nv_flags(const NvFlags& f) {
+  if constexpr (MODE == kNvCol) return NvFlags{true, false, false, false, false};
+  else if constexpr (MODE == kNvColRhtSr) return NvFlags{true, false, true, true, false};
+  else if constexpr (MODE == kNvRowSr) return NvFlags{false, false, false, true, false};
+  else if constexpr (MODE == kNvCol2d) return NvFlags{true, true, false, false, false};
+  else if constexpr (MODE == kNvRow2d) return NvFlags{false, true, false, false, false};
+  else return f;
+}
+
+// The mode whose fixed flags are f's, else kNvAny.
+inline int nv_mode(const NvFlags& f) {
+  if (f.row_scaled) return kNvAny;
+  if (f.col && !f.b2d && !f.rht && !f.sr) return kNvCol;
+  if (f.col && !f.b2d && f.rht && f.sr) return kNvColRhtSr;
+  if (!f.col && !f.b2d && !f.rht && f.sr) return kNvRowSr;
+  if (f.b2d && !f.rht && !f.sr) return f.col ? kNvCol2d : kNvRow2d;
+  return kNvAny;
+}
+
 struct TileArgs {
   const void* x;
   int64_t M, K;
   // NVFP4
   const float* amax;
-  bool row_scaled, nv_col, nv_2d, nv_rht, nv_sr;
+  NvFlags nv;
   int nv_4o6, bound;
   const int64_t* sr_state;  // stochastic rounding's (seed, offset) in device memory, or nullptr
   uint8_t *nv_q, *nv_s;
@@ -186,9 +223,9 @@ __device__ __forceinline__ float nv_block_scale(const TileArgs& a, const NvShare
 // tile's in 2D). Stochastic rounding draws element i's bits at counter nv.base + offset + i; the
 // offset is a multiple of 16, so the block's counters start on one whenever nv.base does (the
 // training modules keep it at 0 and move the seed on), and nv_codes_sr hashes them in fewer steps.
-__device__ __forceinline__ Codes nv_block_codes(const TileArgs& a, const NvShared& nv, const float* v, float bam,
-                                                float enc, uint32_t offset) {
-  if (!a.nv_sr) return nv_codes(v, bam, enc);
+__device__ __forceinline__ Codes nv_block_codes(const NvShared& nv, bool sr, const float* v, float bam, float enc,
+                                                uint32_t offset) {
+  if (!sr) return nv_codes(v, bam, enc);
   const uint32_t base = nv.base + offset;
   if (f2u(bam) <= 0x7F800000u && enc > 0.f && (base & 15u) == 0u)
     return nv_codes_sr(v, enc, nv.key, base);
@@ -254,8 +291,8 @@ __device__ __forceinline__ void store_staged(const TileArgs& a, const NvOut& out
 // two result rows. A 2D tile is 8 lanes (16 columns) of one warp. Codes and scales go to the
 // staging buffer, then leave as 16-byte rows of the result.
 template <typename T, int FO6>
-__device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned char* tile, NvOut& out,
-                                             const NvShared& nv, int64_t m0, int64_t k0) {
+__device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f, const unsigned char* tile,
+                                             NvOut& out, const NvShared& nv, int64_t m0, int64_t k0) {
   const NvScale& ts_all = nv.ts;
   const int p = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int64_t R = a.K, C = a.M;
@@ -263,7 +300,7 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned c
   float v[2][16];
   float bam[2];
   bool packed_rht = false;  // bf16 RHT: both runs transformed on their packed pairs
-  if constexpr (kBf16) packed_rht = a.nv_rht;
+  if constexpr (kBf16) packed_rht = f.rht;
   if (packed_rht) {
     uint32_t wd[16];
 #pragma unroll
@@ -287,7 +324,7 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned c
       load_pair<T>(tile, 16 * w + i, p, v[0][i], v[1][i], raw);
       if constexpr (kBf16) pmax = __vmaxu2(pmax, raw & 0x7FFF7FFFu);
     }
-    if (a.nv_rht) {  // fp16 / fp32: the reference's fp64 butterfly
+    if (f.rht) {  // fp16 / fp32: the reference's fp64 butterfly
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         rht16_fast(v[c], false);
@@ -302,24 +339,24 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned c
     }
   }
   const int64_t qcol0 = m0 + 16 * w;
-  if (a.nv_2d) bam[0] = bam[1] = lanes_absmax<1, 8>(u2f(max(f2u(bam[0]), f2u(bam[1]))));
+  if (f.b2d) bam[0] = bam[1] = lanes_absmax<1, 8>(u2f(max(f2u(bam[0]), f2u(bam[1]))));
   uint8_t sb[2];
   Codes codes[2];
   if constexpr (FO6 == 0) {
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int64_t qrow = k0 + 2 * p + c;
-      const float enc = nv_block_scale(a, nv, a.row_scaled, qrow, R, bam[c], &sb[c]);
-      codes[c] = nv_block_codes(a, nv, v[c], bam[c], enc, static_cast<uint32_t>(qrow * C + qcol0));
+      const float enc = nv_block_scale(a, nv, f.row_scaled, qrow, R, bam[c], &sb[c]);
+      codes[c] = nv_block_codes(nv, f.sr, v[c], bam[c], enc, static_cast<uint32_t>(qrow * C + qcol0));
     }
   } else {
     constexpr bool kMse = FO6 == 2;
     const float six_b = static_cast<float>(6 * a.bound);
-    if (!a.nv_2d) {
+    if (!f.b2d) {
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int64_t qrow = k0 + 2 * p + c;
-        const NvScale ts = a.row_scaled ? nv_scale(qrow < R ? a.amax[qrow] : 0.f, a.bound) : ts_all;
+        const NvScale ts = f.row_scaled ? nv_scale(qrow < R ? a.amax[qrow] : 0.f, a.bound) : ts_all;
         sb[c] = fo6_block<kMse>(v[c], bam[c], ts, six_b, &codes[c]);
       }
     } else {  // one choice per 16x16 tile (2D excludes row scaling: one tensor scale)
@@ -364,8 +401,8 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const unsigned c
 // block) leave as whole 32-byte sectors and scale bytes as 4 contiguous bytes, straight from
 // registers. A 2D tile (16x16) is the 8 lanes of one l % 4, two rows each.
 template <typename T, int FO6>
-__device__ __forceinline__ void nv_row_phase(const TileArgs& a, const unsigned char* tile, const NvShared& nv,
-                                             int64_t m0, int64_t k0) {
+__device__ __forceinline__ void nv_row_phase(const TileArgs& a, const NvFlags& f, const unsigned char* tile,
+                                             const NvShared& nv, int64_t m0, int64_t k0) {
   const NvScale& ts = nv.ts;  // the rowwise tile modes exclude row scaling
   const int l = threadIdx.x & 31, w = threadIdx.x >> 5, cb = l & 3, r0 = 16 * w + (l >> 2);
   const int64_t R = a.M, C = a.K, col = k0 + 16 * cb;
@@ -381,7 +418,7 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const unsigned c
     for (int i = 0; i < 16 / Vec<T>::kN; ++i) m = absmax_word<T>(m, raw[i]);
     bam[j] = u2f(absmax_bits<T>(m));
   }
-  if (a.nv_2d) bam[0] = bam[1] = lanes_absmax<4, 8>(u2f(max(f2u(bam[0]), f2u(bam[1]))));
+  if (f.b2d) bam[0] = bam[1] = lanes_absmax<4, 8>(u2f(max(f2u(bam[0]), f2u(bam[1]))));
   uint8_t sb[2];
   Codes codes[2];
   if constexpr (FO6 == 0) {
@@ -391,7 +428,7 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const unsigned c
       load16<T>(tile, r0 + 8 * j, 16 * cb, v);
       const int64_t qrow = m0 + r0 + 8 * j;
       const float enc = nv_block_scale(a, nv, false, qrow, R, bam[j], &sb[j]);
-      codes[j] = nv_block_codes(a, nv, v, bam[j], enc, static_cast<uint32_t>(qrow * C + col));
+      codes[j] = nv_block_codes(nv, f.sr, v, bam[j], enc, static_cast<uint32_t>(qrow * C + col));
     }
   } else {  // 4over6 here is 2D (1D rowwise runs in quant_rows_cuda.cu)
     constexpr bool kMse = FO6 == 2;
@@ -468,48 +505,162 @@ __device__ __forceinline__ void mx_row_phase(const TileArgs& a, const unsigned c
   }
 }
 
-// Columnwise (32x1 blocks, data in the input's layout): lane p takes columns 2p, 2p+1 and warp w
-// rows 16w..16w+15, half a block; the two halves meet in shared memory.
+// Columnwise, alone or with rowwise (ROW), from register patches: warp w takes the 32x32 patch at
+// tile rows 32 (w / 2).., columns 32 (w % 2)..; lane l its 4 rows 4 (l / 4).. and 8 columns
+// 8 (l % 4).., read once as 16-byte words (4 rows x 16 bytes: every bank once per 8 lanes under
+// the stage's swizzle for 16-bit inputs). A column's 32-block lies in the 8 lanes of one l % 4
+// and a row's in the 4 lanes of one l / 4, so both amaxes are warp reductions, without a
+// shared-memory exchange or a barrier. Each reduction step halves the words a lane keeps (a
+// reduce-scatter), so lane l ends with the amax of column l / 4 of its 8 (and of row
+// 2 (l % 2) + (l / 2) % 2 of its 4); it computes that block's scale code, stores it, and the
+// lanes gather back the exponent bytes of the multipliers (mx_inv_exponent).
 template <typename T>
-__device__ __forceinline__ void mx_col_phase(const TileArgs& a, const unsigned char* tile,
-                                             float (*part)[kCols], int64_t m0, int64_t k0) {
-  const int p = threadIdx.x & 31, w = threadIdx.x >> 5;
-  float v[2][16];
-  float am[2] = {0.f, 0.f};
-  uint32_t pmax = 0u;  // bf16: both columns' max |element| bits, one per 16-bit half
+struct MxPatch {
+  static constexpr bool kWide = sizeof(T) == 4;
+  static constexpr int kWords = kWide ? 8 : 4;  // words of one row's 8 columns
+  static constexpr uint32_t kMag = kWide ? 0x7FFFFFFFu : 0x7FFF7FFFu;
+  // Max of magnitude bits, per 16-bit half for 16-bit inputs (NaN above inf either way).
+  __device__ static uint32_t max_bits(uint32_t a, uint32_t b) { return kWide ? max(a, b) : __vmaxu2(a, b); }
+  // Element c (0..7) of a row's words, widened exactly.
+  __device__ static float value(const uint32_t* w, int c) {
+    if constexpr (kWide) return u2f(w[c]);
+    else return (c & 1) ? PairWord<T>::hi(w[c / 2]) : PairWord<T>::lo(w[c / 2]);
+  }
+};
+
+// One reduce-scatter of n words across lanes l ^ mask: a lane with the mask bit set keeps the
+// upper n / 2 words, the other the lower; each kept word takes the max with its partner's.
+template <typename P, int N>
+__device__ __forceinline__ void mx_scatter_max(uint32_t* w, int mask, bool up) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    uint32_t raw;
-    load_pair<T>(tile, 16 * w + i, p, v[0][i], v[1][i], raw);
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
-      pmax = __vmaxu2(pmax, raw & 0x7FFF7FFFu);
-    } else {
-      am[0] = nan_max(am[0], abs_f(v[0][i]));
-      am[1] = nan_max(am[1], abs_f(v[1][i]));
+  for (int k = 0; k < N / 2; ++k) {
+    const uint32_t send = up ? w[k] : w[k + N / 2], keep = up ? w[k + N / 2] : w[k];
+    w[k] = P::max_bits(keep, __shfl_xor_sync(kFull, send, mask));
+  }
+}
+// The last step for 16-bit words: the lane with the mask bit keeps the high halves.
+__device__ __forceinline__ uint32_t mx_scatter_half(uint32_t w, int mask, bool up) {
+  const uint32_t send = up ? (w & 0xFFFFu) : (w >> 16), keep = up ? (w >> 16) : (w & 0xFFFFu);
+  return max(keep, __shfl_xor_sync(kFull, send, mask));
+}
+
+// Bytes 0xFF where e's byte is 0xFF (a NaN or inf block's exponent), 0 elsewhere.
+__device__ __forceinline__ uint32_t mx_nan_bytes(uint32_t e) {
+  uint32_t f = 0u;
+#pragma unroll
+  for (int b = 0; b < 4; ++b)
+    if (((e >> (8 * b)) & 0xFFu) == 0xFFu) f |= 0xFFu << (8 * b);
+  return f;
+}
+
+// Four E4M3 bytes of v[j] * m[j] (products that are not NaN but in blocks the caller marks).
+__device__ __forceinline__ uint32_t mx_e4m3x4(const float* v, const float* m) {
+  return e4m3x2_nonan(v[0] * m[0], v[1] * m[1]) | (e4m3x2_nonan(v[2] * m[2], v[3] * m[3]) << 16);
+}
+
+template <typename T, bool ROW>
+__device__ __forceinline__ void mx_patch_phase(const TileArgs& a, const unsigned char* tile, int64_t m0,
+                                               int64_t k0) {
+  using P = MxPatch<T>;
+  constexpr int kW = P::kWords;
+  const int l = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int pr = 32 * (w >> 1), c0 = 32 * (w & 1) + 8 * (l & 3), r0 = pr + 4 * (l >> 2);
+  uint32_t x[4][kW];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int h = 0; h < kW / 4; ++h) {
+      const uint4 q = *reinterpret_cast<const uint4*>(
+          tile + Stage<T>::at(r0 + i, c0 * static_cast<int>(sizeof(T)) + 16 * h));
+      x[i][4 * h] = q.x;
+      x[i][4 * h + 1] = q.y;
+      x[i][4 * h + 2] = q.z;
+      x[i][4 * h + 3] = q.w;
     }
   }
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    am[0] = u2f(pmax << 16);
-    am[1] = u2f(pmax & 0xFFFF0000u);
-  }
-  reinterpret_cast<float2*>(part[w])[p] = make_float2(am[0], am[1]);
-  __syncthreads();
-  const float2 o = reinterpret_cast<const float2*>(part[w ^ 1])[p];
-  const uint32_t code0 = mx_scale_code(nan_max(am[0], o.x), a.rule);
-  const uint32_t code1 = mx_scale_code(nan_max(am[1], o.y), a.rule);
-  const float inv0 = mx_inv_scale(code0), inv1 = mx_inv_scale(code1);
-  // A column whose amax is NaN or inf (code 255) gets 0x7F bytes, as mx_e4m3x16 gives.
-  const unsigned force = (code0 == 255u ? 0x007Fu : 0u) | (code1 == 255u ? 0x7F00u : 0u);
-  const unsigned keep = ~((code0 == 255u ? 0x00FFu : 0u) | (code1 == 255u ? 0xFF00u : 0u));
-  const int64_t col = k0 + 2 * p, row0 = m0 + 16 * w;
-  if (col >= a.K || row0 >= a.M) return;
-  if ((w & 1) == 0)
-    *reinterpret_cast<uint16_t*>(a.mxc_s + ((m0 + 16 * w) / 32) * a.K + col) =
-        static_cast<uint16_t>(code0 | (code1 << 8));
+  // Column maxima of the 4 rows, then across the 8 lanes of the column group (lane bits 4, 3, 2).
+  uint32_t cm[kW];
 #pragma unroll
-  for (int i = 0; i < 16; ++i)
-    *reinterpret_cast<uint16_t*>(a.mxc_q + (row0 + i) * a.K + col) =
-        static_cast<uint16_t>((e4m3x2_nonan(v[0][i] * inv0, v[1][i] * inv1) & keep) | force);
+  for (int j = 0; j < kW; ++j)
+    cm[j] = P::max_bits(P::max_bits(x[0][j] & P::kMag, x[1][j] & P::kMag),
+                        P::max_bits(x[2][j] & P::kMag, x[3][j] & P::kMag));
+  mx_scatter_max<P, kW>(cm, 16, l & 16);
+  mx_scatter_max<P, kW / 2>(cm, 8, l & 8);
+  uint32_t col_bits;
+  if constexpr (P::kWide) {
+    mx_scatter_max<P, 2>(cm, 4, l & 4);
+    col_bits = cm[0];
+  } else {
+    col_bits = mx_scatter_half(cm[0], 4, l & 4);
+  }
+  const int64_t row0 = m0 + r0, col = k0 + c0;
+  const bool in = m0 + pr < a.M && col < a.K;  // whole patches of rows (M % 32 == 0), whole groups
+  const uint32_t ccode = mx_scale_code(u2f(absmax_bits<T>(col_bits)), a.rule);
+  if (in) a.mxc_s[((m0 + pr) / 32) * a.K + col + (l >> 2)] = static_cast<uint8_t>(ccode);
+  uint32_t ec = mx_inv_exponent(ccode) << (8 * ((l >> 2) & 1));
+  ec |= __shfl_xor_sync(kFull, ec, 4);
+  ec <<= 16 * ((l >> 3) & 1);
+  ec |= __shfl_xor_sync(kFull, ec, 8);
+  const uint32_t other = __shfl_xor_sync(kFull, ec, 16);
+  const uint32_t e_lo = (l & 16) ? other : ec, e_hi = (l & 16) ? ec : other;  // columns 0..3, 4..7
+  uint32_t er = 0u, rcode = 0u;
+  if constexpr (ROW) {
+    // Row maxima over the 8 columns, then across the 4 lanes of the row group (lane bits 0, 1).
+    uint32_t rm[kW / 2];
+    if constexpr (P::kWide) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        rm[i] = max(max(x[i][0] & P::kMag, x[i][1] & P::kMag), max(x[i][2] & P::kMag, x[i][3] & P::kMag));
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        rm[i] = max(rm[i], max(max(x[i][4] & P::kMag, x[i][5] & P::kMag), max(x[i][6] & P::kMag, x[i][7] & P::kMag)));
+      mx_scatter_max<P, 4>(rm, 1, l & 1);
+      mx_scatter_max<P, 2>(rm, 2, l & 2);
+    } else {
+      uint32_t h[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        h[i] = __vmaxu2(__vmaxu2(x[i][0] & P::kMag, x[i][1] & P::kMag), __vmaxu2(x[i][2] & P::kMag, x[i][3] & P::kMag));
+      // Rows 2k and 2k + 1 in the halves of one word: the max of each row's two halves.
+#pragma unroll
+      for (int k = 0; k < 2; ++k)
+        rm[k] = __vmaxu2(__byte_perm(h[2 * k], h[2 * k + 1], 0x5410), __byte_perm(h[2 * k], h[2 * k + 1], 0x7632));
+      mx_scatter_max<P, 2>(rm, 1, l & 1);
+      rm[0] = mx_scatter_half(rm[0], 2, l & 2);
+    }
+    const int own = 2 * (l & 1) + ((l >> 1) & 1);  // the row of the 4 whose amax this lane holds
+    rcode = mx_scale_code(u2f(absmax_bits<T>(rm[0])), a.rule);
+    if (in) a.mxr_s[(row0 + own) * (a.K / 32) + (k0 + 32 * (w & 1)) / 32] = static_cast<uint8_t>(rcode);
+    er = mx_inv_exponent(rcode) << (8 * ((l >> 1) & 1));
+    er |= __shfl_xor_sync(kFull, er, 2);
+    er <<= 16 * (l & 1);
+    er |= __shfl_xor_sync(kFull, er, 1);  // rows 0..3
+  }
+  // Blocks whose amax is NaN or inf (code 255, exponent byte 255) get 0x7F bytes, as
+  // mx_e4m3x16 gives: rare, so the masks are formed only when the warp has one.
+  const bool nan_blocks = __any_sync(kFull, ccode == 255u || (ROW && rcode == 255u));
+  if (!in) return;
+  float mc[8];  // the columns' multipliers 2**(127 - code)
+#pragma unroll
+  for (int c = 0; c < 8; ++c) mc[c] = u2f((((c < 4 ? e_lo : e_hi) >> (8 * (c & 3))) & 0xFFu) << 23);
+  const uint32_t f_lo = nan_blocks ? mx_nan_bytes(e_lo) : 0u, f_hi = nan_blocks ? mx_nan_bytes(e_hi) : 0u;
+  const uint32_t f_row = ROW && nan_blocks ? mx_nan_bytes(er) : 0u;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float v[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) v[c] = P::value(x[i], c);
+    const uint32_t q_lo = mx_e4m3x4(v, mc), q_hi = mx_e4m3x4(v + 4, mc + 4);
+    *reinterpret_cast<uint2*>(a.mxc_q + (row0 + i) * a.K + col) =
+        make_uint2((q_lo & ~f_lo) | (0x7F7F7F7Fu & f_lo), (q_hi & ~f_hi) | (0x7F7F7F7Fu & f_hi));
+    if constexpr (ROW) {
+      const float m = u2f(((er >> (8 * i)) & 0xFFu) << 23);
+      const float mr[4] = {m, m, m, m};
+      const uint32_t force = (f_row >> (8 * i)) & 0xFFu ? 0x7F7F7F7Fu : 0u, keep = ~force;
+      *reinterpret_cast<uint2*>(a.mxr_q + (row0 + i) * a.K + col) =
+          make_uint2((mx_e4m3x4(v, mr) & keep) | force, (mx_e4m3x4(v + 4, mr) & keep) | force);
+    }
+  }
 }
 
 // ---- the tile walk ---------------------------------------------------------------------------------
@@ -541,23 +692,23 @@ struct TileWalk {
 template <typename T, int FO6>
 constexpr int kMinCtas = sizeof(T) == 2 && FO6 == 0 ? 4 : 2;
 
-template <typename T, bool NV, int FO6, bool MXR, bool MXC>
+template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE>
 __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileArgs a, int64_t tiles, int64_t tiles_k) {
   extern __shared__ __align__(16) unsigned char stages[];
   __shared__ std::conditional_t<NV, NvOut, char> nv_out;
-  __shared__ float part[MXC ? 8 : 1][kCols];
   __shared__ float enc_of[NV ? 256 : 1];
   using S = Stage<T>;
   const T* x = static_cast<const T*>(a.x);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
   NvShared nv{NvScale{}, enc_of, 0u, 0u};
+  const NvFlags f = nv_flags<MODE>(a.nv);
   if constexpr (NV) {
     static_assert(kThreads == 256, "one scale byte a thread");
-    if (!a.row_scaled) {
+    if (!f.row_scaled) {
       nv.ts = nv_scale(a.amax[0], a.bound);
       enc_of[threadIdx.x] = nv_block_enc(static_cast<uint8_t>(threadIdx.x), nv.ts.s_dec);
     }
-    if (FO6 == 0 && a.nv_sr) {
+    if (FO6 == 0 && f.sr) {
       nv.key = mix32(static_cast<uint32_t>(a.sr_state[0]));
       nv.base = static_cast<uint32_t>(a.sr_state[1]);
     }
@@ -589,11 +740,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
     const unsigned char* tile = stages + stage * S::kBytes;
     const int64_t m0 = cur.tm * kRows, k0 = cur.tk * kCols;
     cur.advance(by);
-    if constexpr (MXR) mx_row_phase<T>(a, tile, m0, k0);
-    if constexpr (MXC) mx_col_phase<T>(a, tile, part, m0, k0);
+    if constexpr (MXC) mx_patch_phase<T, MXR>(a, tile, m0, k0);
+    else if constexpr (MXR) mx_row_phase<T>(a, tile, m0, k0);
     if constexpr (NV) {
-      if (a.nv_col) nv_col_phase<T, FO6>(a, tile, nv_out, nv, m0, k0);
-      else nv_row_phase<T, FO6>(a, tile, nv, m0, k0);
+      if (f.col) nv_col_phase<T, FO6>(a, f, tile, nv_out, nv, m0, k0);
+      else nv_row_phase<T, FO6>(a, f, tile, nv, m0, k0);
     }
     stage = stage == kStages - 1 ? 0 : stage + 1;
   }
@@ -602,13 +753,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
 
 // The persistent grid: as many CTAs as fit on the device at once (read once per device), each
 // with the dynamic shared memory of its stages.
-template <typename T, bool NV, int FO6, bool MXR, bool MXC>
+template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE = kNvAny>
 void launch_tiles(const TileArgs& a) {
   constexpr int kSmem = kStages * Stage<T>::kBytes;
   static std::array<int, 64> resident{};  // CTAs resident at once, 0 until read on that device
   const int dev = c10::cuda::current_device();
   TORCH_CHECK(dev < static_cast<int>(resident.size()), "qtensor: device index ", num(dev), " is out of range.");
-  auto kernel = tile_kernel<T, NV, FO6, MXR, MXC>;
+  auto kernel = tile_kernel<T, NV, FO6, MXR, MXC, MODE>;
   if (resident[dev] == 0) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     int per_sm = 0, sms = 0;
@@ -623,6 +774,27 @@ void launch_tiles(const TileArgs& a) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// An NVFP4 cast without 4over6 (with MXFP8 rowwise beside it for the hybrid cast: mxr) by the
+// kernel of its mode.
+template <typename T>
+void launch_nv_mode(const TileArgs& a, bool mxr) {
+  const int mode = nv_mode(a.nv);
+  if (mxr) {  // the hybrid cast: NVFP4 columnwise
+    if (mode == kNvColRhtSr) launch_tiles<T, true, 0, true, false, kNvColRhtSr>(a);
+    else if (mode == kNvCol) launch_tiles<T, true, 0, true, false, kNvCol>(a);
+    else launch_tiles<T, true, 0, true, false>(a);
+    return;
+  }
+  switch (mode) {
+    case kNvCol: return launch_tiles<T, true, 0, false, false, kNvCol>(a);
+    case kNvColRhtSr: return launch_tiles<T, true, 0, false, false, kNvColRhtSr>(a);
+    case kNvRowSr: return launch_tiles<T, true, 0, false, false, kNvRowSr>(a);
+    case kNvCol2d: return launch_tiles<T, true, 0, false, false, kNvCol2d>(a);
+    case kNvRow2d: return launch_tiles<T, true, 0, false, false, kNvRow2d>(a);
+    default: return launch_tiles<T, true, 0, false, false>(a);
+  }
+}
+
 void run_tiles(const at::Tensor& x2, TileArgs& a, bool nv, bool mxr, bool mxc) {
   a.x = x2.data_ptr();
   a.M = x2.size(0);
@@ -633,10 +805,10 @@ void run_tiles(const at::Tensor& x2, TileArgs& a, bool nv, bool mxr, bool mxc) {
       TORCH_CHECK(!mxr && !mxc, "qtensor: 4over6 is not fused with MXFP8 outputs.");
       if (a.nv_4o6 == 2) launch_tiles<T, true, 2, false, false>(a);
       else launch_tiles<T, true, 1, false, false>(a);
-    } else if (nv && mxr) {
-      launch_tiles<T, true, 0, true, false>(a);
     } else if (nv) {
-      launch_tiles<T, true, 0, false, false>(a);
+      if constexpr (std::is_same_v<T, at::BFloat16>) launch_nv_mode<T>(a, mxr);
+      else if (mxr) launch_tiles<T, true, 0, true, false>(a);
+      else launch_tiles<T, true, 0, false, false>(a);
     } else if (mxr && mxc) {
       launch_tiles<T, false, 0, true, true>(a);
     } else {
@@ -651,11 +823,7 @@ TileArgs nv_args(const at::Tensor& amax, bool columnwise, bool block_2d, int64_t
                  at::Tensor& q, at::Tensor& s) {
   TileArgs a{};
   a.amax = amax.data_ptr<float>();
-  a.row_scaled = amax.dim() == 1;
-  a.nv_col = columnwise;
-  a.nv_2d = block_2d;
-  a.nv_rht = rht;
-  a.nv_sr = stochastic;
+  a.nv = NvFlags{columnwise, block_2d, rht, stochastic, amax.dim() == 1};
   a.nv_4o6 = static_cast<int>(fourover6);
   a.bound = static_cast<int>(bound);
   a.sr_state = sr_state;

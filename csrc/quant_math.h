@@ -288,6 +288,12 @@ QT_HD float mx_inv_scale(uint32_t code) {
   return pow2f(e);
 }
 
+// The biased exponent of mx_inv_scale(code), 254 - code, for the codes a finite amax gives:
+// amax <= FLT_MAX < 2**128 puts r(amax / 448) below 2**120, so RCEIL codes are at most 247, and
+// FLOOR codes at most 127 - 8 + 127 = 246; 2**(127 - code) is then a normal number (checked on
+// every pattern by check_lanes). Code 255 (a NaN or inf amax) gives 255, which marks its block.
+QT_HD uint32_t mx_inv_exponent(uint32_t code) { return (254u - code) & 0xFFu; }
+
 QT_HD float mx_scale_value(uint8_t code) {
   if (code == 255u) return u2f(0x7FC00000u);
   int e = static_cast<int>(code) - 127;

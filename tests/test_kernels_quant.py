@@ -231,6 +231,37 @@ def test_mxfp8_shapes_and_dtypes(device):
                 assert_bytes_equal(got[3], col.scale, f"mx col scale {shape}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_mxfp8_columnwise_partial_tiles_and_special_blocks(device, dtype):
+    # Widths that end inside a tile (in a 32-column half and inside an 8-column group's
+    # neighbours), several tiles of rows, and NaN / inf / zero blocks next to finite ones in the
+    # same 32x32 patch: a NaN or inf block's bytes are 0x7F, its neighbours' are not.
+    g = torch.Generator().manual_seed(5)
+    big = 3e4 if dtype == torch.float16 else 3e37
+    for rows, cols in ((96, 48), (64, 80), (160, 144), (256, 64)):
+        x = torch.randn(rows, cols, generator=g) * torch.exp2(torch.randint(-12, 13, (rows, cols), generator=g).float())
+        x[3, 5] = float("nan")                 # column 5 of rows 0..31: one NaN block
+        x[40, 9] = float("inf")                # column 9 of rows 32..63
+        x[33, 10] = -big                       # a large finite neighbour of that inf column
+        x[64:96, 12] = 0                       # an all-zero column block
+        x[rows - 26, :32] = float("-inf")      # one row block of inf (rowwise), many columns
+        x = x.to(dtype).to(device)
+        for rule in ("rceil", "floor"):
+            col = mxfp8.quantize(x, MXFP8Spec(rule, columnwise=True))
+            _, _, cq, cs = Q.mxfp8_both(x, rule, False, True)
+            what = f"{rule} {dtype} {rows}x{cols}"
+            assert_bytes_equal(cs, col.scale, f"mx col scale {what}")
+            assert_bytes_equal(canon_nan(cq), canon_nan(col.qdata), f"mx col {what}")
+            if cols % 32 == 0:
+                row = mxfp8.quantize(x, MXFP8Spec(rule))
+                rq, rs, cq2, cs2 = Q.mxfp8_both(x, rule, True, True)
+                assert_bytes_equal(rs, row.scale, f"mx both row scale {what}")
+                assert_bytes_equal(canon_nan(rq), canon_nan(row.qdata), f"mx both row {what}")
+                assert_bytes_equal(cs2, col.scale, f"mx both col scale {what}")
+                assert_bytes_equal(canon_nan(cq2), canon_nan(col.qdata), f"mx both col {what}")
+
+
 def test_mxfp8_columnwise_odd_width_cpu():
     # The CPU columnwise kernel converts 16 columns at a time and the rest one by one: widths
     # 17 and 40 leave 1 and 8 columns to that tail.

@@ -12,7 +12,9 @@
 //   sr_block_key == sr_bits on the 16 counters of 2**16 blocks (keys and block starts from a
 //   counter hash, plus the starts next to 2**16 and 2**32), and e2m1_code_sr_fast with the sign
 //   nibble == e2m1_encode_sr on every non-negative pattern swept below 16 with all 256 random
-//   bytes (from 16 up, where every code is 7, with r8 = 0 and 255).
+//   bytes (from 16 up, where every code is 7, with r8 = 0 and 255);
+//   mx_inv_exponent (the MXFP8 patch phase's multiplier exponent) == mx_inv_scale on the scale
+//   code of every amax pattern swept, under both rules.
 //
 //   check_lanes full     every one of the 2**32 fp32 patterns (a minute or two on one core)
 //   check_lanes sample   bits 12..31 in full with bits 0..11 in {0, 1, 0x800, 0xFFF}: every
@@ -193,6 +195,32 @@ bool check_sr_code(bool full) {
   return ok;
 }
 
+// mx_inv_exponent against mx_inv_scale on the scale code of every amax pattern swept (both signs'
+// magnitudes, inf and NaN included), under both rules: a finite amax's code is at most 247 and
+// its exponent byte gives mx_inv_scale exactly; a NaN or inf amax gives code 255 and byte 255.
+bool check_mx_exponent(bool full) {
+  const bool ok = sweep(full, [&](uint32_t u, bool consecutive) {
+    uint32_t p[8];
+    patterns(u, consecutive, p);
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t b = p[i] & 0x7FFFFFFFu;
+      for (int rule = 0; rule < 2; ++rule) {
+        const uint32_t code = mx_scale_code(u2f(b), rule), e = mx_inv_exponent(code);
+        const bool good = b < 0x7F800000u ? code <= 247u && u2f(e << 23) == mx_inv_scale(code)
+                                          : code == 255u && e == 255u;
+        if (!good) {
+          std::printf("mx_inv_exponent: amax 0x%08" PRIx32 ", rule %d: code %" PRIu32 ", byte %" PRIu32 "\n",
+                      b, rule, code, e);
+          return false;
+        }
+      }
+    }
+    return true;
+  });
+  std::printf("%-24s %s\n", "mx_inv_exponent", ok ? "equal" : "DIFFERENT");
+  return ok;
+}
+
 uint32_t e4m3_ref(float v) { return e4m3_bits(v); }
 uint32_t e2m1_ref(float v) { return e2m1_encode(v); }
 
@@ -239,5 +267,6 @@ int main(int argc, char** argv) {
   std::printf("%-24s %s\n", "sr_tail_bits", hash ? "equal" : "DIFFERENT");
   ok = hash && ok;
   ok = check_sr_code(full) && ok;
+  ok = check_mx_exponent(full) && ok;
   return ok && values ? 0 : 1;
 }
