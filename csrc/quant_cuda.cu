@@ -32,18 +32,24 @@ constexpr int kThreads = 256;  // 8 warps
 constexpr int kRows = 128;     // tile rows: 8 NVFP4 blocks of 16 (a warp each), 4 MXFP8 blocks of 32
 constexpr int kCols = 64;      // tile columns: 32 column pairs, a lane each
 constexpr int kStages = 3;     // tiles in flight per CTA: the one quantized, two loading
+// The MXFP8-only kernels take tiles of 64 rows x 128 columns (the same bytes): a tile row of their
+// outputs, in the input's layout, is then a whole 128-byte line, stored by one request. Their
+// stores, not the DRAM, bound them in 64-column tiles (each request a 32-byte sector).
+constexpr int kMxRows = 64;
+constexpr int kMxCols = 128;
 
 // ---- shared-memory tiles ---------------------------------------------------------------------------
 
-// A stage holds kRows rows of kCols elements, unpadded, with the 16-byte chunks of row r stored
+// A stage holds ROWS rows of COLS elements, unpadded, with the 16-byte chunks of row r stored
 // at chunk index c ^ (r % 8). The column-pair reads (a 4- or 8-byte word per lane, one row per
 // instruction) and the 16-byte row reads of 8 consecutive rows (the rowwise phases) then fall in
 // distinct banks, and 3 stages of bf16 tiles leave room for 4 CTAs per SM.
-template <typename T>
+template <typename T, int ROWS = kRows, int COLS = kCols>
 struct Stage {
-  static constexpr int kRowBytes = kCols * static_cast<int>(sizeof(T));
-  static constexpr int kBytes = kRows * kRowBytes;
-  static constexpr int kChunks = kRows * kRowBytes / 16;  // 16-byte copies per tile
+  static constexpr int kRows = ROWS, kCols = COLS;
+  static constexpr int kRowBytes = COLS * static_cast<int>(sizeof(T));
+  static constexpr int kBytes = ROWS * kRowBytes;
+  static constexpr int kChunks = ROWS * kRowBytes / 16;  // 16-byte copies per tile
   static_assert(kChunks % kThreads == 0, "whole copies per thread");
   // Byte offset of byte `byte` of row r (an access never crosses its 16-byte chunk).
   __device__ static __forceinline__ int at(int r, int byte) {
@@ -63,17 +69,16 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-template <typename T>
+template <typename S, typename T>
 __device__ __forceinline__ void load_tile(const T* x, int64_t M, int64_t K, int64_t m0, int64_t k0,
                                           uint32_t stage) {
-  using S = Stage<T>;
   // Thread t copies chunk t % kPerRow of rows t / kPerRow, + kRowStep, ...: one column offset,
   // one source offset stepped by kRowStep rows, and the rows left compared in 32 bits.
   constexpr int kPerRow = S::kRowBytes / 16, kN = 16 / static_cast<int>(sizeof(T));
   constexpr int kRowStep = kThreads / kPerRow;
   const int r0 = threadIdx.x / kPerRow, c = threadIdx.x % kPerRow;
   const int64_t col = k0 + c * kN, left = M - m0 - r0;
-  const int rows = left < kRows ? static_cast<int>(left) : kRows;  // > -kRowStep
+  const int rows = left < S::kRows ? static_cast<int>(left) : S::kRows;  // > -kRowStep
   const bool col_ok = col < K;
   int64_t src = (m0 + r0) * K + col;  // an offset: the pointer is formed only in range
   const int64_t step = kRowStep * K;
@@ -505,15 +510,16 @@ __device__ __forceinline__ void mx_row_phase(const TileArgs& a, const unsigned c
   }
 }
 
-// Columnwise, alone or with rowwise (ROW), from register patches: warp w takes the 32x32 patch at
-// tile rows 32 (w / 2).., columns 32 (w % 2)..; lane l its 4 rows 4 (l / 4).. and 8 columns
-// 8 (l % 4).., read once as 16-byte words (4 rows x 16 bytes: every bank once per 8 lanes under
-// the stage's swizzle for 16-bit inputs). A column's 32-block lies in the 8 lanes of one l % 4
-// and a row's in the 4 lanes of one l / 4, so both amaxes are warp reductions, without a
-// shared-memory exchange or a barrier. Each reduction step halves the words a lane keeps (a
-// reduce-scatter), so lane l ends with the amax of column l / 4 of its 8 (and of row
-// 2 (l % 2) + (l / 2) % 2 of its 4); it computes that block's scale code, stores it, and the
-// lanes gather back the exponent bytes of the multipliers (mx_inv_exponent).
+// Columnwise, alone or with rowwise (ROW), on 64 x 128 tiles from register patches: warp w takes
+// the 32x32 patch at tile rows 32 (w / 4).., columns 32 (w % 4)..; lane l its 4 rows 4 (l / 4)..
+// and 8 columns 8 (l % 4).., read once as 16-byte words (for 16-bit inputs every bank once per 8
+// lanes under the stage's swizzle). A column's 32-block lies in the 8 lanes of one l % 4 and a
+// row's in the 4 lanes of one l / 4, so both amaxes are warp reductions, without a shared-memory
+// exchange. Each reduction step halves the words a lane keeps (a reduce-scatter), so lane l ends
+// with the amax of column l / 4 of its 8 (and of row 2 (l % 2) + (l / 2) % 2 of its 4); it
+// computes that block's scale code and the lanes gather back the exponent bytes of the
+// multipliers (mx_inv_exponent). The codes and the row scales are staged in shared memory and
+// leave as whole 128-byte rows; the column scales (32 consecutive bytes a warp) go straight out.
 template <typename T>
 struct MxPatch {
   static constexpr bool kWide = sizeof(T) == 4;
@@ -558,20 +564,30 @@ __device__ __forceinline__ uint32_t mx_e4m3x4(const float* v, const float* m) {
   return e4m3x2_nonan(v[0] * m[0], v[1] * m[1]) | (e4m3x2_nonan(v[2] * m[2], v[3] * m[3]) << 16);
 }
 
+// The staged outputs of one 64 x 128 tile: the codes of each direction (columnwise, then rowwise
+// with ROW) as 8-byte words, word j of row r at j ^ 4 ((r / 4) % 4), so that the 16 lanes of a
+// store phase (4 rows 4 apart, 4 words each) hit distinct banks; and the row scales, 4 a row.
+template <bool ROW>
+struct alignas(16) MxOut {
+  uint2 q[ROW ? 2 : 1][kMxRows][kMxCols / 8];
+  uint32_t rs[ROW ? kMxRows : 1];
+  __device__ static int word(int r, int j) { return j ^ (((r >> 2) & 3) << 2); }
+};
+
 template <typename T, bool ROW>
-__device__ __forceinline__ void mx_patch_phase(const TileArgs& a, const unsigned char* tile, int64_t m0,
-                                               int64_t k0) {
+__device__ __forceinline__ void mx_patch_phase(const TileArgs& a, const unsigned char* tile, MxOut<ROW>& out,
+                                               int64_t m0, int64_t k0) {
   using P = MxPatch<T>;
+  using S = Stage<T, kMxRows, kMxCols>;
   constexpr int kW = P::kWords;
   const int l = threadIdx.x & 31, w = threadIdx.x >> 5;
-  const int pr = 32 * (w >> 1), c0 = 32 * (w & 1) + 8 * (l & 3), r0 = pr + 4 * (l >> 2);
+  const int pr = 32 * (w >> 2), pc = 32 * (w & 3), c0 = pc + 8 * (l & 3), r0 = pr + 4 * (l >> 2);
   uint32_t x[4][kW];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
 #pragma unroll
     for (int h = 0; h < kW / 4; ++h) {
-      const uint4 q = *reinterpret_cast<const uint4*>(
-          tile + Stage<T>::at(r0 + i, c0 * static_cast<int>(sizeof(T)) + 16 * h));
+      const uint4 q = *reinterpret_cast<const uint4*>(tile + S::at(r0 + i, c0 * static_cast<int>(sizeof(T)) + 16 * h));
       x[i][4 * h] = q.x;
       x[i][4 * h + 1] = q.y;
       x[i][4 * h + 2] = q.z;
@@ -593,10 +609,10 @@ __device__ __forceinline__ void mx_patch_phase(const TileArgs& a, const unsigned
   } else {
     col_bits = mx_scatter_half(cm[0], 4, l & 4);
   }
-  const int64_t row0 = m0 + r0, col = k0 + c0;
-  const bool in = m0 + pr < a.M && col < a.K;  // whole patches of rows (M % 32 == 0), whole groups
+  // Rows come whole in patches of 32 (M % 32 == 0), columns in groups of 8 (K % 16 == 0).
+  const bool in = m0 + pr < a.M && k0 + c0 < a.K;
   const uint32_t ccode = mx_scale_code(u2f(absmax_bits<T>(col_bits)), a.rule);
-  if (in) a.mxc_s[((m0 + pr) / 32) * a.K + col + (l >> 2)] = static_cast<uint8_t>(ccode);
+  if (in) a.mxc_s[((m0 + pr) / 32) * a.K + k0 + c0 + (l >> 2)] = static_cast<uint8_t>(ccode);
   uint32_t ec = mx_inv_exponent(ccode) << (8 * ((l >> 2) & 1));
   ec |= __shfl_xor_sync(kFull, ec, 4);
   ec <<= 16 * ((l >> 3) & 1);
@@ -609,11 +625,12 @@ __device__ __forceinline__ void mx_patch_phase(const TileArgs& a, const unsigned
     uint32_t rm[kW / 2];
     if constexpr (P::kWide) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        rm[i] = max(max(x[i][0] & P::kMag, x[i][1] & P::kMag), max(x[i][2] & P::kMag, x[i][3] & P::kMag));
+      for (int i = 0; i < 4; ++i) {
+        uint32_t m = 0u;
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        rm[i] = max(rm[i], max(max(x[i][4] & P::kMag, x[i][5] & P::kMag), max(x[i][6] & P::kMag, x[i][7] & P::kMag)));
+        for (int j = 0; j < 8; ++j) m = max(m, x[i][j] & P::kMag);
+        rm[i] = m;
+      }
       mx_scatter_max<P, 4>(rm, 1, l & 1);
       mx_scatter_max<P, 2>(rm, 2, l & 2);
     } else {
@@ -630,7 +647,7 @@ __device__ __forceinline__ void mx_patch_phase(const TileArgs& a, const unsigned
     }
     const int own = 2 * (l & 1) + ((l >> 1) & 1);  // the row of the 4 whose amax this lane holds
     rcode = mx_scale_code(u2f(absmax_bits<T>(rm[0])), a.rule);
-    if (in) a.mxr_s[(row0 + own) * (a.K / 32) + (k0 + 32 * (w & 1)) / 32] = static_cast<uint8_t>(rcode);
+    reinterpret_cast<uint8_t*>(out.rs)[4 * (r0 + own) + (w & 3)] = static_cast<uint8_t>(rcode);
     er = mx_inv_exponent(rcode) << (8 * ((l >> 1) & 1));
     er |= __shfl_xor_sync(kFull, er, 2);
     er <<= 16 * (l & 1);
@@ -639,7 +656,6 @@ __device__ __forceinline__ void mx_patch_phase(const TileArgs& a, const unsigned
   // Blocks whose amax is NaN or inf (code 255, exponent byte 255) get 0x7F bytes, as
   // mx_e4m3x16 gives: rare, so the masks are formed only when the warp has one.
   const bool nan_blocks = __any_sync(kFull, ccode == 255u || (ROW && rcode == 255u));
-  if (!in) return;
   float mc[8];  // the columns' multipliers 2**(127 - code)
 #pragma unroll
   for (int c = 0; c < 8; ++c) mc[c] = u2f((((c < 4 ? e_lo : e_hi) >> (8 * (c & 3))) & 0xFFu) << 23);
@@ -650,15 +666,43 @@ __device__ __forceinline__ void mx_patch_phase(const TileArgs& a, const unsigned
     float v[8];
 #pragma unroll
     for (int c = 0; c < 8; ++c) v[c] = P::value(x[i], c);
+    const int r = r0 + i, j = out.word(r, c0 / 8);
     const uint32_t q_lo = mx_e4m3x4(v, mc), q_hi = mx_e4m3x4(v + 4, mc + 4);
-    *reinterpret_cast<uint2*>(a.mxc_q + (row0 + i) * a.K + col) =
-        make_uint2((q_lo & ~f_lo) | (0x7F7F7F7Fu & f_lo), (q_hi & ~f_hi) | (0x7F7F7F7Fu & f_hi));
+    out.q[0][r][j] = make_uint2((q_lo & ~f_lo) | (0x7F7F7F7Fu & f_lo), (q_hi & ~f_hi) | (0x7F7F7F7Fu & f_hi));
     if constexpr (ROW) {
       const float m = u2f(((er >> (8 * i)) & 0xFFu) << 23);
       const float mr[4] = {m, m, m, m};
       const uint32_t force = (f_row >> (8 * i)) & 0xFFu ? 0x7F7F7F7Fu : 0u, keep = ~force;
-      *reinterpret_cast<uint2*>(a.mxr_q + (row0 + i) * a.K + col) =
-          make_uint2((mx_e4m3x4(v, mr) & keep) | force, (mx_e4m3x4(v + 4, mr) & keep) | force);
+      out.q[ROW ? 1 : 0][r][j] = make_uint2((mx_e4m3x4(v, mr) & keep) | force, (mx_e4m3x4(v + 4, mr) & keep) | force);
+    }
+  }
+  __syncthreads();
+  // Out as whole rows: 8 threads a row, 16 bytes (16 columns) each.
+  constexpr int kPerRow = kMxCols / 16, kRowsPerPass = kThreads / kPerRow;
+  const int cj = threadIdx.x % kPerRow;
+  const int64_t col = k0 + 16 * cj;
+#pragma unroll
+  for (int d = 0; d < (ROW ? 2 : 1); ++d) {
+    uint8_t* dst = d == 0 ? a.mxc_q : a.mxr_q;
+#pragma unroll
+    for (int k = 0; k < kMxRows / kRowsPerPass; ++k) {
+      const int r = kRowsPerPass * k + threadIdx.x / kPerRow;
+      // Words 2 cj and 2 cj + 1 stay adjacent under the swizzle (it flips bits 2 and 3).
+      const uint4 q = *reinterpret_cast<const uint4*>(&out.q[d][r][out.word(r, 2 * cj)]);
+      if (m0 + r < a.M && col < a.K) *reinterpret_cast<uint4*>(dst + (m0 + r) * a.K + col) = q;
+    }
+  }
+  if constexpr (ROW) {
+    // K % 32 == 0 here; a tile row's 4 scale bytes as one word where they are whole and aligned.
+    if (threadIdx.x < kMxRows && m0 + threadIdx.x < a.M) {
+      const int64_t nb = (a.K - k0) / 32 < 4 ? (a.K - k0) / 32 : 4;
+      uint8_t* dst = a.mxr_s + (m0 + threadIdx.x) * (a.K / 32) + k0 / 32;
+      const uint32_t bytes = out.rs[threadIdx.x];
+      if (nb == 4 && (reinterpret_cast<uintptr_t>(dst) & 3u) == 0) {
+        *reinterpret_cast<uint32_t*>(dst) = bytes;
+      } else {
+        for (int b = 0; b < nb; ++b) dst[b] = static_cast<uint8_t>(bytes >> (8 * b));
+      }
     }
   }
 }
@@ -692,12 +736,18 @@ struct TileWalk {
 template <typename T, int FO6>
 constexpr int kMinCtas = sizeof(T) == 2 && FO6 == 0 ? 4 : 2;
 
+// The stage of a kernel: NVFP4 tiles are 128 x 64, the MXFP8-only ones 64 x 128.
+template <typename T, bool NV>
+using TileStage = Stage<T, NV ? kRows : kMxRows, NV ? kCols : kMxCols>;
+
 template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE>
 __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileArgs a, int64_t tiles, int64_t tiles_k) {
   extern __shared__ __align__(16) unsigned char stages[];
   __shared__ std::conditional_t<NV, NvOut, char> nv_out;
+  __shared__ std::conditional_t<MXC, MxOut<MXR>, char> mx_out;
   __shared__ float enc_of[NV ? 256 : 1];
-  using S = Stage<T>;
+  using S = TileStage<T, NV>;
+  static_assert(NV || MXC, "MXFP8 rowwise alone runs in the rows kernel");
   const T* x = static_cast<const T*>(a.x);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
   NvShared nv{NvScale{}, enc_of, 0u, 0u};
@@ -723,7 +773,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {  // the ring's first tiles; a commit per slot, even empty
     if (blockIdx.x + s * step < tiles)
-      load_tile<T>(x, a.M, a.K, ahead.tm * kRows, ahead.tk * kCols, base + s * S::kBytes);
+      load_tile<S>(x, a.M, a.K, ahead.tm * S::kRows, ahead.tk * S::kCols, base + s * S::kBytes);
     cp_async_commit();
     ahead.advance(by);
   }
@@ -734,13 +784,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
     __syncthreads();               // everyone's have, and the stage refilled next is read out
     const int refill = stage == 0 ? kStages - 1 : stage - 1;
     if (t + (kStages - 1) * step < tiles)
-      load_tile<T>(x, a.M, a.K, ahead.tm * kRows, ahead.tk * kCols, base + refill * S::kBytes);
+      load_tile<S>(x, a.M, a.K, ahead.tm * S::kRows, ahead.tk * S::kCols, base + refill * S::kBytes);
     cp_async_commit();
     ahead.advance(by);
     const unsigned char* tile = stages + stage * S::kBytes;
-    const int64_t m0 = cur.tm * kRows, k0 = cur.tk * kCols;
+    const int64_t m0 = cur.tm * S::kRows, k0 = cur.tk * S::kCols;
     cur.advance(by);
-    if constexpr (MXC) mx_patch_phase<T, MXR>(a, tile, m0, k0);
+    if constexpr (MXC) mx_patch_phase<T, MXR>(a, tile, mx_out, m0, k0);
     else if constexpr (MXR) mx_row_phase<T>(a, tile, m0, k0);
     if constexpr (NV) {
       if (f.col) nv_col_phase<T, FO6>(a, f, tile, nv_out, nv, m0, k0);
@@ -755,7 +805,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
 // with the dynamic shared memory of its stages.
 template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE = kNvAny>
 void launch_tiles(const TileArgs& a) {
-  constexpr int kSmem = kStages * Stage<T>::kBytes;
+  using S = TileStage<T, NV>;
+  constexpr int kSmem = kStages * S::kBytes;
   static std::array<int, 64> resident{};  // CTAs resident at once, 0 until read on that device
   const int dev = c10::cuda::current_device();
   TORCH_CHECK(dev < static_cast<int>(resident.size()), "qtensor: device index ", num(dev), " is out of range.");
@@ -767,8 +818,8 @@ void launch_tiles(const TileArgs& a) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     resident[dev] = std::max(per_sm, 1) * sms;
   }
-  const int64_t tiles_k = (a.K + kCols - 1) / kCols;
-  const int64_t tiles = ((a.M + kRows - 1) / kRows) * tiles_k;
+  const int64_t tiles_k = (a.K + S::kCols - 1) / S::kCols;
+  const int64_t tiles = ((a.M + S::kRows - 1) / S::kRows) * tiles_k;
   const int64_t grid = std::min<int64_t>(tiles, resident[dev]);
   kernel<<<grid, kThreads, kSmem, c10::cuda::getCurrentCUDAStream()>>>(a, tiles, tiles_k);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
