@@ -478,18 +478,27 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const NvFlags& f
 
 // ---- MXFP8 ------------------------------------------------------------------------------------------
 
-// Rowwise: lanes l and l ^ 8 of warp w hold the two halves (h = l / 8 % 2) of the 32-blocks of
-// row 16w + l % 8 + 8 (l / 16); one shuffle joins their amaxes, and each stores 16 contiguous code
-// bytes per block. The 8 lanes of each phase of a 16-byte shared-memory read are 8 consecutive
-// rows at one column, in distinct banks under the stage's swizzle.
+// Rowwise beside NVFP4 columnwise (the hybrid cast, 128 x 64 tiles). The codes and scales are
+// staged in shared memory and leave after the NVFP4 phase's barrier as whole 64-byte tile rows
+// and 2 scale bytes a row: stored straight from the lanes, each request would carry one 32-byte
+// sector or one scale byte, and the L2's requests, not the DRAM, would bound the cast. Chunk c
+// (16 bytes) of row r is kept at c ^ ((r / 2) % 4): the 8 rows of a store phase and the 2 rows
+// of a load phase then fall in distinct banks.
+struct MxRowOut {
+  uint4 q[kRows][kCols / 16];
+  uint8_t s[kRows][kCols / 32];
+  __device__ static int chunk(int r, int c) { return c ^ ((r >> 1) & 3); }
+};
+
+// Lanes l and l ^ 8 of warp w hold the two halves (h = l / 8 % 2) of the 32-blocks of row
+// 16w + l % 8 + 8 (l / 16); one shuffle joins their amaxes. The 8 lanes of each phase of a
+// 16-byte shared-memory read are 8 consecutive rows at one column, in distinct banks under the
+// stage's swizzle.
 template <typename T>
-__device__ __forceinline__ void mx_row_phase(const TileArgs& a, const unsigned char* tile, int64_t m0,
-                                             int64_t k0) {
+__device__ __forceinline__ void mx_row_phase(const TileArgs& a, const unsigned char* tile, MxRowOut& out) {
   const int l = threadIdx.x & 31, r = 16 * (threadIdx.x >> 5) + (l & 7) + 8 * (l >> 4), h = (l >> 3) & 1;
-  const int64_t row = m0 + r;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    const int64_t col = k0 + 32 * j + 16 * h;
     constexpr int kN = Vec<T>::kN;
     uint4 raw[16 / kN];
     load16_raw<T>(tile, r, 32 * j + 16 * h, raw);
@@ -502,10 +511,31 @@ __device__ __forceinline__ void mx_row_phase(const TileArgs& a, const unsigned c
 #pragma unroll
     for (int i = 0; i < 16 / kN; ++i) Vec<T>::unpack(raw[i], v + i * kN);
     const uint32_t code = mx_scale_code(u2f(am), a.rule);
-    const uint4 bytes = mx_e4m3x16(v, code);
-    if (row < a.M && col < a.K) {
-      *reinterpret_cast<uint4*>(a.mxr_q + row * a.K + col) = bytes;
-      if (h == 0) a.mxr_s[row * (a.K / 32) + col / 32] = static_cast<uint8_t>(code);
+    out.q[r][out.chunk(r, 2 * j + h)] = mx_e4m3x16(v, code);
+    if (h == 0) out.s[r][j] = static_cast<uint8_t>(code);
+  }
+}
+
+// The staged rowwise outputs of the tile at (m0, k0), after a barrier: 4 threads a row, 16 bytes
+// each; a row's 2 scale bytes as one 2-byte word where they are whole and aligned (K % 32 == 0).
+__device__ __forceinline__ void mx_row_store(const TileArgs& a, const MxRowOut& out, int64_t m0, int64_t k0) {
+  constexpr int kPerRow = kCols / 16, kRowsPerPass = kThreads / kPerRow;
+  const int c = threadIdx.x % kPerRow;
+  const int64_t col = k0 + 16 * c;
+#pragma unroll
+  for (int k = 0; k < kRows / kRowsPerPass; ++k) {
+    const int r = kRowsPerPass * k + threadIdx.x / kPerRow;
+    if (m0 + r < a.M && col < a.K)
+      *reinterpret_cast<uint4*>(a.mxr_q + (m0 + r) * a.K + col) = out.q[r][out.chunk(r, c)];
+  }
+  if (threadIdx.x < kRows && m0 + threadIdx.x < a.M) {
+    const int r = threadIdx.x;
+    const int64_t nb = (a.K - k0) / 32 < 2 ? (a.K - k0) / 32 : 2;
+    uint8_t* dst = a.mxr_s + (m0 + r) * (a.K / 32) + k0 / 32;
+    if (nb == 2 && (reinterpret_cast<uintptr_t>(dst) & 1u) == 0) {
+      *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(out.s[r][0] | (out.s[r][1] << 8));
+    } else {
+      for (int b = 0; b < nb; ++b) dst[b] = out.s[r][b];
     }
   }
 }
@@ -745,6 +775,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
   extern __shared__ __align__(16) unsigned char stages[];
   __shared__ std::conditional_t<NV, NvOut, char> nv_out;
   __shared__ std::conditional_t<MXC, MxOut<MXR>, char> mx_out;
+  __shared__ std::conditional_t<NV && MXR, MxRowOut, char> mx_rows;
   __shared__ float enc_of[NV ? 256 : 1];
   using S = TileStage<T, NV>;
   static_assert(NV || MXC, "MXFP8 rowwise alone runs in the rows kernel");
@@ -791,11 +822,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
     const int64_t m0 = cur.tm * S::kRows, k0 = cur.tk * S::kCols;
     cur.advance(by);
     if constexpr (MXC) mx_patch_phase<T, MXR>(a, tile, mx_out, m0, k0);
-    else if constexpr (MXR) mx_row_phase<T>(a, tile, m0, k0);
+    else if constexpr (MXR) mx_row_phase<T>(a, tile, mx_rows);
     if constexpr (NV) {
       if (f.col) nv_col_phase<T, FO6>(a, f, tile, nv_out, nv, m0, k0);
       else nv_row_phase<T, FO6>(a, f, tile, nv, m0, k0);
     }
+    // The hybrid cast is columnwise (run_tiles checks): nv_col_phase's barrier is behind the
+    // staged rows.
+    if constexpr (NV && MXR) mx_row_store(a, mx_rows, m0, k0);
     stage = stage == kStages - 1 ? 0 : stage + 1;
   }
   cp_async_wait<0>();
@@ -857,6 +891,7 @@ void run_tiles(const at::Tensor& x2, TileArgs& a, bool nv, bool mxr, bool mxc) {
       if (a.nv_4o6 == 2) launch_tiles<T, true, 2, false, false>(a);
       else launch_tiles<T, true, 1, false, false>(a);
     } else if (nv) {
+      TORCH_CHECK(!mxr || a.nv.col, "qtensor: MXFP8 rowwise is fused with NVFP4 columnwise only.");
       if constexpr (std::is_same_v<T, at::BFloat16>) launch_nv_mode<T>(a, mxr);
       else if (mxr) launch_tiles<T, true, 0, true, false>(a);
       else launch_tiles<T, true, 0, false, false>(a);
