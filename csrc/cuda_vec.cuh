@@ -191,21 +191,30 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
-// RHT of two bf16 16-runs held as packed pairs (run 0 in the low halves of w[0..15], run 1 in the
-// high halves), in place: w becomes the packed bf16 results, exactly rht16 of each run. When both
-// runs pass the exactness test the butterflies run in fp32 and each pair is rounded by one
-// conversion; otherwise each run goes through rht16_fast on its own.
-__device__ __forceinline__ void rht16x2_bf16(uint32_t* w) {
+// The range of both runs of packed pairs w, and the runs widened to fp32 (exact).
+__device__ __forceinline__ Bf16Range bf16x2_range(const uint32_t* w) {
   Bf16Range range;
 #pragma unroll
   for (int i = 0; i < 16; ++i) range.add(w[i]);
-  const bool exact[2] = {range.f32_exact(0), range.f32_exact(1)};
-  float v[2][16];
+  return range;
+}
+__device__ __forceinline__ void bf16x2_widen(const uint32_t* w, float (*v)[16]) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     v[0][i] = u2f(w[i] << 16);
     v[1][i] = u2f(w[i] & 0xFFFF0000u);
   }
+}
+
+// RHT of two bf16 16-runs held as packed pairs (run 0 in the low halves of w[0..15], run 1 in the
+// high halves), in place: w becomes the packed bf16 results, exactly rht16 of each run. When both
+// runs pass the exactness test the butterflies run in fp32 and each pair is rounded by one
+// conversion; otherwise each run goes through rht16_fast on its own.
+__device__ __forceinline__ void rht16x2_bf16(uint32_t* w) {
+  const Bf16Range range = bf16x2_range(w);
+  const bool exact[2] = {range.f32_exact(0), range.f32_exact(1)};
+  float v[2][16];
+  bf16x2_widen(w, v);
   if (exact[0] && exact[1]) {
     signed_hadamard16(v[0]);
     signed_hadamard16(v[1]);
@@ -222,17 +231,11 @@ __device__ __forceinline__ void rht16x2_bf16(uint32_t* w) {
 // The max |result| of rht16x2_bf16, packed the same way, without the results: bf16(y / 4) is
 // monotone in |y|, so over an exact fp32 run it is bf16(max |y| / 4), one rounding per run.
 __device__ __forceinline__ uint32_t rht16x2_bf16_absmax(const uint32_t* w) {
-  Bf16Range range;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) range.add(w[i]);
+  const Bf16Range range = bf16x2_range(w);
   uint32_t m = 0u;
   if (range.f32_exact(0) && range.f32_exact(1)) {
     float v[2][16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      v[0][i] = u2f(w[i] << 16);
-      v[1][i] = u2f(w[i] & 0xFFFF0000u);
-    }
+    bf16x2_widen(w, v);
     signed_hadamard16(v[0]);
     signed_hadamard16(v[1]);
     float m0 = 0.f, m1 = 0.f;  // the exact runs are finite: fmaxf's NaN rule does not arise
