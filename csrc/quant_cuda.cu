@@ -595,21 +595,25 @@ __device__ __forceinline__ uint32_t mx_e4m3x4(const float* v, const float* m) {
   return e4m3x2_nonan(v[0] * m[0], v[1] * m[1]) | (e4m3x2_nonan(v[2] * m[2], v[3] * m[3]) << 16);
 }
 
-// The staged outputs of one 64 x 128 tile: the codes of each direction (columnwise, then rowwise
-// with ROW) as 8-byte words, word j of row r at j ^ 4 ((r / 4) % 4), so that the 16 lanes of a
-// store phase (4 rows 4 apart, 4 words each) hit distinct banks; and the row scales, 4 a row.
+// The staged codes of one 64 x 128 tile, each direction (columnwise, then rowwise with ROW) as
+// 8-byte words, word j of row r at j ^ 4 ((r / 4) % 4), so that the 16 lanes of a store phase
+// (4 rows 4 apart, 4 words each) hit distinct banks. They take the tile's own stage once every
+// patch is read (the stage is refilled only after the next tile's first barrier), which keeps
+// four CTAs per SM.
 template <bool ROW>
 struct alignas(16) MxOut {
   uint2 q[ROW ? 2 : 1][kMxRows][kMxCols / 8];
-  uint32_t rs[ROW ? kMxRows : 1];
   __device__ static int word(int r, int j) { return j ^ (((r >> 2) & 3) << 2); }
 };
 
+// rs: the row scales of the tile, 4 a row (ROW).
 template <typename T, bool ROW>
-__device__ __forceinline__ void mx_patch_phase(const TileArgs& a, const unsigned char* tile, MxOut<ROW>& out,
-                                               int64_t m0, int64_t k0) {
+__device__ __forceinline__ void mx_patch_phase(const TileArgs& a, unsigned char* tile, uint32_t* rs, int64_t m0,
+                                               int64_t k0) {
   using P = MxPatch<T>;
   using S = Stage<T, kMxRows, kMxCols>;
+  static_assert(sizeof(MxOut<ROW>) <= S::kBytes, "the staged codes fit in the tile's stage");
+  MxOut<ROW>& out = *reinterpret_cast<MxOut<ROW>*>(tile);
   constexpr int kW = P::kWords;
   const int l = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int pr = 32 * (w >> 2), pc = 32 * (w & 3), c0 = pc + 8 * (l & 3), r0 = pr + 4 * (l >> 2);
@@ -678,7 +682,7 @@ __device__ __forceinline__ void mx_patch_phase(const TileArgs& a, const unsigned
     }
     const int own = 2 * (l & 1) + ((l >> 1) & 1);  // the row of the 4 whose amax this lane holds
     rcode = mx_scale_code(u2f(absmax_bits<T>(rm[0])), a.rule);
-    reinterpret_cast<uint8_t*>(out.rs)[4 * (r0 + own) + (w & 3)] = static_cast<uint8_t>(rcode);
+    reinterpret_cast<uint8_t*>(rs)[4 * (r0 + own) + (w & 3)] = static_cast<uint8_t>(rcode);
     er = mx_inv_exponent(rcode) << (8 * ((l >> 1) & 1));
     er |= __shfl_xor_sync(kFull, er, 2);
     er <<= 16 * (l & 1);
@@ -692,6 +696,7 @@ __device__ __forceinline__ void mx_patch_phase(const TileArgs& a, const unsigned
   for (int c = 0; c < 8; ++c) mc[c] = u2f((((c < 4 ? e_lo : e_hi) >> (8 * (c & 3))) & 0xFFu) << 23);
   const uint32_t f_lo = nan_blocks ? mx_nan_bytes(e_lo) : 0u, f_hi = nan_blocks ? mx_nan_bytes(e_hi) : 0u;
   const uint32_t f_row = ROW && nan_blocks ? mx_nan_bytes(er) : 0u;
+  __syncthreads();  // every patch is read: the stage takes the codes
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     float v[8];
@@ -728,7 +733,7 @@ __device__ __forceinline__ void mx_patch_phase(const TileArgs& a, const unsigned
     if (threadIdx.x < kMxRows && m0 + threadIdx.x < a.M) {
       const int64_t nb = (a.K - k0) / 32 < 4 ? (a.K - k0) / 32 : 4;
       uint8_t* dst = a.mxr_s + (m0 + threadIdx.x) * (a.K / 32) + k0 / 32;
-      const uint32_t bytes = out.rs[threadIdx.x];
+      const uint32_t bytes = rs[threadIdx.x];
       if (nb == 4 && (reinterpret_cast<uintptr_t>(dst) & 3u) == 0) {
         *reinterpret_cast<uint32_t*>(dst) = bytes;
       } else {
@@ -775,7 +780,7 @@ template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE>
 __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileArgs a, int64_t tiles, int64_t tiles_k) {
   extern __shared__ __align__(16) unsigned char stages[];
   __shared__ std::conditional_t<NV, NvOut, char> nv_out;
-  __shared__ std::conditional_t<MXC, MxOut<MXR>, char> mx_out;
+  __shared__ uint32_t mx_rs[MXC && MXR ? kMxRows : 1];
   __shared__ std::conditional_t<NV && MXR, MxRowOut, char> mx_rows;
   __shared__ float enc_of[NV ? 256 : 1];
   using S = TileStage<T, NV>;
@@ -819,10 +824,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
       load_tile<S>(x, a.M, a.K, ahead.tm * S::kRows, ahead.tk * S::kCols, base + refill * S::kBytes);
     cp_async_commit();
     ahead.advance(by);
-    const unsigned char* tile = stages + stage * S::kBytes;
+    unsigned char* tile = stages + stage * S::kBytes;
     const int64_t m0 = cur.tm * S::kRows, k0 = cur.tk * S::kCols;
     cur.advance(by);
-    if constexpr (MXC) mx_patch_phase<T, MXR>(a, tile, mx_out, m0, k0);
+    if constexpr (MXC) mx_patch_phase<T, MXR>(a, tile, mx_rs, m0, k0);
     else if constexpr (MXR) mx_row_phase<T>(a, tile, mx_rows);
     if constexpr (NV) {
       if (f.col) nv_col_phase<T, FO6>(a, f, tile, nv_out, nv, m0, k0);
