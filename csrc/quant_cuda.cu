@@ -140,23 +140,29 @@ enum NvMode : int {
   kNvRow2d,
 };
 
+// The fixed flags of each mode but kNvAny, in NvMode's order (col, b2d, rht, sr, row_scaled).
+constexpr NvFlags kNvModeFlags[] = {
+    {},
+    {true, false, false, false, false},
+    {true, false, true, true, false},
+    {false, false, false, true, false},
+    {true, true, false, false, false},
+    {false, true, false, false, false},
+};
+
 template <int MODE>
 __device__ __forceinline__ NvFlags nv_flags(const NvFlags& f) {
-  if constexpr (MODE == kNvCol) return NvFlags{true, false, false, false, false};
-  else if constexpr (MODE == kNvColRhtSr) return NvFlags{true, false, true, true, false};
-  else if constexpr (MODE == kNvRowSr) return NvFlags{false, false, false, true, false};
-  else if constexpr (MODE == kNvCol2d) return NvFlags{true, true, false, false, false};
-  else if constexpr (MODE == kNvRow2d) return NvFlags{false, true, false, false, false};
-  else return f;
+  if constexpr (MODE == kNvAny) return f;
+  else return kNvModeFlags[MODE];
 }
 
 // The mode whose fixed flags are f's, else kNvAny.
 inline int nv_mode(const NvFlags& f) {
-  if (f.row_scaled) return kNvAny;
-  if (f.col && !f.b2d && !f.rht && !f.sr) return kNvCol;
-  if (f.col && !f.b2d && f.rht && f.sr) return kNvColRhtSr;
-  if (!f.col && !f.b2d && !f.rht && f.sr) return kNvRowSr;
-  if (f.b2d && !f.rht && !f.sr) return f.col ? kNvCol2d : kNvRow2d;
+  for (int m = kNvAny + 1; m <= kNvRow2d; ++m) {
+    const NvFlags& g = kNvModeFlags[m];
+    if (g.col == f.col && g.b2d == f.b2d && g.rht == f.rht && g.sr == f.sr && g.row_scaled == f.row_scaled)
+      return m;
+  }
   return kNvAny;
 }
 
@@ -251,6 +257,18 @@ __device__ __forceinline__ float lanes_absmax(float bam) {
   return u2f(b);
 }
 
+// The first nb (at most sizeof(W)) of the scale bytes held in `bytes`, lowest first, to dst: one
+// word store where all are whole and dst is aligned to the word, else byte by byte.
+template <typename W>
+__device__ __forceinline__ void store_scale_bytes(uint8_t* dst, W bytes, int64_t nb) {
+  constexpr int kN = static_cast<int>(sizeof(W));
+  if (nb == kN && (reinterpret_cast<uintptr_t>(dst) & (kN - 1)) == 0) {
+    *reinterpret_cast<W*>(dst) = bytes;
+  } else {
+    for (int b = 0; b < nb; ++b) dst[b] = static_cast<uint8_t>(bytes >> (8 * b));
+  }
+}
+
 // The staged columnwise outputs of one tile to the result [R, C]: its 64 result rows from r0, 8
 // blocks of 16 from c0 in each. Codes leave two blocks a thread, as one 16-byte store where the
 // pair is whole and aligned; scale bytes a row a thread, as one 8-byte word where the row's blocks
@@ -282,11 +300,7 @@ __device__ __forceinline__ void store_staged(const TileArgs& a, const NvOut& out
       uint64_t bytes = 0u;
 #pragma unroll
       for (int b = 0; b < kBlocks; ++b) bytes |= static_cast<uint64_t>(out.s[b * kResultRows + rr]) << (8 * b);
-      if (nb == kBlocks && (reinterpret_cast<uintptr_t>(dst) & (kBlocks - 1)) == 0) {
-        *reinterpret_cast<uint64_t*>(dst) = bytes;
-      } else {
-        for (int b = 0; b < nb; ++b) dst[b] = static_cast<uint8_t>(bytes >> (8 * b));
-      }
+      store_scale_bytes(dst, bytes, nb);
     }
   }
 }
@@ -732,13 +746,7 @@ __device__ __forceinline__ void mx_patch_phase(const TileArgs& a, unsigned char*
     // K % 32 == 0 here; a tile row's 4 scale bytes as one word where they are whole and aligned.
     if (threadIdx.x < kMxRows && m0 + threadIdx.x < a.M) {
       const int64_t nb = (a.K - k0) / 32 < 4 ? (a.K - k0) / 32 : 4;
-      uint8_t* dst = a.mxr_s + (m0 + threadIdx.x) * (a.K / 32) + k0 / 32;
-      const uint32_t bytes = rs[threadIdx.x];
-      if (nb == 4 && (reinterpret_cast<uintptr_t>(dst) & 3u) == 0) {
-        *reinterpret_cast<uint32_t*>(dst) = bytes;
-      } else {
-        for (int b = 0; b < nb; ++b) dst[b] = static_cast<uint8_t>(bytes >> (8 * b));
-      }
+      store_scale_bytes(a.mxr_s + (m0 + threadIdx.x) * (a.K / 32) + k0 / 32, rs[threadIdx.x], nb);
     }
   }
 }
