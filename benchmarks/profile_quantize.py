@@ -1,6 +1,6 @@
 """One launch of each quantization kernel on a 16384x8192 bf16 input, for a profiler.
 
-    ncu --clock-control none -k regex:"tile_kernel|rows_kernel|amax" \\
+    ncu --clock-control none -k regex:"tile_kernel|rows_kernel|rows_fo6_kernel|amax" \\
         python benchmarks/profile_quantize.py
 
 Each case is an NVTX range named as in bench_quantize.py. The amaxes are computed first (their
@@ -25,6 +25,9 @@ def main() -> None:
         "nvfp4 col rht+sr": lambda: Q.nvfp4_codes(
             x, amax_rht, NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True), sr),
         "nvfp4 2d": lambda: Q.nvfp4_codes(x, amax, NVFP4Spec(block_2d=True), None),
+        "nvfp4 4o6 mae": lambda: Q.nvfp4_codes(x, amax, NVFP4Spec(fourover6="mae", e4m3_bound=256), None),
+        "nvfp4 4o6 mse 2d": lambda: Q.nvfp4_codes(
+            x, amax, NVFP4Spec(fourover6="mse", block_2d=True, e4m3_bound=256), None),
         "mxfp8 col": lambda: Q.mxfp8_both(x, "rceil", False, True),
         "mxfp8 both": lambda: Q.mxfp8_both(x, "rceil", True, True),
         "hybrid grad": lambda: torch.ops.qtensor.hybrid_quantize.default(x, amax, 0, 0, 448, False, False, None),

@@ -210,12 +210,64 @@ __device__ __forceinline__ float fo6_row_error(const float* v, uint8_t s, const 
 // the block factor nv_block_enc of each of the 256 scale bytes under it (a shared-memory table,
 // filled when one tensor scale serves every block: a look-up instead of a reciprocal per block),
 // and stochastic rounding's key and counter base, read on the device so the host never syncs.
+// 4over6 kernels add fo6_byte of each scale byte and this thread's value-table columns.
 // Flags stay in the kernel's arguments (uniform registers), not here.
 struct NvShared {
   NvScale ts;
   const float* enc_of;
   uint32_t key, base;
+  const Fo6Byte* fo6;
+  float *col6, *col4;
 };
+
+// The two 4over6 candidates of a 16x16 tile with amax bam, and how this lane's rows of it are
+// evaluated: through the value tables (filled here, once for all of the lane's rows) where bam is
+// in div6's domain and both bytes in fo6_fast_domain, else by fo6_row_error. `small` is the
+// fo6_row_tab form, chosen for the whole warp (its lanes that take the tables).
+struct Fo6Tile {
+  uint8_t s6, s4;
+  bool tab, small;
+  float enc6, enc4;
+};
+
+__device__ __forceinline__ Fo6Tile fo6_tile(float bam, const NvShared& nv) {
+  Fo6Tile t{0u, 0u, false, false, 0.f, 0.f};
+  const uint32_t bb = f2u(bam);
+  bool small = true;
+  if (bb >= 0x01000000u && bb < 0x7F800000u) {
+    fourover6_candidates_fast(bam, nv.ts, &t.s6, &t.s4);
+    const Fo6Byte b6 = nv.fo6[t.s6], b4 = nv.fo6[t.s4];
+    t.tab = b6.t.e0 != 0u && b4.t.e0 != 0u;
+    if (t.tab) {
+      fo6_fill<kThreads>(nv.col6, b6.t);
+      fo6_fill<kThreads>(nv.col4, b4.t);
+      t.enc6 = b6.enc;
+      t.enc4 = b4.enc;
+      small = bam * t.enc6 <= 6.5f && bam * t.enc4 <= 4.5f;
+    }
+  } else {
+    fourover6_candidates(bam, nv.ts, &t.s6, &t.s4);
+  }
+  t.small = warp_all(small);
+  return t;
+}
+
+// Both candidates' errors and signed codes on one 16-value row of the tile.
+template <bool MSE>
+__device__ __forceinline__ Fo6Pair fo6_tile_row(const Fo6Tile& t, const float* v, const NvShared& nv, float six_b) {
+  Fo6Pair r;
+  if (t.tab) {
+    r = t.small ? fo6_row_tab<MSE, true, kThreads>(v, t.enc6, t.enc4, nv.col6, nv.col4)
+                : fo6_row_tab<MSE, false, kThreads>(v, t.enc6, t.enc4, nv.col6, nv.col4);
+    const Codes sg = sign_nibbles(v);
+    r.c6 = Codes{r.c6.x | sg.x, r.c6.y | sg.y};
+    r.c4 = Codes{r.c4.x | sg.x, r.c4.y | sg.y};
+  } else {
+    r.e6 = fo6_row_error<MSE>(v, t.s6, nv.ts, six_b, &r.c6);
+    r.e4 = fo6_row_error<MSE>(v, t.s4, nv.ts, six_b, &r.c4);
+  }
+  return r;
+}
 
 // Scale byte (*sb) and block factor of a block with amax bam: under the CTA's tensor scale, the
 // factor from the table; under row `row`'s own amax when the tensor is row-scaled (rows past
@@ -372,24 +424,31 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
   } else {
     constexpr bool kMse = FO6 == 2;
     const float six_b = static_cast<float>(6 * a.bound);
-    if (!f.b2d) {
+    if (!f.b2d && f.row_scaled) {
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int64_t qrow = k0 + 2 * p + c;
-        const NvScale ts = f.row_scaled ? nv_scale(qrow < R ? a.amax[qrow] : 0.f, a.bound) : ts_all;
+        const NvScale ts = nv_scale(qrow < R ? a.amax[qrow] : 0.f, a.bound);
         sb[c] = fo6_block<kMse>(v[c], bam[c], ts, six_b, &codes[c]);
       }
+    } else if (!f.b2d) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+        sb[c] = fo6_block_tab<kMse, kThreads>(v[c], bam[c], ts_all, six_b, nv.fo6, nv.col6, nv.col4, &codes[c]);
     } else {  // one choice per 16x16 tile (2D excludes row scaling: one tensor scale)
       // Every lane of the warp runs the shuffles below (tiles of one warp may differ in whether
       // s6 == s4; equal candidates give equal errors, so the choice is then map-to-6 anyway).
-      uint8_t s6, s4;
-      fourover6_candidates(bam[0], ts_all, &s6, &s4);
+      const Fo6Tile t = fo6_tile(bam[0], nv);
+      const uint8_t s6 = t.s6, s4 = t.s4;
       Codes c6[2], c4[2];
       float e6[2], e4[2];
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        e6[c] = fo6_row_error<kMse>(v[c], s6, ts_all, six_b, &c6[c]);
-        e4[c] = fo6_row_error<kMse>(v[c], s4, ts_all, six_b, &c4[c]);
+        const Fo6Pair r = fo6_tile_row<kMse>(t, v[c], nv, six_b);
+        e6[c] = r.e6;
+        e4[c] = r.e4;
+        c6[c] = r.c6;
+        c4[c] = r.c4;
       }
       // The reference's tree over the tile's 16 result rows r = 2 (p % 8) + c: r + 8 is lane
       // p + 4, r + 4 is p + 2, r + 2 is p + 1 (same c), and the last step adds c = 1 to c = 0.
@@ -453,16 +512,20 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const NvFlags& f
   } else {  // 4over6 here is 2D (1D rowwise runs in quant_rows_cuda.cu)
     constexpr bool kMse = FO6 == 2;
     const float six_b = static_cast<float>(6 * a.bound);
-    uint8_t s6, s4;  // no branch on s6 == s4 before the shuffles: see nv_col_phase
-    fourover6_candidates(bam[0], ts, &s6, &s4);
+    // No branch on s6 == s4 before the shuffles: see nv_col_phase.
+    const Fo6Tile t = fo6_tile(bam[0], nv);
+    const uint8_t s6 = t.s6, s4 = t.s4;
     Codes c6[2], c4[2];
     float e6[2], e4[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       float v[16];
       load16<T>(tile, r0 + 8 * j, 16 * cb, v);
-      e6[j] = fo6_row_error<kMse>(v, s6, ts, six_b, &c6[j]);
-      e4[j] = fo6_row_error<kMse>(v, s4, ts, six_b, &c4[j]);
+      const Fo6Pair r = fo6_tile_row<kMse>(t, v, nv, six_b);
+      e6[j] = r.e6;
+      e4[j] = r.e4;
+      c6[j] = r.c6;
+      c4[j] = r.c4;
     }
     // The reference's tree over the tile's 16 rows r = l / 4 + 8 j: r + 8 is this lane's j = 1,
     // then r + 4, r + 2 and r + 1 are lanes l + 16, l + 8 and l + 4; the sum ends in lane l % 4.
@@ -791,17 +854,22 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
   __shared__ uint32_t mx_rs[MXC && MXR ? kMxRows : 1];
   __shared__ std::conditional_t<NV && MXR, MxRowOut, char> mx_rows;
   __shared__ float enc_of[NV ? 256 : 1];
+  __shared__ Fo6Byte fo6_bytes[FO6 ? 256 : 1];
+  __shared__ float fo6_cols[2][FO6 ? 8 : 1][FO6 ? kThreads : 1];
   using S = TileStage<T, NV>;
   static_assert(NV || MXC, "MXFP8 rowwise alone runs in the rows kernel");
   const T* x = static_cast<const T*>(a.x);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
-  NvShared nv{NvScale{}, enc_of, 0u, 0u};
-  const NvFlags f = nv_flags<MODE>(a.nv);
+  NvShared nv{NvScale{}, enc_of, 0u, 0u, fo6_bytes, &fo6_cols[0][0][threadIdx.x], &fo6_cols[1][0][threadIdx.x]};
+  NvFlags f = nv_flags<MODE>(a.nv);
+  if constexpr (FO6 != 0) f.rht = f.sr = false;  // 4over6 excludes both (check_nv_options)
   if constexpr (NV) {
     static_assert(kThreads == 256, "one scale byte a thread");
     if (!f.row_scaled) {
       nv.ts = nv_scale(a.amax[0], a.bound);
       enc_of[threadIdx.x] = nv_block_enc(static_cast<uint8_t>(threadIdx.x), nv.ts.s_dec);
+      if constexpr (FO6 != 0)
+        fo6_bytes[threadIdx.x] = fo6_byte(static_cast<uint8_t>(threadIdx.x), nv.ts, static_cast<float>(6 * a.bound));
     }
     if (FO6 == 0 && f.sr) {
       nv.key = mix32(static_cast<uint32_t>(a.sr_state[0]));

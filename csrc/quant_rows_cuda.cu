@@ -10,6 +10,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <array>
+
 #include "cuda_vec.cuh"
 #include "quant_math.h"
 #include "quant_rows.h"
@@ -52,7 +55,8 @@ struct Slots {
 
 // ---- NVFP4 ---------------------------------------------------------------------------------------
 
-// FO6: 0 plain, 1 4over6 MAE, 2 4over6 MSE. nblocks = M K / 16 blocks, bpr = K / 16 per row.
+// FO6: 0 plain, 1 4over6 MAE, 2 4over6 MSE (row-scaled; under one tensor scale 4over6 runs in
+// nv_rows_fo6_kernel). nblocks = M K / 16 blocks, bpr = K / 16 per row.
 template <typename T, bool ROW_SCALED, int FO6>
 __global__ void __launch_bounds__(kThreads) nv_rows_kernel(const T* x, int64_t nblocks, int64_t bpr,
                                                            bool idx32, const float* amax, int bound,
@@ -85,6 +89,40 @@ __global__ void __launch_bounds__(kThreads) nv_rows_kernel(const T* x, int64_t n
     }
     q[b] = make_uint2(codes.x, codes.y);
     s[b] = sb;
+  }
+}
+
+// 4over6 under one tensor scale: a grid-stride loop over chunks of kThreads * kSlots blocks, so
+// the CTA's table of the 256 scale bytes (fo6_byte: block factor and candidate values, three
+// divisions each) is built once for many chunks. Each thread keeps a value table per candidate in
+// its own shared-memory column (fo6_block_tab).
+template <typename T, bool MSE>
+__global__ void __launch_bounds__(kThreads) nv_rows_fo6_kernel(const T* x, int64_t nblocks, const float* amax,
+                                                               int bound, uint2* q, uint8_t* s) {
+  __shared__ Fo6Byte bytes[256];
+  __shared__ float cols[2][8][kThreads];
+  static_assert(kThreads == 256, "one scale byte a thread");
+  const float six_b = static_cast<float>(6 * bound);
+  const NvScale ts = nv_scale(amax[0], bound);
+  bytes[threadIdx.x] = fo6_byte(static_cast<uint8_t>(threadIdx.x), ts, six_b);
+  __syncthreads();
+  float* col6 = &cols[0][0][threadIdx.x];
+  float* col4 = &cols[1][0][threadIdx.x];
+  constexpr int64_t kChunk = kThreads * kSlots;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * kChunk + threadIdx.x; first < nblocks;
+       first += static_cast<int64_t>(gridDim.x) * kChunk) {
+    Slots<T> in;
+    in.load(x, first, nblocks);
+#pragma unroll
+    for (int u = 0; u < kSlots; ++u) {
+      const int64_t b = first + u * kThreads;
+      if (b >= nblocks) break;
+      float v[16];
+      in.unpack(u, v);
+      Codes codes;
+      s[b] = fo6_block_tab<MSE, kThreads>(v, u2f(in.absmax(u)), ts, six_b, bytes, col6, col4, &codes);
+      q[b] = make_uint2(codes.x, codes.y);
+    }
   }
 }
 
@@ -169,6 +207,22 @@ int sm_count() {
   return sms;
 }
 
+// The 4over6 kernel's persistent grid: at most the CTAs resident at once (read once per device),
+// so each builds its byte table once and walks its chunks.
+template <typename T, bool MSE>
+int64_t fo6_grid(int64_t chunks) {
+  static std::array<int, 64> resident{};
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  TORCH_CHECK(dev < static_cast<int>(resident.size()), "qtensor: device index ", dev, " is out of range.");
+  if (resident[dev] == 0) {
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, nv_rows_fo6_kernel<T, MSE>, kThreads, 0));
+    resident[dev] = std::max(per_sm, 1) * sm_count();
+  }
+  return std::min<int64_t>(chunks, resident[dev]);
+}
+
 template <typename T, bool ROW_SCALED>
 void launch_nv(const at::Tensor& x2, const float* amax, int64_t fourover6, int bound, uint2* q, uint8_t* s) {
   const int64_t nblocks = x2.numel() / 16, bpr = x2.size(1) / 16;
@@ -176,12 +230,18 @@ void launch_nv(const at::Tensor& x2, const float* amax, int64_t fourover6, int b
   const int64_t grid = ceil_div(nblocks, kThreads * kSlots);
   const T* x = x2.const_data_ptr<T>();
   auto stream = c10::cuda::getCurrentCUDAStream();
-  if (fourover6 == 1)
-    nv_rows_kernel<T, ROW_SCALED, 1><<<grid, kThreads, 0, stream>>>(x, nblocks, bpr, idx32, amax, bound, q, s);
-  else if (fourover6 == 2)
-    nv_rows_kernel<T, ROW_SCALED, 2><<<grid, kThreads, 0, stream>>>(x, nblocks, bpr, idx32, amax, bound, q, s);
-  else
+  if (fourover6 == 0) {
     nv_rows_kernel<T, ROW_SCALED, 0><<<grid, kThreads, 0, stream>>>(x, nblocks, bpr, idx32, amax, bound, q, s);
+  } else if constexpr (ROW_SCALED) {
+    if (fourover6 == 2)
+      nv_rows_kernel<T, true, 2><<<grid, kThreads, 0, stream>>>(x, nblocks, bpr, idx32, amax, bound, q, s);
+    else
+      nv_rows_kernel<T, true, 1><<<grid, kThreads, 0, stream>>>(x, nblocks, bpr, idx32, amax, bound, q, s);
+  } else if (fourover6 == 2) {
+    nv_rows_fo6_kernel<T, true><<<fo6_grid<T, true>(grid), kThreads, 0, stream>>>(x, nblocks, amax, bound, q, s);
+  } else {
+    nv_rows_fo6_kernel<T, false><<<fo6_grid<T, false>(grid), kThreads, 0, stream>>>(x, nblocks, amax, bound, q, s);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -279,6 +279,110 @@ QT_HD float fo6_error_fast(const float* v, float bam, float sf, const NvScale& t
                            : fo6_error_fast_at<MSE, false>(v, enc, t, codes);
 }
 
+// ---- 4over6 with value tables (the CUDA kernels' form) ----------------------------------------
+
+// r(b / 6) for b = 0 and 2**-125 <= b <= FLT_MAX: the product with r(1/6), then one fused
+// correction by the remainder b - 6q (exact there). Equal to the division on every such pattern
+// (check_lanes); below 2**-125 the remainder can round, and the callers divide.
+QT_HD float div6(float b) {
+  const float q = b * recip6();
+  return fmaf(fmaf(-q, 6.f, b), recip6(), q);
+}
+
+// fourover6_candidates for a block amax in [2**-125, FLT_MAX] (div6's domain).
+QT_HD void fourover6_candidates_fast(float b_amax, const NvScale& ts, uint8_t* s6, uint8_t* s4) {
+  const float base = div6(b_amax) * ts.s_enc;
+  *s6 = e4m3_scale_bits(clamp_max(base, 448.f));
+  *s4 = e4m3_scale_bits(clamp_max(1.5f * base, 448.f));
+}
+
+// The envelope's bits (2**23 + code) for 0 <= a <= 4.5 from the two lower grids alone: from 4 to
+// 4.5, a + 2 already rounds to 6 (4.5 is a tie, to even). Equal to e2m1_code_bits on every such
+// pattern (check_lanes). The map-to-4 candidate of a block with a normal scale byte keeps its
+// products below 4 (1 + 2**-4) and takes this form.
+QT_HD uint32_t e2m1_envelope_low(float a) {
+  const uint32_t c1 = f2u(fmaf(a, 2.f, 0x1p23f));
+  const uint32_t c2 = f2u(fmaf(a, 1.f, 0x1p23f + 2.f));
+  return c1 < c2 ? c1 : c2;
+}
+
+// Envelope bits of a product a >= 0 (not NaN): SMALL (a <= 6.5, or 4.5 with LOW) without the cap,
+// else capped at code 7 as e2m1_code_fma.
+template <bool SMALL, bool LOW>
+QT_HD uint32_t e2m1_code_bits_fma(float a) {
+  if constexpr (SMALL && LOW) return e2m1_envelope_low(a);
+  const uint32_t m = e2m1_envelope(a);
+  if constexpr (SMALL) return m;
+  return m < 0x4B000007u ? m : 0x4B000007u;
+}
+
+// A thread's value table of one 4over6 candidate: entry c (at col[c * STRIDE]) is |value| of code
+// c, fo6_value(c, t). Kept in shared memory, one column per thread (a warp's lanes in distinct
+// banks), so that each element looks its value up in one load instead of selecting it.
+template <int STRIDE>
+QT_HD void fo6_fill(float* col, const Fo6Values& t) {
+#pragma unroll
+  for (uint32_t c = 0; c < 8u; ++c) col[c * STRIDE] = fo6_value(c, t);
+}
+
+// Entry c of a table, addressed by the envelope bits m = 2**23 + c: (m - 2**23 bits) * STRIDE.
+template <int STRIDE>
+QT_HD float fo6_lookup(const float* col, uint32_t m) {
+  return col[static_cast<uint32_t>(m - 0x4B000000u) * STRIDE];
+}
+
+struct Fo6Pair {  // both candidates of one 16-value row: errors and codes (no sign bits)
+  float e6, e4;
+  Codes c6, c4;
+};
+
+// Both candidates' errors and codes on one row of a block, from their block factors and value
+// tables: fo6_error_fast_at for each, with the value looked up. SMALL: r(bam * enc6) <= 6.5 and
+// r(bam * enc4) <= 4.5, so every product is too (rounding is monotone) and the codes skip their
+// cap and, for map-to-4, the top grid; else both take the capped code.
+template <bool MSE, bool SMALL, int STRIDE>
+QT_HD Fo6Pair fo6_row_tab(const float* v, float enc6, float enc4, const float* col6, const float* col4) {
+  Fo6Pair r{0.f, 0.f, {0u, 0u}, {0u, 0u}};
+  unsigned w6[2] = {0u, 0u}, w4[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float a = fabsf(v[i]);
+    const uint32_t m6 = e2m1_code_bits_fma<SMALL, false>(a * enc6);
+    const uint32_t m4 = e2m1_code_bits_fma<SMALL, true>(a * enc4);
+    w6[i >> 3] += (m6 - 0x4B000000u) << (4 * (i & 7));
+    w4[i >> 3] += (m4 - 0x4B000000u) << (4 * (i & 7));
+    const float d6 = fo6_lookup<STRIDE>(col6, m6) - a, d4 = fo6_lookup<STRIDE>(col4, m4) - a;
+    r.e6 = r.e6 + (MSE ? d6 * d6 : fabsf(d6));
+    r.e4 = r.e4 + (MSE ? d4 * d4 : fabsf(d4));
+  }
+  r.c6 = Codes{w6[0], w6[1]};
+  r.c4 = Codes{w4[0], w4[1]};
+  return r;
+}
+
+// What the 4over6 kernels keep per scale byte under one tensor scale: the block factor and the
+// candidate values; e0 == 0 marks a byte outside fo6_fast_domain (its blocks go the general way).
+struct alignas(16) Fo6Byte {
+  float enc;
+  Fo6Values t;
+};
+
+QT_HD Fo6Byte fo6_byte(uint8_t s, const NvScale& ts, float six_b) {
+  const float sf = e4m3_scale_value(s);
+  if (!fo6_fast_domain(ts.amax, sf)) return Fo6Byte{nv_block_enc(s, ts.s_dec), Fo6Values{0u, 0u}};
+  return Fo6Byte{nv_block_enc(s, ts.s_dec), fo6_values(sf, ts.amax, six_b)};
+}
+
+// True on every lane of the warp that takes part (on the host: the lane's own value). The
+// choice it feeds is between two exact forms, so a partial warp only costs time.
+QT_HD bool warp_all(bool p) {
+#if defined(__CUDA_ARCH__)
+  return __all_sync(__activemask(), p);
+#else
+  return p;
+#endif
+}
+
 // One 4over6 block: both candidates, map-to-4 where its error is strictly lower (ties and NaN
 // errors keep map-to-6). Equal candidate bytes give equal errors, so the map-to-6 codes directly.
 template <bool MSE>
@@ -305,6 +409,37 @@ QT_HD uint8_t fo6_block(const float* v, float bam, const NvScale& ts, float six_
   const bool map4 = e4 < e6;
   *codes = map4 ? c4 : c6;
   return map4 ? s4 : s6;
+}
+
+// fo6_block through the tables: candidates by div6, the block factors and values of their bytes
+// from `bytes` (fo6_byte of all 256 under ts), both candidates' errors by fo6_row_tab with this
+// thread's table columns col6 and col4. Blocks outside those domains (an amax below 2**-125,
+// inf or NaN; a byte outside fo6_fast_domain) take fo6_block.
+template <bool MSE, int STRIDE>
+QT_HD uint8_t fo6_block_tab(const float* v, float bam, const NvScale& ts, float six_b, const Fo6Byte* bytes,
+                            float* col6, float* col4, Codes* codes) {
+  const uint32_t bb = f2u(bam);
+  if (bb >= 0x01000000u && bb < 0x7F800000u) {
+    uint8_t s6, s4;
+    fourover6_candidates_fast(bam, ts, &s6, &s4);
+    const Fo6Byte b6 = bytes[s6], b4 = bytes[s4];
+    if (s6 == s4) {
+      *codes = nv_codes(v, bam, b6.enc);
+      return s6;
+    }
+    if (b6.t.e0 != 0u && b4.t.e0 != 0u) {
+      fo6_fill<STRIDE>(col6, b6.t);
+      fo6_fill<STRIDE>(col4, b4.t);
+      const bool small = bam * b6.enc <= 6.5f && bam * b4.enc <= 4.5f;
+      const Fo6Pair r = warp_all(small) ? fo6_row_tab<MSE, true, STRIDE>(v, b6.enc, b4.enc, col6, col4)
+                                        : fo6_row_tab<MSE, false, STRIDE>(v, b6.enc, b4.enc, col6, col4);
+      const bool map4 = r.e4 < r.e6;
+      const Codes c = map4 ? r.c4 : r.c6, sg = sign_nibbles(v);
+      *codes = Codes{c.x | sg.x, c.y | sg.y};
+      return map4 ? s4 : s6;
+    }
+  }
+  return fo6_block<MSE>(v, bam, ts, six_b, codes);
 }
 
 }  // namespace qtensor

@@ -332,6 +332,22 @@ def test_tile_kernel_many_tiles(device, dtype):
         assert_bytes_equal(cs1, col.scale, f"mx col alone scale {rule}")
 
 
+@pytest.mark.parametrize("device", DEVICES[1:])
+@pytest.mark.parametrize("spec", [NVFP4Spec(fourover6="mae"), NVFP4Spec(fourover6="mse", e4m3_bound=256)], ids=str)
+def test_fourover6_rows_persistent_grid(device, spec):
+    # The rowwise 4over6 kernel is a persistent grid whose CTAs each build one table of the 256
+    # scale bytes and walk many chunks of 512 blocks: 4.7M elements are more chunks than an H200
+    # holds CTAs. Both candidates must win often, or the comparison proves little.
+    x = spread_input((2304, 2048), torch.bfloat16, 31)
+    x[:, 1024:] = torch.randn(2304, 1024, generator=torch.Generator().manual_seed(32)).bfloat16()
+    x = x.to(device)
+    check_nvfp4(x, spec)
+    chosen = nvfp4.quantize(x, spec).scale.float()
+    six = nvfp4.quantize(x, NVFP4Spec(e4m3_bound=spec.e4m3_bound)).scale.float()
+    map4 = (chosen != six).float().mean().item()
+    assert 0.05 < map4 < 0.95, f"map-to-4 blocks: {map4:.3f} of all"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_hybrid_cast_many_tiles(device):
     x = spread_input((1056, 800), torch.bfloat16, 23).to(device)

@@ -14,7 +14,11 @@
 //   nibble == e2m1_encode_sr on every non-negative pattern swept below 16 with all 256 random
 //   bytes (from 16 up, where every code is 7, with r8 = 0 and 255);
 //   mx_inv_exponent (the MXFP8 patch phase's multiplier exponent) == mx_inv_scale on the scale
-//   code of every amax pattern swept, under both rules.
+//   code of every amax pattern swept, under both rules;
+//   the 4over6 forms of the CUDA kernels (quant_rows_math.h): e2m1_envelope_low == e2m1_code_bits
+//   on every such pattern up to 4.5, div6 == the division by 6 on every pattern of its domain,
+//   and fo6_block_tab == fo6_block (scale byte and codes) on random bf16 blocks under tensor
+//   amaxes inside and outside the fast domain, both bounds, MAE and MSE.
 //
 //   check_lanes full     every one of the 2**32 fp32 patterns (a minute or two on one core)
 //   check_lanes sample   bits 12..31 in full with bits 0..11 in {0, 1, 0x800, 0xFFF}: every
@@ -221,6 +225,87 @@ bool check_mx_exponent(bool full) {
   return ok;
 }
 
+// div6 against the division on every non-negative pattern swept in its domain (0 and
+// 2**-125 .. FLT_MAX).
+bool check_div6(bool full) {
+  const bool ok = sweep(full, [&](uint32_t u, bool consecutive) {
+    uint32_t p[8];
+    patterns(u, consecutive, p);
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t b = p[i] & 0x7FFFFFFFu;
+      if (b >= 0x7F800000u || (b != 0u && b < 0x01000000u)) continue;
+      const float want = u2f(b) / 6.f, got = div6(u2f(b));
+      if (f2u(want) != f2u(got)) {
+        std::printf("div6: pattern 0x%08" PRIx32 ": reference 0x%08" PRIx32 ", got 0x%08" PRIx32 "\n", b,
+                    f2u(want), f2u(got));
+        return false;
+      }
+    }
+    return true;
+  });
+  std::printf("%-24s %s\n", "div6", ok ? "equal" : "DIFFERENT");
+  return ok;
+}
+
+uint32_t xorshift(uint32_t& x) {
+  x ^= x << 13;
+  x ^= x >> 17;
+  x ^= x << 5;
+  return x;
+}
+
+// fo6_block_tab (the CUDA kernels' 4over6 block, value tables and div6) against fo6_block on
+// random bf16 blocks: tensor amaxes inside and outside fo6_fast_domain, both bounds, MAE and
+// MSE; block amaxes from the tensor amax down past 2**-125 (and zero), with the elements spread
+// below the block amax so that codes 0..7 all occur.
+bool check_fo6_tab() {
+  const float amaxes[] = {1.f, 2688.f, 3.7e-3f, 6.02e4f, 0x1p-40f, 1e30f, 0x1p-61f, 0x1p70f};
+  Fo6Byte bytes[256];
+  float col6[8], col4[8];
+  uint32_t rng = 0x2545F491u;
+  for (float amax : amaxes) {
+    for (int bound = 256; bound <= 448; bound += 192) {
+      const NvScale ts = nv_scale(amax, bound);
+      const float six_b = static_cast<float>(6 * bound);
+      for (int s = 0; s < 256; ++s) bytes[s] = fo6_byte(static_cast<uint8_t>(s), ts, six_b);
+      for (int n = 0; n < 8192; ++n) {
+        float v[16];
+        // The block amax: amax * 2**-k (k < 48, bf16-rounded), sometimes amax itself or zero.
+        const uint32_t k = xorshift(rng) % 64u;
+        float top = k == 0u ? amax : amax * u2f(static_cast<uint32_t>(127 - static_cast<int>(k) * 3 / 4) << 23);
+        top = u2f(f2u(top) & 0xFFFF0000u);
+        if (k == 63u) top = 0.f;
+        float bam = 0.f;
+        for (int i = 0; i < 16; ++i) {
+          const uint32_t r = xorshift(rng);
+          // a random fraction of top, bf16: uniform mantissa, a power of two down to 2**-6
+          const float frac = (1.f + static_cast<float>(r & 0x7Fu) / 128.f) * u2f((126u - ((r >> 7) % 7u)) << 23);
+          float x = u2f(f2u(top * frac) & 0xFFFF0000u);
+          if (i == static_cast<int>((r >> 12) & 15u)) x = top;
+          if (r & 0x80000000u) x = -x;
+          v[i] = x;
+          bam = u2f(umax(f2u(bam), f2u(x) & 0x7FFFFFFFu));
+        }
+        for (int mse = 0; mse < 2; ++mse) {
+          Codes want, got;
+          const uint8_t sw = mse ? fo6_block<true>(v, bam, ts, six_b, &want) : fo6_block<false>(v, bam, ts, six_b, &want);
+          const uint8_t sg = mse ? fo6_block_tab<true, 1>(v, bam, ts, six_b, bytes, col6, col4, &got)
+                                 : fo6_block_tab<false, 1>(v, bam, ts, six_b, bytes, col6, col4, &got);
+          if (sw != sg || want.x != got.x || want.y != got.y) {
+            std::printf("fo6_block_tab: amax %a, bound %d, %s, block amax %a: reference byte 0x%02x codes "
+                        "%08" PRIx32 "%08" PRIx32 ", got 0x%02x %08" PRIx32 "%08" PRIx32 "\n",
+                        amax, bound, mse ? "MSE" : "MAE", bam, sw, want.y, want.x, sg, got.y, got.x);
+            std::printf("%-24s %s\n", "fo6_block_tab", "DIFFERENT");
+            return false;
+          }
+        }
+      }
+    }
+  }
+  std::printf("%-24s %s\n", "fo6_block_tab", "equal");
+  return true;
+}
+
 uint32_t e4m3_ref(float v) { return e4m3_bits(v); }
 uint32_t e2m1_ref(float v) { return e2m1_encode(v); }
 
@@ -268,5 +353,10 @@ int main(int argc, char** argv) {
   ok = hash && ok;
   ok = check_sr_code(full) && ok;
   ok = check_mx_exponent(full) && ok;
+  ok = check_code("e2m1_envelope_low", full, [](uint32_t b) {
+    return b <= 0x40900000u ? e2m1_envelope_low(u2f(b)) - 0x4B000000u : e2m1_code_bits(b);  // a <= 4.5
+  }) && ok;
+  ok = check_div6(full) && ok;
+  ok = check_fo6_tab() && ok;
   return ok && values ? 0 : 1;
 }
