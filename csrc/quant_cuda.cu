@@ -252,14 +252,16 @@ __device__ __forceinline__ Fo6Tile fo6_tile(float bam, const NvShared& nv) {
   return t;
 }
 
-// Both candidates' errors and signed codes on one 16-value row of the tile.
+// Both candidates' errors and signed codes on one 16-value row of the tile (words16: the row's
+// packed 16-bit words, for the sign nibbles, or nullptr).
 template <bool MSE>
-__device__ __forceinline__ Fo6Pair fo6_tile_row(const Fo6Tile& t, const float* v, const NvShared& nv, float six_b) {
+__device__ __forceinline__ Fo6Pair fo6_tile_row(const Fo6Tile& t, const float* v, const NvShared& nv, float six_b,
+                                                const uint32_t* words16 = nullptr) {
   Fo6Pair r;
   if (t.tab) {
     r = t.small ? fo6_row_tab<MSE, true, kThreads>(v, t.enc6, t.enc4, nv.col6, nv.col4)
                 : fo6_row_tab<MSE, false, kThreads>(v, t.enc6, t.enc4, nv.col6, nv.col4);
-    const Codes sg = sign_nibbles(v);
+    const Codes sg = words16 ? sign_nibbles_packed(words16) : sign_nibbles(v);
     r.c6 = Codes{r.c6.x | sg.x, r.c6.y | sg.y};
     r.c4 = Codes{r.c4.x | sg.x, r.c4.y | sg.y};
   } else {
@@ -519,9 +521,14 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const NvFlags& f
     float e6[2], e4[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
+      constexpr int kN = Vec<T>::kN;
+      uint4 raw[16 / kN];
       float v[16];
-      load16<T>(tile, r0 + 8 * j, 16 * cb, v);
-      const Fo6Pair r = fo6_tile_row<kMse>(t, v, nv, six_b);
+      load16_raw<T>(tile, r0 + 8 * j, 16 * cb, raw);
+#pragma unroll
+      for (int i = 0; i < 16 / kN; ++i) Vec<T>::unpack(raw[i], v + i * kN);
+      const uint32_t* words16 = sizeof(T) == 2 ? reinterpret_cast<const uint32_t*>(raw) : nullptr;
+      const Fo6Pair r = fo6_tile_row<kMse>(t, v, nv, six_b, words16);
       e6[j] = r.e6;
       e4[j] = r.e4;
       c6[j] = r.c6;
@@ -868,8 +875,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
     if (!f.row_scaled) {
       nv.ts = nv_scale(a.amax[0], a.bound);
       enc_of[threadIdx.x] = nv_block_enc(static_cast<uint8_t>(threadIdx.x), nv.ts.s_dec);
-      if constexpr (FO6 != 0)
+      if constexpr (FO6 != 0) {
         fo6_bytes[threadIdx.x] = fo6_byte(static_cast<uint8_t>(threadIdx.x), nv.ts, static_cast<float>(6 * a.bound));
+        fo6_zero(nv.col6);
+        fo6_zero(nv.col4);
+      }
     }
     if (FO6 == 0 && f.sr) {
       nv.key = mix32(static_cast<uint32_t>(a.sr_state[0]));

@@ -108,6 +108,8 @@ __global__ void __launch_bounds__(kThreads) nv_rows_fo6_kernel(const T* x, int64
   __syncthreads();
   float* col6 = &cols[0][0][threadIdx.x];
   float* col4 = &cols[1][0][threadIdx.x];
+  fo6_zero(col6);
+  fo6_zero(col4);
   constexpr int64_t kChunk = kThreads * kSlots;
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * kChunk + threadIdx.x; first < nblocks;
        first += static_cast<int64_t>(gridDim.x) * kChunk) {
@@ -120,7 +122,9 @@ __global__ void __launch_bounds__(kThreads) nv_rows_fo6_kernel(const T* x, int64
       float v[16];
       in.unpack(u, v);
       Codes codes;
-      s[b] = fo6_block_tab<MSE, kThreads>(v, u2f(in.absmax(u)), ts, six_b, bytes, col6, col4, &codes);
+      const uint32_t* words = nullptr;  // bf16: the packed words, for the sign nibbles
+      if constexpr (std::is_same_v<T, at::BFloat16>) words = reinterpret_cast<const uint32_t*>(in.raw[u]);
+      s[b] = fo6_block_tab<MSE, kThreads>(v, u2f(in.absmax(u)), ts, six_b, bytes, col6, col4, &codes, words);
       q[b] = make_uint2(codes.x, codes.y);
     }
   }

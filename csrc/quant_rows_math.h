@@ -122,6 +122,42 @@ QT_HD Codes sign_nibbles(const float* v) {
   return Codes{w[0], w[1]};
 }
 
+// prmt.b32 in its default mode: byte i of the result is byte (n & 7) of the pair (b:a), n the
+// i-th selector nibble, or that byte's sign bit copied to all 8 bits when n & 8.
+QT_HD uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+#if defined(__CUDA_ARCH__)
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+#else
+  const uint64_t x = (static_cast<uint64_t>(b) << 32) | a;
+  uint32_t d = 0u;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t n = (sel >> (4 * i)) & 0xFu;
+    uint32_t byte = static_cast<uint32_t>(x >> (8 * (n & 7u))) & 0xFFu;
+    if (n & 8u) byte = (byte & 0x80u) ? 0xFFu : 0u;
+    d |= byte << (8 * i);
+  }
+  return d;
+#endif
+}
+
+// sign_nibbles of 16 bf16 or fp16 elements from their packed words (element 2k in the low half of
+// w[k]):
+// element 2k's sign is the top bit of byte 1 of w[k], element 2k + 1's of byte 3. For each code
+// word, two permutes spread those bytes' signs into byte masks (elements 0, 2, 1, 3 and 4, 6, 5,
+// 7), two more gather the even and the odd elements, and bit 3 / bit 7 of each byte is kept:
+// 4 permutes and 2 masks a word instead of two shifts and a merge per element pair.
+QT_HD Codes sign_nibbles_packed(const uint32_t* w) {
+  uint32_t out[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t lo = prmt(w[4 * h], w[4 * h + 1], 0xFBD9u), hi = prmt(w[4 * h + 2], w[4 * h + 3], 0xFBD9u);
+    out[h] = (prmt(lo, hi, 0x5410u) & 0x08080808u) | (prmt(lo, hi, 0x7632u) & 0x80808080u);
+  }
+  return Codes{out[0], out[1]};
+}
+
 // Codes of one block at the block factor enc, as e2m1_encode(v * enc). Where no product can be
 // NaN (no NaN input, 0 < enc <= FLT_MAX), |v * enc| = |v| * enc and its sign is v's, so the
 // NaN-free code (equal to e2m1_code_bits on every non-NaN pattern, checked exhaustively) and v's
@@ -318,11 +354,15 @@ QT_HD uint32_t e2m1_code_bits_fma(float a) {
 
 // A thread's value table of one 4over6 candidate: entry c (at col[c * STRIDE]) is |value| of code
 // c, fo6_value(c, t). Kept in shared memory, one column per thread (a warp's lanes in distinct
-// banks), so that each element looks its value up in one load instead of selecting it.
+// banks), so that each element looks its value up in one load instead of selecting it. Entry 0
+// is 0 for every candidate: the owner writes it once (fo6_zero), each fill writes codes 1..7.
+QT_HD void fo6_zero(float* col) {
+  col[0] = 0.f;
+}
 template <int STRIDE>
 QT_HD void fo6_fill(float* col, const Fo6Values& t) {
 #pragma unroll
-  for (uint32_t c = 0; c < 8u; ++c) col[c * STRIDE] = fo6_value(c, t);
+  for (uint32_t c = 1; c < 8u; ++c) col[c * STRIDE] = fo6_value(c, t);
 }
 
 // Entry c of a table, addressed by the envelope bits m = 2**23 + c: (m - 2**23 bits) * STRIDE.
@@ -413,11 +453,12 @@ QT_HD uint8_t fo6_block(const float* v, float bam, const NvScale& ts, float six_
 
 // fo6_block through the tables: candidates by div6, the block factors and values of their bytes
 // from `bytes` (fo6_byte of all 256 under ts), both candidates' errors by fo6_row_tab with this
-// thread's table columns col6 and col4. Blocks outside those domains (an amax below 2**-125,
+// thread's table columns col6 and col4; for 16-bit input, words16 (the block's packed words)
+// give the sign nibbles in fewer steps. Blocks outside those domains (an amax below 2**-125,
 // inf or NaN; a byte outside fo6_fast_domain) take fo6_block.
 template <bool MSE, int STRIDE>
 QT_HD uint8_t fo6_block_tab(const float* v, float bam, const NvScale& ts, float six_b, const Fo6Byte* bytes,
-                            float* col6, float* col4, Codes* codes) {
+                            float* col6, float* col4, Codes* codes, const uint32_t* words16 = nullptr) {
   const uint32_t bb = f2u(bam);
   if (bb >= 0x01000000u && bb < 0x7F800000u) {
     uint8_t s6, s4;
@@ -434,7 +475,7 @@ QT_HD uint8_t fo6_block_tab(const float* v, float bam, const NvScale& ts, float 
       const Fo6Pair r = warp_all(small) ? fo6_row_tab<MSE, true, STRIDE>(v, b6.enc, b4.enc, col6, col4)
                                         : fo6_row_tab<MSE, false, STRIDE>(v, b6.enc, b4.enc, col6, col4);
       const bool map4 = r.e4 < r.e6;
-      const Codes c = map4 ? r.c4 : r.c6, sg = sign_nibbles(v);
+      const Codes c = map4 ? r.c4 : r.c6, sg = words16 ? sign_nibbles_packed(words16) : sign_nibbles(v);
       *codes = Codes{c.x | sg.x, c.y | sg.y};
       return map4 ? s4 : s6;
     }

@@ -17,6 +17,7 @@
 //   code of every amax pattern swept, under both rules;
 //   the 4over6 forms of the CUDA kernels (quant_rows_math.h): e2m1_envelope_low == e2m1_code_bits
 //   on every such pattern up to 4.5, div6 == the division by 6 on every pattern of its domain,
+//   sign_nibbles_packed == sign_nibbles on random bf16 blocks and every sign pattern of one,
 //   and fo6_block_tab == fo6_block (scale byte and codes) on random bf16 blocks under tensor
 //   amaxes inside and outside the fast domain, both bounds, MAE and MSE.
 //
@@ -254,6 +255,34 @@ uint32_t xorshift(uint32_t& x) {
   return x;
 }
 
+// sign_nibbles_packed (with its host form of prmt) against sign_nibbles of the unpacked bf16
+// values on 2**16 random blocks and every one of the 2**16 sign patterns of one block.
+bool check_sign_nibbles() {
+  uint32_t rng = 0x9E3779B9u;
+  for (uint32_t n = 0; n < (1u << 17); ++n) {
+    uint32_t w[8];
+    float v[16];
+    for (int k = 0; k < 8; ++k) {
+      w[k] = xorshift(rng);
+      if (n >= (1u << 16)) {  // the sign patterns: element i's sign from bit i of n
+        w[k] &= 0x7FFF7FFFu;
+        w[k] |= ((n >> (2 * k)) & 1u) << 15 | ((n >> (2 * k + 1)) & 1u) << 31;
+      }
+      v[2 * k] = u2f(w[k] << 16);
+      v[2 * k + 1] = u2f(w[k] & 0xFFFF0000u);
+    }
+    const Codes want = sign_nibbles(v), got = sign_nibbles_packed(w);
+    if (want.x != got.x || want.y != got.y) {
+      std::printf("sign_nibbles_packed: word 0 0x%08" PRIx32 ": reference %08" PRIx32 "%08" PRIx32
+                  ", got %08" PRIx32 "%08" PRIx32 "\n", w[0], want.y, want.x, got.y, got.x);
+      std::printf("%-24s %s\n", "sign_nibbles_packed", "DIFFERENT");
+      return false;
+    }
+  }
+  std::printf("%-24s %s\n", "sign_nibbles_packed", "equal");
+  return true;
+}
+
 // fo6_block_tab (the CUDA kernels' 4over6 block, value tables and div6) against fo6_block on
 // random bf16 blocks: tensor amaxes inside and outside fo6_fast_domain, both bounds, MAE and
 // MSE; block amaxes from the tensor amax down past 2**-125 (and zero), with the elements spread
@@ -262,6 +291,8 @@ bool check_fo6_tab() {
   const float amaxes[] = {1.f, 2688.f, 3.7e-3f, 6.02e4f, 0x1p-40f, 1e30f, 0x1p-61f, 0x1p70f};
   Fo6Byte bytes[256];
   float col6[8], col4[8];
+  fo6_zero(col6);
+  fo6_zero(col4);
   uint32_t rng = 0x2545F491u;
   for (float amax : amaxes) {
     for (int bound = 256; bound <= 448; bound += 192) {
@@ -286,11 +317,14 @@ bool check_fo6_tab() {
           v[i] = x;
           bam = u2f(umax(f2u(bam), f2u(x) & 0x7FFFFFFFu));
         }
+        uint32_t words[8];  // the packed bf16 words, for the signs on every other block
+        for (int k = 0; k < 8; ++k) words[k] = (f2u(v[2 * k]) >> 16) | (f2u(v[2 * k + 1]) & 0xFFFF0000u);
+        const uint32_t* w16 = (n & 1) ? words : nullptr;
         for (int mse = 0; mse < 2; ++mse) {
           Codes want, got;
           const uint8_t sw = mse ? fo6_block<true>(v, bam, ts, six_b, &want) : fo6_block<false>(v, bam, ts, six_b, &want);
-          const uint8_t sg = mse ? fo6_block_tab<true, 1>(v, bam, ts, six_b, bytes, col6, col4, &got)
-                                 : fo6_block_tab<false, 1>(v, bam, ts, six_b, bytes, col6, col4, &got);
+          const uint8_t sg = mse ? fo6_block_tab<true, 1>(v, bam, ts, six_b, bytes, col6, col4, &got, w16)
+                                 : fo6_block_tab<false, 1>(v, bam, ts, six_b, bytes, col6, col4, &got, w16);
           if (sw != sg || want.x != got.x || want.y != got.y) {
             std::printf("fo6_block_tab: amax %a, bound %d, %s, block amax %a: reference byte 0x%02x codes "
                         "%08" PRIx32 "%08" PRIx32 ", got 0x%02x %08" PRIx32 "%08" PRIx32 "\n",
@@ -357,6 +391,7 @@ int main(int argc, char** argv) {
     return b <= 0x40900000u ? e2m1_envelope_low(u2f(b)) - 0x4B000000u : e2m1_code_bits(b);  // a <= 4.5
   }) && ok;
   ok = check_div6(full) && ok;
+  ok = check_sign_nibbles() && ok;
   ok = check_fo6_tab() && ok;
   return ok && values ? 0 : 1;
 }
