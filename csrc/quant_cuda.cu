@@ -617,11 +617,7 @@ __device__ __forceinline__ void mx_row_store(const TileArgs& a, const MxRowOut& 
     const int r = threadIdx.x;
     const int64_t nb = (a.K - k0) / 32 < 2 ? (a.K - k0) / 32 : 2;
     uint8_t* dst = a.mxr_s + (m0 + r) * (a.K / 32) + k0 / 32;
-    if (nb == 2 && (reinterpret_cast<uintptr_t>(dst) & 1u) == 0) {
-      *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(out.s[r][0] | (out.s[r][1] << 8));
-    } else {
-      for (int b = 0; b < nb; ++b) dst[b] = out.s[r][b];
-    }
+    store_scale_bytes(dst, static_cast<uint16_t>(out.s[r][0] | (out.s[r][1] << 8)), nb);
   }
 }
 
