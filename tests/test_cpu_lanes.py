@@ -3,7 +3,7 @@ kernels) against the scalar functions of csrc/quant_math.h, bit for bit, through
 program csrc/tools/check_lanes.cpp built with the extension's compiler flags, at both codegens
 of the CPU kernels' clones (baseline x86-64 and AVX2). CI runs its `sample` sweep (every
 rounding boundary with every sticky state, 4M patterns per function, and the stochastic code
-with all 256 random bytes); `check_lanes full` runs all 2**32 fp32 patterns (docs/kernels.md)."""
+with all 256 random bytes; the 4over6 forms of the CUDA kernels on random blocks); `check_lanes full` runs all 2**32 fp32 patterns (docs/kernels.md)."""
 
 import ast
 import os
@@ -55,7 +55,8 @@ def test_lanes_equal_scalar_math(tmp_path, codegen):
         "e4m3_lanes": "equal", "e4m3_lanes (no NaN)": "equal", "e2m1_lanes": "equal",
         "e4m3_value_lanes": "equal", "e4m3_scale_value": "equal", "e2m1_code_nonan": "equal",
         "e2m1_code_fma": "equal", "e2m1_code_fma_small": "equal", "sr_tail_bits": "equal",
-        "e2m1_code_sr_fast": "equal", "mx_inv_exponent": "equal"}
+        "e2m1_code_sr_fast": "equal", "mx_inv_exponent": "equal", "e2m1_envelope_low": "equal",
+        "div6": "equal", "sign_nibbles_packed": "equal", "fo6_block_tab": "equal"}
 
 
 def test_a_wrong_tie_rule_is_caught(tmp_path):
