@@ -142,12 +142,11 @@ QT_HD uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 #endif
 }
 
-// sign_nibbles of 16 bf16 or fp16 elements from their packed words (element 2k in the low half of
-// w[k]):
-// element 2k's sign is the top bit of byte 1 of w[k], element 2k + 1's of byte 3. For each code
-// word, two permutes spread those bytes' signs into byte masks (elements 0, 2, 1, 3 and 4, 6, 5,
-// 7), two more gather the even and the odd elements, and bit 3 / bit 7 of each byte is kept:
-// 4 permutes and 2 masks a word instead of two shifts and a merge per element pair.
+// sign_nibbles of 16 bf16 or fp16 elements from their packed words, element 2k in the low half
+// of w[k]: element 2k's sign is the top bit of byte 1 of w[k], element 2k + 1's of byte 3. For
+// each code word, two permutes spread those bytes' signs into byte masks (elements 0, 2, 1, 3
+// and 4, 6, 5, 7), two more gather the even and the odd elements, and bit 3 / bit 7 of each byte
+// is kept: 4 permutes and 2 masks a word instead of two shifts and a merge per element pair.
 QT_HD Codes sign_nibbles_packed(const uint32_t* w) {
   uint32_t out[2];
 #pragma unroll
