@@ -190,22 +190,6 @@ struct NvOut {
 
 // ---- NVFP4 blocks ----------------------------------------------------------------------------------
 
-// The 4over6 error of candidate byte s on one row of a block, summed element 0..15 as the
-// reference does, with its codes: the exponent-shift form where it is proven equal (a finite row,
-// fo6_fast_domain), else the general one.
-template <bool MSE>
-__device__ __forceinline__ float fo6_row_error(const float* v, uint8_t s, const NvScale& ts,
-                                               float six_b, Codes* codes) {
-  const float sf = e4m3_scale_value(s), bam = absmax16(v);
-  if (f2u(bam) < 0x7F800000u && fo6_fast_domain(ts.amax, sf)) {
-    const float e = fo6_error_fast<MSE>(v, bam, sf, ts, six_b, codes);
-    const Codes sg = sign_nibbles(v);
-    *codes = Codes{codes->x | sg.x, codes->y | sg.y};
-    return e;
-  }
-  return fo6_error_general<MSE>(v, s, ts, six_b, codes);
-}
-
 // What the NVFP4 blocks of one CTA share, set up once before its first tile: the tensor scale,
 // the block factor nv_block_enc of each of the 256 scale bytes under it (a shared-memory table,
 // filled when one tensor scale serves every block: a look-up instead of a reciprocal per block),
@@ -219,57 +203,6 @@ struct NvShared {
   const Fo6Byte* fo6;
   float *col6, *col4;
 };
-
-// The two 4over6 candidates of a 16x16 tile with amax bam, and how this lane's rows of it are
-// evaluated: through the value tables (filled here, once for all of the lane's rows) where bam is
-// in div6's domain and both bytes in fo6_fast_domain, else by fo6_row_error. `small` is the
-// fo6_row_tab form, chosen for the whole warp (its lanes that take the tables).
-struct Fo6Tile {
-  uint8_t s6, s4;
-  bool tab, small;
-  float enc6, enc4;
-};
-
-__device__ __forceinline__ Fo6Tile fo6_tile(float bam, const NvShared& nv) {
-  Fo6Tile t{0u, 0u, false, false, 0.f, 0.f};
-  const uint32_t bb = f2u(bam);
-  bool small = true;
-  if (bb >= 0x01000000u && bb < 0x7F800000u) {
-    fourover6_candidates_fast(bam, nv.ts, &t.s6, &t.s4);
-    const Fo6Byte b6 = nv.fo6[t.s6], b4 = nv.fo6[t.s4];
-    t.tab = b6.t.e0 != 0u && b4.t.e0 != 0u;
-    if (t.tab) {
-      fo6_fill<kThreads>(nv.col6, b6.t);
-      fo6_fill<kThreads>(nv.col4, b4.t);
-      t.enc6 = b6.enc;
-      t.enc4 = b4.enc;
-      small = bam * t.enc6 <= 6.5f && bam * t.enc4 <= 4.5f;
-    }
-  } else {
-    fourover6_candidates(bam, nv.ts, &t.s6, &t.s4);
-  }
-  t.small = warp_all(small);
-  return t;
-}
-
-// Both candidates' errors and signed codes on one 16-value row of the tile (words16: the row's
-// packed 16-bit words, for the sign nibbles, or nullptr).
-template <bool MSE>
-__device__ __forceinline__ Fo6Pair fo6_tile_row(const Fo6Tile& t, const float* v, const NvShared& nv, float six_b,
-                                                const uint32_t* words16 = nullptr) {
-  Fo6Pair r;
-  if (t.tab) {
-    r = t.small ? fo6_row_tab<MSE, true, kThreads>(v, t.enc6, t.enc4, nv.col6, nv.col4)
-                : fo6_row_tab<MSE, false, kThreads>(v, t.enc6, t.enc4, nv.col6, nv.col4);
-    const Codes sg = words16 ? sign_nibbles_packed(words16) : sign_nibbles(v);
-    r.c6 = Codes{r.c6.x | sg.x, r.c6.y | sg.y};
-    r.c4 = Codes{r.c4.x | sg.x, r.c4.y | sg.y};
-  } else {
-    r.e6 = fo6_row_error<MSE>(v, t.s6, nv.ts, six_b, &r.c6);
-    r.e4 = fo6_row_error<MSE>(v, t.s4, nv.ts, six_b, &r.c4);
-  }
-  return r;
-}
 
 // Scale byte (*sb) and block factor of a block with amax bam: under the CTA's tensor scale, the
 // factor from the table; under row `row`'s own amax when the tensor is row-scaled (rows past
@@ -440,13 +373,13 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
     } else {  // one choice per 16x16 tile (2D excludes row scaling: one tensor scale)
       // Every lane of the warp runs the shuffles below (tiles of one warp may differ in whether
       // s6 == s4; equal candidates give equal errors, so the choice is then map-to-6 anyway).
-      const Fo6Tile t = fo6_tile(bam[0], nv);
+      const Fo6Cand t = fo6_prepare<kThreads>(bam[0], ts_all, nv.fo6, nv.col6, nv.col4);
       const uint8_t s6 = t.s6, s4 = t.s4;
       Codes c6[2], c4[2];
       float e6[2], e4[2];
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        const Fo6Pair r = fo6_tile_row<kMse>(t, v[c], nv, six_b);
+        const Fo6Pair r = fo6_pair<kMse, kThreads>(t, v[c], ts_all, six_b, nv.col6, nv.col4);
         e6[c] = r.e6;
         e4[c] = r.e4;
         c6[c] = r.c6;
@@ -515,7 +448,7 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const NvFlags& f
     constexpr bool kMse = FO6 == 2;
     const float six_b = static_cast<float>(6 * a.bound);
     // No branch on s6 == s4 before the shuffles: see nv_col_phase.
-    const Fo6Tile t = fo6_tile(bam[0], nv);
+    const Fo6Cand t = fo6_prepare<kThreads>(bam[0], ts, nv.fo6, nv.col6, nv.col4);
     const uint8_t s6 = t.s6, s4 = t.s4;
     Codes c6[2], c4[2];
     float e6[2], e4[2];
@@ -528,7 +461,7 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const NvFlags& f
 #pragma unroll
       for (int i = 0; i < 16 / kN; ++i) Vec<T>::unpack(raw[i], v + i * kN);
       const uint32_t* words16 = sizeof(T) == 2 ? reinterpret_cast<const uint32_t*>(raw) : nullptr;
-      const Fo6Pair r = fo6_tile_row<kMse>(t, v, nv, six_b, words16);
+      const Fo6Pair r = fo6_pair<kMse, kThreads>(t, v, ts, six_b, nv.col6, nv.col4, words16);
       e6[j] = r.e6;
       e4[j] = r.e4;
       c6[j] = r.c6;

@@ -450,36 +450,89 @@ QT_HD uint8_t fo6_block(const float* v, float bam, const NvScale& ts, float six_
   return map4 ? s4 : s6;
 }
 
-// fo6_block through the tables: candidates by div6, the block factors and values of their bytes
-// from `bytes` (fo6_byte of all 256 under ts), both candidates' errors by fo6_row_tab with this
-// thread's table columns col6 and col4; for 16-bit input, words16 (the block's packed words)
-// give the sign nibbles in fewer steps. Blocks outside those domains (an amax below 2**-125,
-// inf or NaN; a byte outside fo6_fast_domain) take fo6_block.
+// The 4over6 error of candidate byte s on one row of a block, summed element 0..15 as the
+// reference does, with its codes: the exponent-shift form where it is proven equal (a finite row,
+// fo6_fast_domain), else the general one.
+template <bool MSE>
+QT_HD float fo6_row_error(const float* v, uint8_t s, const NvScale& ts, float six_b, Codes* codes) {
+  const float sf = e4m3_scale_value(s), bam = absmax16(v);
+  if (f2u(bam) < 0x7F800000u && fo6_fast_domain(ts.amax, sf)) {
+    const float e = fo6_error_fast<MSE>(v, bam, sf, ts, six_b, codes);
+    const Codes sg = sign_nibbles(v);
+    *codes = Codes{codes->x | sg.x, codes->y | sg.y};
+    return e;
+  }
+  return fo6_error_general<MSE>(v, s, ts, six_b, codes);
+}
+
+// The two 4over6 candidates of a block (or of a 16x16 tile, whose rows share them) with amax bam,
+// and how its rows are evaluated: through the value tables where bam is in div6's domain and both
+// bytes are in fo6_fast_domain (`tab`: the block factors and values come from `bytes`, fo6_byte
+// of all 256 under ts, and this thread's columns col6 / col4 are filled here, once for all its
+// rows), else by fo6_row_error. `small` is fo6_row_tab's form, chosen for the whole warp (its
+// lanes that take the tables).
+struct Fo6Cand {
+  uint8_t s6, s4;
+  bool tab, small;
+  float enc6, enc4;
+};
+
+template <int STRIDE>
+QT_HD Fo6Cand fo6_prepare(float bam, const NvScale& ts, const Fo6Byte* bytes, float* col6, float* col4) {
+  Fo6Cand c{0u, 0u, false, false, 0.f, 0.f};
+  bool small = true;
+  const uint32_t bb = f2u(bam);
+  if (bb >= 0x01000000u && bb < 0x7F800000u) {
+    fourover6_candidates_fast(bam, ts, &c.s6, &c.s4);
+    const Fo6Byte b6 = bytes[c.s6], b4 = bytes[c.s4];
+    c.tab = b6.t.e0 != 0u && b4.t.e0 != 0u;
+    if (c.tab) {
+      fo6_fill<STRIDE>(col6, b6.t);
+      fo6_fill<STRIDE>(col4, b4.t);
+      c.enc6 = b6.enc;
+      c.enc4 = b4.enc;
+      small = bam * c.enc6 <= 6.5f && bam * c.enc4 <= 4.5f;
+    }
+  } else {
+    fourover6_candidates(bam, ts, &c.s6, &c.s4);
+  }
+  c.small = warp_all(small);
+  return c;
+}
+
+// Both candidates' errors and signed codes on one 16-value row (words16: the row's packed 16-bit
+// words, for the sign nibbles, or nullptr).
+template <bool MSE, int STRIDE>
+QT_HD Fo6Pair fo6_pair(const Fo6Cand& c, const float* v, const NvScale& ts, float six_b, const float* col6,
+                       const float* col4, const uint32_t* words16 = nullptr) {
+  Fo6Pair r;
+  if (c.tab) {
+    r = c.small ? fo6_row_tab<MSE, true, STRIDE>(v, c.enc6, c.enc4, col6, col4)
+                : fo6_row_tab<MSE, false, STRIDE>(v, c.enc6, c.enc4, col6, col4);
+    const Codes sg = words16 ? sign_nibbles_packed(words16) : sign_nibbles(v);
+    r.c6 = Codes{r.c6.x | sg.x, r.c6.y | sg.y};
+    r.c4 = Codes{r.c4.x | sg.x, r.c4.y | sg.y};
+  } else {
+    r.e6 = fo6_row_error<MSE>(v, c.s6, ts, six_b, &r.c6);
+    r.e4 = fo6_row_error<MSE>(v, c.s4, ts, six_b, &r.c4);
+  }
+  return r;
+}
+
+// fo6_block's bytes through fo6_prepare and fo6_pair: equal candidates take the plain codes,
+// otherwise map-to-4 wins where its error is strictly lower.
 template <bool MSE, int STRIDE>
 QT_HD uint8_t fo6_block_tab(const float* v, float bam, const NvScale& ts, float six_b, const Fo6Byte* bytes,
                             float* col6, float* col4, Codes* codes, const uint32_t* words16 = nullptr) {
-  const uint32_t bb = f2u(bam);
-  if (bb >= 0x01000000u && bb < 0x7F800000u) {
-    uint8_t s6, s4;
-    fourover6_candidates_fast(bam, ts, &s6, &s4);
-    const Fo6Byte b6 = bytes[s6], b4 = bytes[s4];
-    if (s6 == s4) {
-      *codes = nv_codes(v, bam, b6.enc);
-      return s6;
-    }
-    if (b6.t.e0 != 0u && b4.t.e0 != 0u) {
-      fo6_fill<STRIDE>(col6, b6.t);
-      fo6_fill<STRIDE>(col4, b4.t);
-      const bool small = bam * b6.enc <= 6.5f && bam * b4.enc <= 4.5f;
-      const Fo6Pair r = warp_all(small) ? fo6_row_tab<MSE, true, STRIDE>(v, b6.enc, b4.enc, col6, col4)
-                                        : fo6_row_tab<MSE, false, STRIDE>(v, b6.enc, b4.enc, col6, col4);
-      const bool map4 = r.e4 < r.e6;
-      const Codes c = map4 ? r.c4 : r.c6, sg = words16 ? sign_nibbles_packed(words16) : sign_nibbles(v);
-      *codes = Codes{c.x | sg.x, c.y | sg.y};
-      return map4 ? s4 : s6;
-    }
+  const Fo6Cand c = fo6_prepare<STRIDE>(bam, ts, bytes, col6, col4);
+  if (c.s6 == c.s4) {
+    *codes = nv_codes(v, bam, bytes[c.s6].enc);
+    return c.s6;
   }
-  return fo6_block<MSE>(v, bam, ts, six_b, codes);
+  const Fo6Pair r = fo6_pair<MSE, STRIDE>(c, v, ts, six_b, col6, col4, words16);
+  const bool map4 = r.e4 < r.e6;
+  *codes = map4 ? r.c4 : r.c6;
+  return map4 ? c.s4 : c.s6;
 }
 
 }  // namespace qtensor

@@ -60,6 +60,18 @@ void patterns(uint32_t u, bool consecutive, uint32_t* p) {
   for (uint32_t i = 0; i < 8; ++i) p[i] = consecutive ? u + i : u | kLows[i & 3];
 }
 
+// Each swept pattern with its sign bit cleared, to check(magnitude bits) -> ok.
+template <typename Check>
+bool sweep_magnitudes(bool full, Check&& check) {
+  return sweep(full, [&](uint32_t u, bool consecutive) {
+    uint32_t p[8];
+    patterns(u, consecutive, p);
+    for (int i = 0; i < 8; ++i)
+      if (!check(p[i] & 0x7FFFFFFFu)) return false;
+    return true;
+  });
+}
+
 template <typename Ref, typename Lane>
 bool agree(const char* name, const uint32_t* p, Ref ref, Lane lane, bool skip_nan) {
   float f[8];
@@ -133,19 +145,11 @@ bool run(const char* name, bool full, uint32_t (*ref)(float), Lane lane, bool sk
 // A fast E2M1 code on the magnitude of each pattern (NaN magnitudes are outside its domain).
 template <typename Code>
 bool check_code(const char* name, bool full, Code code) {
-  const bool ok = sweep(full, [&](uint32_t u, bool consecutive) {
-    uint32_t p[8];
-    patterns(u, consecutive, p);
-    for (int i = 0; i < 8; ++i) {
-      const uint32_t b = p[i] & 0x7FFFFFFFu;
-      if (b > 0x7F800000u) continue;
-      if (code(b) != e2m1_code_bits(b)) {
-        std::printf("%s: pattern 0x%08" PRIx32 ": reference %" PRIu32 ", got %" PRIu32 "\n", name, b,
-                    e2m1_code_bits(b), code(b));
-        return false;
-      }
-    }
-    return true;
+  const bool ok = sweep_magnitudes(full, [&](uint32_t b) {
+    if (b > 0x7F800000u || code(b) == e2m1_code_bits(b)) return true;
+    std::printf("%s: pattern 0x%08" PRIx32 ": reference %" PRIu32 ", got %" PRIu32 "\n", name, b,
+                e2m1_code_bits(b), code(b));
+    return false;
   });
   std::printf("%-24s %s\n", name, ok ? "equal" : "DIFFERENT");
   return ok;
@@ -204,20 +208,15 @@ bool check_sr_code(bool full) {
 // magnitudes, inf and NaN included), under both rules: a finite amax's code is at most 247 and
 // its exponent byte gives mx_inv_scale exactly; a NaN or inf amax gives code 255 and byte 255.
 bool check_mx_exponent(bool full) {
-  const bool ok = sweep(full, [&](uint32_t u, bool consecutive) {
-    uint32_t p[8];
-    patterns(u, consecutive, p);
-    for (int i = 0; i < 8; ++i) {
-      const uint32_t b = p[i] & 0x7FFFFFFFu;
-      for (int rule = 0; rule < 2; ++rule) {
-        const uint32_t code = mx_scale_code(u2f(b), rule), e = mx_inv_exponent(code);
-        const bool good = b < 0x7F800000u ? code <= 247u && u2f(e << 23) == mx_inv_scale(code)
-                                          : code == 255u && e == 255u;
-        if (!good) {
-          std::printf("mx_inv_exponent: amax 0x%08" PRIx32 ", rule %d: code %" PRIu32 ", byte %" PRIu32 "\n",
-                      b, rule, code, e);
-          return false;
-        }
+  const bool ok = sweep_magnitudes(full, [&](uint32_t b) {
+    for (int rule = 0; rule < 2; ++rule) {
+      const uint32_t code = mx_scale_code(u2f(b), rule), e = mx_inv_exponent(code);
+      const bool good = b < 0x7F800000u ? code <= 247u && u2f(e << 23) == mx_inv_scale(code)
+                                        : code == 255u && e == 255u;
+      if (!good) {
+        std::printf("mx_inv_exponent: amax 0x%08" PRIx32 ", rule %d: code %" PRIu32 ", byte %" PRIu32 "\n",
+                    b, rule, code, e);
+        return false;
       }
     }
     return true;
@@ -229,20 +228,13 @@ bool check_mx_exponent(bool full) {
 // div6 against the division on every non-negative pattern swept in its domain (0 and
 // 2**-125 .. FLT_MAX).
 bool check_div6(bool full) {
-  const bool ok = sweep(full, [&](uint32_t u, bool consecutive) {
-    uint32_t p[8];
-    patterns(u, consecutive, p);
-    for (int i = 0; i < 8; ++i) {
-      const uint32_t b = p[i] & 0x7FFFFFFFu;
-      if (b >= 0x7F800000u || (b != 0u && b < 0x01000000u)) continue;
-      const float want = u2f(b) / 6.f, got = div6(u2f(b));
-      if (f2u(want) != f2u(got)) {
-        std::printf("div6: pattern 0x%08" PRIx32 ": reference 0x%08" PRIx32 ", got 0x%08" PRIx32 "\n", b,
-                    f2u(want), f2u(got));
-        return false;
-      }
-    }
-    return true;
+  const bool ok = sweep_magnitudes(full, [&](uint32_t b) {
+    if (b >= 0x7F800000u || (b != 0u && b < 0x01000000u)) return true;  // outside the domain
+    const float want = u2f(b) / 6.f, got = div6(u2f(b));
+    if (f2u(want) == f2u(got)) return true;
+    std::printf("div6: pattern 0x%08" PRIx32 ": reference 0x%08" PRIx32 ", got 0x%08" PRIx32 "\n", b,
+                f2u(want), f2u(got));
+    return false;
   });
   std::printf("%-24s %s\n", "div6", ok ? "equal" : "DIFFERENT");
   return ok;
