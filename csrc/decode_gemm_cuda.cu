@@ -554,18 +554,39 @@ __global__ void __launch_bounds__(kThreads, MT == 8 ? 3 : 1)
       }
   }
   cluster.sync();
-  // Rank r reduces the elements e = r (mod splits), summing the ranks' partials in rank order.
-  constexpr int kElems = kTiles * kTileRows * TOK;
-  for (int e = rank + splits * static_cast<int>(threadIdx.x); e < kElems; e += splits * kThreads) {
-    const int row = blockIdx.x * kTiles * kTileRows + e / TOK, tok = e % TOK;
-    float v = *cluster.map_shared_rank(part + e, 0);
-    for (int q = 1; q < splits; ++q) v += *cluster.map_shared_rank(part + e, q);
-    if (row < a.N && tok < a.M) {
-      v = v * a.ep_scale;
-      if (a.has_inv) v = v * a.inv;
-      if (a.amax) v = v * a.amax[row * a.amax_stride];
-      if (a.bias) v = v + load_float(a.bias, a.bias_dtype, row);
-      store_float(a.out, a.out_dtype, static_cast<int64_t>(tok) * a.N + row, v);
+  // Rank r reduces the groups of 4 elements (one row, 4 tokens) e = r (mod splits): a thread
+  // loads the group from every rank first, 16 bytes each and all in flight, then sums the ranks'
+  // partials in rank order.
+  constexpr int kGroups = kTiles * kTileRows * TOK / 4;
+  const float4* part4 = reinterpret_cast<const float4*>(part);
+  for (int e = rank + splits * static_cast<int>(threadIdx.x); e < kGroups; e += splits * kThreads) {
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int q0 = 0; q0 < splits; q0 += 4) {  // four ranks at a time
+      float4 p[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (q0 + i < splits) p[i] = *cluster.map_shared_rank(part4 + e, q0 + i);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (q0 + i < splits) {
+          v[0] = q0 + i == 0 ? p[i].x : v[0] + p[i].x;
+          v[1] = q0 + i == 0 ? p[i].y : v[1] + p[i].y;
+          v[2] = q0 + i == 0 ? p[i].z : v[2] + p[i].z;
+          v[3] = q0 + i == 0 ? p[i].w : v[3] + p[i].w;
+        }
+    }
+    const int row = blockIdx.x * kTiles * kTileRows + 4 * e / TOK, tok0 = 4 * e % TOK;
+    if (row >= a.N) continue;
+    const float amax = a.amax ? a.amax[row * a.amax_stride] : 1.f;
+    const float bias = a.bias ? load_float(a.bias, a.bias_dtype, row) : 0.f;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      if (tok0 + c >= a.M) break;
+      float o = v[c] * a.ep_scale;
+      if (a.has_inv) o = o * a.inv;
+      if (a.amax) o = o * amax;
+      if (a.bias) o = o + bias;
+      store_float(a.out, a.out_dtype, static_cast<int64_t>(tok0 + c) * a.N + row, o);
     }
   }
   cluster.sync();  // no CTA leaves while another still reads its shared memory
