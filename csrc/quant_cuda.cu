@@ -230,7 +230,8 @@ __device__ __forceinline__ Codes nv_block_codes(const NvShared& nv, bool sr, con
     return nv_codes_sr(v, enc, nv.key, base);
   unsigned w[2] = {0u, 0u};
 #pragma unroll
-  for (int i = 0; i < 16; ++i) w[i >> 3] |= e2m1_encode_sr(v[i] * enc, sr_bits(nv.key, base + i)) << (4 * (i & 7));
+  for (int i = 0; i < 16; ++i)
+    w[i >> 3] |= e2m1_encode_sr_biased(v[i] * enc, sr_bits(nv.key, base + i)) << (4 * (i & 7));
   return Codes{w[0], w[1]};
 }
 

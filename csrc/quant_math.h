@@ -146,10 +146,11 @@ QT_HD uint32_t e2m1_encode(float v) {
 
 // ---- stochastic rounding ---------------------------------------------------------------------
 
-// The 8 random bits of element `index` (row-major index in the quantized matrix) are
-// mix32((offset + index) mod 2**32 XOR mix32(seed mod 2**32)) >> 24; qtensor/formats/nvfp4.py
-// sr_bits computes the same in torch. The multipliers are below 2**31 so the torch version's
-// int64 products stay exact.
+// The 8 random bits of element `index` (row-major index in the quantized matrix): with the counter
+// c = (offset + index) mod 2**32, one 32-bit hash h = mix32((c >> 2) XOR mix32(seed mod 2**32))
+// serves four consecutive counters, and c's low two bits pick its byte, (h >> 8 (c & 3)) & 0xFF.
+// qtensor/formats/nvfp4.py sr_bits computes the same in torch. The multipliers are below 2**31 so
+// the torch version's int64 products stay exact.
 QT_HD uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
@@ -159,21 +160,24 @@ QT_HD uint32_t mix32(uint32_t x) {
   return x;
 }
 
-QT_HD uint32_t sr_bits(uint32_t key, uint32_t counter) { return mix32(counter ^ key) >> 24; }
+QT_HD uint32_t sr_bits(uint32_t key, uint32_t counter) {
+  return (mix32((counter >> 2) ^ key) >> (8u * (counter & 3u))) & 0xFFu;
+}
 
 QT_HD float sr_step(float a) { return a < 2.f ? 0.5f : (a < 4.f ? 1.f : 2.f); }
 
-// t = |v| + u step(|v|); q = min(floor(t / step(t)) step(t), 6), sign kept; NaN gives code 7.
-// u = r8 / 256 is built from its bits (1 + r8 2**-8, minus 1: exact), and u step is exact, so t
-// is the reference's one rounding. The code of q comes from t without dividing: below 1 it is
-// t >= 0.5; from 1 up, floor(t / step(t)) step(t) keeps t's exponent and its first mantissa bit,
-// so the code is (bits(t) >> 22) - 252 (1 -> 2, 1.5 -> 3, ... 6 -> 7), saturating at 7 (q = 6).
+// u = r8 / 256. q is the grid point g at or below |v|, or the next one up, g + step(|v|), when
+// |v| - g >= (1 - u) step(|v|): the floor onto the grid of t = |v| + u step(|v|) taken exactly,
+// capped at 6. Sign kept; NaN gives code 7. |v| / step is exact (a multiply by a power of two),
+// so is g, and |v| - g is exact (g <= |v| < g + step, g >= |v| / 2 once g > 0); (1 - u) step is
+// exact. An infinite |v| gives a NaN difference, no step up, and the cap.
 QT_HD uint32_t e2m1_encode_sr(float v, uint32_t r8) {
   const float a = abs_f(v);
-  const float u = u2f(0x3F800000u | (r8 << 15)) - 1.f;
-  const float t = a + u * sr_step(a);
-  const uint32_t hi = (f2u(t) >> 22) - 252u;
-  const uint32_t code = t < 1.f ? (t >= 0.5f ? 1u : 0u) : (hi < 7u ? hi : 7u);
+  const float s = sr_step(a), inv_s = a < 2.f ? 2.f : (a < 4.f ? 1.f : 0.5f);
+  const float g = floorf(a * inv_s) * s;
+  const bool up = a - g >= static_cast<float>(256u - r8) * (1.f / 256.f) * s;
+  const float q = up ? g + s : g;
+  const uint32_t code = e2m1_code_abs(q < 6.f ? q : 6.f);
   if (is_nan(v)) return 7u;
   return code | (sign_bit(v) << 3);
 }

@@ -186,80 +186,77 @@ QT_HD Codes nv_codes(const float* v, float bam, float enc) {
 // ---- stochastic rounding in fewer instructions ------------------------------------------------
 
 // The counter hash of a block's 16 elements at once. Their counters are c0 + i with c0 a multiple
-// of 16, so c0 + i = c0 | i, and y = (c0 + i) ^ key differs between them only in bits 0..3: the
-// first step of mix32, y ^ (y >> 16), is then z ^ i with z = sr_block_key(key, c0).
+// of 16, so their four hash inputs are k0 + g = k0 | g (k0 = c0 >> 2, a multiple of 4, g < 4),
+// and y = (k0 | g) ^ key differs between them only in bits 0..1: the first step of mix32,
+// y ^ (y >> 16), is then z ^ g with z = sr_block_key(key, c0).
 QT_HD uint32_t sr_block_key(uint32_t key, uint32_t c0) {
-  const uint32_t y = c0 ^ key;
+  const uint32_t y = (c0 >> 2) ^ key;
   return y ^ (y >> 16);
 }
 
-// The rest of mix32 on x = z ^ i, returning the 8 random bits at bits 15..22 (r8 << 15, where the
-// stochastic code wants them). mix32's last step, x ^= x >> 16, leaves the top 8 bits alone, so it
-// is dropped. sr_tail_bits(sr_block_key(key, c0) ^ i) == sr_bits(key, c0 + i) << 15 (checked by
+// The rest of mix32 on x = z ^ g: the hash whose bytes are the random bits of elements 4g..4g+3.
+// sr_group_hash(sr_block_key(key, c0) ^ g) >> 8j & 0xFF == sr_bits(key, c0 + 4g + j) (checked by
 // check_lanes).
-QT_HD uint32_t sr_tail_bits(uint32_t x) {
+QT_HD uint32_t sr_group_hash(uint32_t x) {
   x *= 0x7FEB352Du;
   x ^= x >> 15;
   x *= 0x1B873593u;
-  return (x >> 9) & 0x7F8000u;
+  return x ^ (x >> 16);
 }
 
-// min(floor(2t), floor(t + 2), floor(t / 2 + 4), 7) for t >= 0: the E2M1 code of t rounded down
-// to the grid (7 for a NaN t). The three maps index the grid of each binade (step 0.5 below 2, 1
-// in [2, 4), 2 from 4) and the code is their lower envelope, as in e2m1_code_fma. On the GPU each
-// floor is one fused multiply-add rounded down onto 2**23 + o, exact below 2**22; on the host (the
-// check) the same floors in fp64, where t * {2, 1, 0.5} + {0, 2, 4} cannot round across an
-// integer.
-QT_HD uint32_t e2m1_floor_code(float t) {
+// e2m1_encode_sr's code of a = |v| >= 0 (not NaN) plus 252, capped at 259 (code 7), from a's bits.
+// With c = max(a, (a + 1) / 2 rounded down), bits(c) + (r8 << 14) >> 22 is that code:
+// - From a = 1 up, c = a, and the mantissa bits below bit 22 are a's place in its grid step
+//   (the step is the binade's first mantissa bit: 0.5 in [1, 2), 1 in [2, 4), 2 from 4).
+//   r8 << 14 adds exactly u step, and the integer add carries into bit 22 (or into the exponent)
+//   exactly when a - g >= (1 - u) step. The bits above 21 are then the code plus 252:
+//   1 -> 254, 1.5 -> 255, ... 6 -> 259; 8 and up, and inf, land above 259 and take the cap.
+// - Below 1 the step is 0.5 and c = (a + 1) / 2 in [0.5, 1), whose bits above 21 are 252 plus
+//   [c >= 0.75]: there r8 << 14 adds u / 4, so they count how far a + u / 2 reaches past 0.5 and
+//   past 1, which is the code (0, 1 or 2). Rounding c down moves it by less than its last bit,
+//   2**-24, and the thresholds 0.75 - u / 4 and 1 - u / 4 are multiples of 2**-10: no crossing
+//   changes. For a below 1, (a + 1) / 2 > a, and from 1 up it is at most a: the max picks the
+//   right form (at a = 1 - 2**-24 both are a).
+// On the GPU the half is one fused multiply-add rounded down; on the host (the check) it is
+// rounded down from fp64, where (a + 1) / 2 is exact.
+QT_HD uint32_t e2m1_code_sr_biased(float a, uint32_t r8) {
 #if defined(__CUDA_ARCH__)
-  const uint32_t c1 = f2u(__fmaf_rd(t, 2.f, 0x1p23f));
-  const uint32_t c2 = f2u(__fadd_rd(t, 0x1p23f + 2.f));
-  const uint32_t c3 = f2u(__fmaf_rd(t, 0.5f, 0x1p23f + 4.f));
-  uint32_t m = c1 < c2 ? c1 : c2;
-  m = m < c3 ? m : c3;
-  m = m < 0x4B000007u ? m : 0x4B000007u;
-  return m - 0x4B000000u;
+  const float c = fmaxf(a, __fmaf_rd(a, 0.5f, 0.5f));
 #else
-  const double d = static_cast<double>(t);
-  double m = std::floor(2.0 * d);
-  m = std::fmin(m, std::floor(d + 2.0));
-  m = std::fmin(m, std::floor(0.5 * d + 4.0));
-  return static_cast<uint32_t>(std::fmin(m, 7.0));
+  const double h = 0.5 * (static_cast<double>(a) + 1.0);
+  float hf = static_cast<float>(h);
+  if (static_cast<double>(hf) > h) hf = std::nextafter(hf, 0.f);
+  const float c = a > hf ? a : hf;
 #endif
+  const uint32_t q = (f2u(c) + (r8 << 14)) >> 22;
+  return q < 259u ? q : 259u;
 }
 
-// e2m1_encode_sr's code without its sign, for a = |v| >= 0, not NaN, with rb = r8 << 15.
-// t = a + u step(a) is formed as a + (2 step(a) (1 + u) - 2 step(a)) / 2: 2 step(a) (1, 2 or 4)
-// is a's binade, at least 1; its bits with rb or-ed in are 2 step(a) (1 + r8 / 256), the
-// difference is exact (Sterbenz) and so is its half, so t gets the reference's one rounding.
-// From a = 8 up the binade is not capped at 4: t >= a >= 8 gives code 7 whatever is added, and an
-// infinite a gives a NaN t, whose floors are NaN, which the caps of e2m1_floor_code also turn
-// into 7 (on the GPU their bits exceed every bound; on the host fmin drops them).
-QT_HD uint32_t e2m1_code_sr_fast(float a, uint32_t rb) {
-  uint32_t s2 = f2u(a) & 0x7F800000u;
-  s2 = s2 < 0x3F800000u ? 0x3F800000u : s2;
-  const float d = u2f(s2 | rb) - u2f(s2);
-#if defined(__CUDA_ARCH__)
-  const float t = fmaf(0.5f, d, a);  // the product is exact: one rounding, as a + 0.5 d
-#else
-  const float t = a + 0.5f * d;
-#endif
-  return e2m1_floor_code(t);
+// e2m1_encode_sr(p, r8) through e2m1_code_sr_biased: NaN gives code 7, else the code and p's sign.
+QT_HD uint32_t e2m1_encode_sr_biased(float p, uint32_t r8) {
+  if (is_nan(p)) return 7u;
+  return (e2m1_code_sr_biased(abs_f(p), r8) - 252u) | (sign_bit(p) << 3);
 }
 
 // Stochastic-rounding codes of one block, e2m1_encode_sr(v[i] * enc, sr_bits(key, c0 + i)), where
 // no product can be NaN (no NaN input, 0 < enc) and c0 % 16 == 0: the product's sign is v's, so
-// the sign nibbles come from v and each code is added onto them, as in nv_codes.
+// the sign nibbles come from v and each code is added onto them, as in nv_codes. The codes are
+// added with their bias of 252, and the biases' sum, 252 * 0x11111111 modulo 2**32, is taken off
+// each word once.
 QT_HD Codes nv_codes_sr(const float* v, float enc, uint32_t key, uint32_t c0) {
   Codes w = sign_nibbles(v);
   const uint32_t z = sr_block_key(key, c0);
+  uint32_t words[2] = {w.x - 252u * 0x11111111u, w.y - 252u * 0x11111111u};
 #pragma unroll
-  for (uint32_t i = 0; i < 8; ++i)
-    w.x += e2m1_code_sr_fast(fabsf(v[i]) * enc, sr_tail_bits(z ^ i)) << (4 * i);
+  for (uint32_t g = 0; g < 4; ++g) {
+    const uint32_t h = sr_group_hash(z ^ g);
 #pragma unroll
-  for (uint32_t i = 0; i < 8; ++i)
-    w.y += e2m1_code_sr_fast(fabsf(v[i + 8]) * enc, sr_tail_bits(z ^ (i + 8))) << (4 * i);
-  return w;
+    for (uint32_t j = 0; j < 4; ++j) {
+      const uint32_t i = 4 * g + j;
+      words[i >> 3] += e2m1_code_sr_biased(fabsf(v[i]) * enc, (h >> (8 * j)) & 0xFFu) << (4 * (i & 7));
+    }
+  }
+  return Codes{words[0], words[1]};
 }
 
 // 4over6 error of candidate scale s and its codes, the general way (any amax, any scale): the

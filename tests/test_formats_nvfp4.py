@@ -3,6 +3,8 @@ rounding, the random Hadamard transform, and torchao's NVFP4 quantizer as a seco
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from conftest import (
 )
 from qtensor import NVFP4Tensor, quantized_mm
 from qtensor.formats import nvfp4
-from qtensor.formats.nvfp4 import NVFP4Spec
+from qtensor.formats.nvfp4 import NVFP4Spec, SRSeed
 from qtensor.formats.rht import RHT_SIGNS, apply_rht, rht_matrix
 
 # With A = 6 * 448 = 2688 the encode scale S_enc is exactly 1, and a block whose amax is 6 gets
@@ -272,6 +274,75 @@ def test_stochastic_rounding_seeds(via):
         for _ in range(2)
     )
     assert torch.equal(t1.qdata, t2.qdata) and torch.equal(as_bytes(t1.scale), as_bytes(t2.scale))
+
+
+_U32 = 2**32 - 1
+_GRID = [Fraction(0), Fraction(1, 2), Fraction(1), Fraction(3, 2), Fraction(2), Fraction(3),
+         Fraction(4), Fraction(6)]
+
+
+def _mix32_int(x: int) -> int:
+    # mix32 of docs/kernels.md on Python ints, written from the contract, not from the module.
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _U32
+    x ^= x >> 15
+    x = (x * 0x1B873593) & _U32
+    return x ^ (x >> 16)
+
+
+def test_stochastic_rounding_bits_follow_the_counter_contract():
+    """Byte c & 3 of mix32((c >> 2) ^ mix32(seed)), c = (offset + i) mod 2**32, with the wrap."""
+    for seed, offset in ((12345, 2**32 - 6), (-3, 5), (2**40 + 7, 0)):
+        bits = nvfp4.sr_bits(torch.Size([3, 7]), SRSeed(seed, offset), "cpu").flatten().tolist()
+        key = _mix32_int(seed & _U32)
+        for i, got in enumerate(bits):
+            c = (offset + i) & _U32
+            assert got == (_mix32_int((c >> 2) ^ key) >> (8 * (c & 3))) & 0xFF, (seed, offset, i)
+
+
+def _exact_sr_value(v: float, r8: int) -> float:
+    """The grid point at or below |v| + (r8 / 256) step(|v|), in exact rational arithmetic."""
+    if v in (float("inf"), float("-inf")):
+        return 6.0 if v > 0 else -6.0
+    a = abs(Fraction(v))
+    step = Fraction(1, 2) if a < 2 else (Fraction(1) if a < 4 else Fraction(2))
+    t = a + Fraction(r8, 256) * step
+    q = max(g for g in _GRID if g <= t)
+    return float(-q if v < 0 else q)  # -0.0 == 0.0: a zero's sign is not compared here
+
+
+def test_stochastic_rounding_is_the_exact_floor_of_t():
+    """round_codes against exact rationals, on each element's own random byte: values just below
+    and at each element's threshold, the cases where t rounded to fp32 would reach the next grid
+    point (|v| + u/2 within half an fp32 ulp below 0.5 or 1), and values across the binades."""
+    n = 4096
+    sr = SRSeed(21, 0)
+    r8 = nvfp4.sr_bits(torch.Size([n]), sr, "cpu")
+    u = r8.double() / 256
+    gen = torch.Generator().manual_seed(3)
+    base = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0], dtype=torch.float64)
+    step = torch.tensor([0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0], dtype=torch.float64)
+    pick = torch.randint(0, 7, (n,), generator=gen)
+    at = (base[pick] + (1 - u) * step[pick]).float()  # exactly at the threshold: steps up
+    cases = [
+        at,
+        torch.nextafter(at, torch.zeros_like(at)),  # just below: stays
+        (0.5 - u / 2 - 2.0**-27).float(),  # exact t = 0.5 - 2**-27: fp32 would round t to 0.5
+        (1 - u / 2 - 2.0**-26).float(),
+        torch.randn(n, generator=gen) * 3,
+        torch.rand(n, generator=gen) * 2.0**-8,
+        torch.full((n,), float("inf")),
+    ]
+    for v in cases:
+        v = torch.where(torch.arange(n) % 2 == 0, v, -v)
+        codes = nvfp4.round_codes(v, sr, stochastic=True)
+        got = e2m1_values(codes.reshape(1, n)).flatten().tolist()
+        for i in range(0, n, 7):  # a sample: Fractions are slow
+            want = _exact_sr_value(v[i].item(), int(r8[i]))
+            assert got[i] == want, (v[i].item(), int(r8[i]), got[i], want)
+    # the fp32-rounding case is not vacuous: with u = 255/256 the value 2**-9 - 2**-27 stays at 0
+    v = torch.tensor([2.0**-9 - 2.0**-27], dtype=torch.float32)
+    assert float(v.item() + 255 / 512) == 0.5 - 2.0**-27 and float(v[0] + 255 / 512) == 0.5
 
 
 def test_stochastic_rounding_keeps_the_deterministic_scales():

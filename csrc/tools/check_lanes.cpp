@@ -8,11 +8,12 @@
 //   (its FMA form, the code of the CUDA rowwise and tile kernels) == e2m1_code_bits on every
 //   non-negative, non-NaN pattern swept, and e2m1_code_fma_small (the FMA form without its cap)
 //   on every such pattern up to 6.5;
-//   the stochastic-rounding forms of the CUDA tile kernel (quant_rows_math.h): sr_tail_bits of
-//   sr_block_key == sr_bits on the 16 counters of 2**16 blocks (keys and block starts from a
-//   counter hash, plus the starts next to 2**16 and 2**32), and e2m1_code_sr_fast with the sign
-//   nibble == e2m1_encode_sr on every non-negative pattern swept below 16 with all 256 random
-//   bytes (from 16 up, where every code is 7, with r8 = 0 and 255);
+//   the stochastic-rounding forms of the CUDA tile kernel (quant_rows_math.h): the bytes of
+//   sr_group_hash of sr_block_key == sr_bits on the 16 counters of 2**16 blocks (keys and block
+//   starts from a counter hash, plus the starts before the hash input's carry into bit 16 and
+//   before the wrap at 2**32), and e2m1_code_sr_biased less its bias, with the sign nibble ==
+//   e2m1_encode_sr on every non-negative pattern swept below 16 with all 256 random bytes (from
+//   16 up, where every code is 7, with r8 = 0 and 255);
 //   mx_inv_exponent (the MXFP8 patch phase's multiplier exponent) == mx_inv_scale on the scale
 //   code of every amax pattern swept, under both rules;
 //   the 4over6 forms of the CUDA kernels (quant_rows_math.h): e2m1_envelope_low == e2m1_code_bits
@@ -160,13 +161,14 @@ bool check_sr_hash() {
   for (uint32_t j = 0; j < (1u << 16) + 4; ++j) {
     const uint32_t key = mix32(j * 0x9E3779B9u);
     uint32_t c0 = mix32(j) & ~15u;
-    if (j >= (1u << 16)) c0 = (j & 1u) ? 0xFFF0u : 0xFFFFFFF0u;  // before a carry / the wrap
+    if (j >= (1u << 16)) c0 = (j & 1u) ? 0x3FFF0u : 0xFFFFFFF0u;  // before a carry / the wrap
     const uint32_t z = sr_block_key(key, c0);
     for (uint32_t i = 0; i < 16; ++i) {
-      if (sr_tail_bits(z ^ i) != sr_bits(key, c0 + i) << 15) {
-        std::printf("sr_tail_bits: key 0x%08" PRIx32 ", counter 0x%08" PRIx32
+      const uint32_t got = (sr_group_hash(z ^ (i >> 2)) >> (8 * (i & 3))) & 0xFFu;
+      if (got != sr_bits(key, c0 + i)) {
+        std::printf("sr_group_hash: key 0x%08" PRIx32 ", counter 0x%08" PRIx32
                     ": reference 0x%02" PRIx32 ", got 0x%02" PRIx32 "\n",
-                    key, c0 + i, sr_bits(key, c0 + i), sr_tail_bits(z ^ i) >> 15);
+                    key, c0 + i, sr_bits(key, c0 + i), got);
         return false;
       }
     }
@@ -186,11 +188,11 @@ bool check_sr_code(bool full) {
       const uint32_t last = b < 0x41800000u ? 255u : 1u;
       for (uint32_t r = 0; r <= last; ++r) {
         const uint32_t r8 = b < 0x41800000u ? r : 255u * r;
-        const uint32_t got = e2m1_code_sr_fast(u2f(b), r8 << 15);
+        const uint32_t got = e2m1_code_sr_biased(u2f(b), r8) - 252u;
         for (uint32_t sign = 0; sign < 2; ++sign) {
           const uint32_t want = e2m1_encode_sr(u2f(b | (sign << 31)), r8);
           if ((got | (sign << 3)) != want) {
-            std::printf("e2m1_code_sr_fast: pattern 0x%08" PRIx32 ", r8 %" PRIu32
+            std::printf("e2m1_code_sr_biased: pattern 0x%08" PRIx32 ", r8 %" PRIu32
                         ": reference %" PRIu32 ", got %" PRIu32 "\n",
                         b | (sign << 31), r8, want, got | (sign << 3));
             return false;
@@ -200,7 +202,7 @@ bool check_sr_code(bool full) {
     }
     return true;
   });
-  std::printf("%-24s %s\n", "e2m1_code_sr_fast", ok ? "equal" : "DIFFERENT");
+  std::printf("%-24s %s\n", "e2m1_code_sr_biased", ok ? "equal" : "DIFFERENT");
   return ok;
 }
 
@@ -375,7 +377,7 @@ int main(int argc, char** argv) {
     return b <= 0x40D00000u ? e2m1_code_fma_small(u2f(b)) : e2m1_code_bits(b);  // a <= 6.5
   }) && ok;
   const bool hash = check_sr_hash();
-  std::printf("%-24s %s\n", "sr_tail_bits", hash ? "equal" : "DIFFERENT");
+  std::printf("%-24s %s\n", "sr_group_hash", hash ? "equal" : "DIFFERENT");
   ok = hash && ok;
   ok = check_sr_code(full) && ok;
   ok = check_mx_exponent(full) && ok;

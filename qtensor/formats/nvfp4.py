@@ -178,7 +178,8 @@ def check_sr_state(state: torch.Tensor, device) -> None:
 
 
 def sr_bits(shape: torch.Size, sr: SRSeed | torch.Tensor, device) -> torch.Tensor:
-    """int32 bits in [0, 256): mix32(((offset + i) mod 2**32) ^ mix32(seed mod 2**32)) >> 24.
+    """int32 bits in [0, 256) of each element i: with c = (offset + i) mod 2**32, byte c & 3 of
+    the hash mix32((c >> 2) ^ mix32(seed mod 2**32)), one hash for four consecutive counters.
 
     `sr` is an SRSeed or its int64 state tensor (seed, offset), read without a host sync.
     """
@@ -188,7 +189,8 @@ def sr_bits(shape: torch.Size, sr: SRSeed | torch.Tensor, device) -> torch.Tenso
     key = _mix32(state[0])
     n = torch.Size(shape).numel()
     counter = (torch.arange(n, dtype=torch.int64, device=device) + state[1]) & _U32
-    return (_mix32(counter ^ key) >> 24).to(torch.int32).reshape(shape)
+    h = _mix32((counter >> 2) ^ key)
+    return ((h >> ((counter & 3) * 8)) & 0xFF).to(torch.int32).reshape(shape)
 
 
 def round_codes(
@@ -202,11 +204,15 @@ def round_codes(
         r8 = sr_bits(v.shape, generator, v.device)
     else:
         r8 = torch.randint(0, 256, v.shape, generator=generator, device=v.device, dtype=torch.int32)
-    u = r8.to(torch.float32) * (1.0 / 256.0)  # exact: a power of two
+    # q is the grid point g at or below |v|, or the next one up when |v| - g >= (1 - u) step:
+    # the floor onto the grid of |v| + u * step taken exactly, never rounded. Every operation
+    # here is exact in fp32: a division by a power of two, its floor, the difference of two
+    # values less than one step apart (Sterbenz once g > 0), and (256 - r8) / 256 * step.
     a = v.abs()
-    t = a + u * _sr_step(a)
-    step_t = _sr_step(t)
-    q = torch.clamp(torch.floor(fdiv(t, step_t)) * step_t, max=6.0)
+    step = _sr_step(a)
+    g = torch.floor(a / step) * step
+    up = (a - g) >= (256 - r8).to(torch.float32) * (1.0 / 256.0) * step
+    q = torch.clamp(torch.where(up, g + step, g), max=6.0)  # inf: NaN difference, no step, cap
     return e2m1_encode(torch.where(torch.signbit(v), -q, q).where(~torch.isnan(v), v))
 
 
