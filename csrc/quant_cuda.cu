@@ -222,12 +222,13 @@ __device__ __forceinline__ float nv_block_scale(const TileArgs& a, const NvShare
 // tile's in 2D). Stochastic rounding draws element i's bits at counter nv.base + offset + i; the
 // offset is a multiple of 16, so the block's counters start on one whenever nv.base does (the
 // training modules keep it at 0 and move the seed on), and nv_codes_sr hashes them in fewer steps.
-__device__ __forceinline__ Codes nv_block_codes(const NvShared& nv, bool sr, const float* v, float bam, float enc,
-                                                uint32_t offset) {
-  if (!sr) return nv_codes(v, bam, enc);
+// `signs` is sign_nibbles(v), which the caller may have formed from packed words.
+__device__ __forceinline__ Codes nv_block_codes(const NvShared& nv, bool sr, const float* v, Codes signs, float bam,
+                                                float enc, uint32_t offset) {
+  if (!sr) return nv_codes(v, signs, bam, enc);
   const uint32_t base = nv.base + offset;
   if (f2u(bam) <= 0x7F800000u && enc > 0.f && (base & 15u) == 0u)
-    return nv_codes_sr(v, enc, nv.key, base);
+    return nv_codes_sr(v, signs, enc, nv.key, base);
   unsigned w[2] = {0u, 0u};
 #pragma unroll
   for (int i = 0; i < 16; ++i)
@@ -307,6 +308,7 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
   constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
   float v[2][16];
   float bam[2];
+  Codes signs[2];  // bf16: from the packed words, two runs at once
   bool packed_rht = false;  // bf16 RHT: both runs transformed on their packed pairs
   if constexpr (kBf16) packed_rht = f.rht;
   if (packed_rht) {
@@ -315,6 +317,7 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
     for (int i = 0; i < 16; ++i)
       wd[i] = *reinterpret_cast<const uint32_t*>(tile + Stage<T>::at(16 * w + i, 4 * p));
     rht16x2_bf16(wd);
+    sign_nibbles_cols(wd, &signs[0], &signs[1]);
     uint32_t m = 0u;  // both runs' max |result| bits, one per 16-bit half
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
@@ -326,11 +329,11 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
     bam[1] = u2f(m & 0xFFFF0000u);
   } else {
     uint32_t pmax = 0u;  // bf16: both columns' max |element| bits, one per 16-bit half
+    uint32_t raw[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      uint32_t raw;
-      load_pair<T>(tile, 16 * w + i, p, v[0][i], v[1][i], raw);
-      if constexpr (kBf16) pmax = __vmaxu2(pmax, raw & 0x7FFF7FFFu);
+      load_pair<T>(tile, 16 * w + i, p, v[0][i], v[1][i], raw[i]);
+      if constexpr (kBf16) pmax = __vmaxu2(pmax, raw[i] & 0x7FFF7FFFu);
     }
     if (f.rht) {  // fp16 / fp32: the reference's fp64 butterfly
 #pragma unroll
@@ -341,9 +344,14 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
     } else if constexpr (kBf16) {
       bam[0] = u2f(pmax << 16);
       bam[1] = u2f(pmax & 0xFFFF0000u);
+      sign_nibbles_cols(raw, &signs[0], &signs[1]);
     } else {
       bam[0] = absmax16(v[0]);
       bam[1] = absmax16(v[1]);
+    }
+    if (!kBf16 || f.rht) {  // fp16 / fp32: from the values
+      signs[0] = sign_nibbles(v[0]);
+      signs[1] = sign_nibbles(v[1]);
     }
   }
   const int64_t qcol0 = m0 + 16 * w;
@@ -355,7 +363,7 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
     for (int c = 0; c < 2; ++c) {
       const int64_t qrow = k0 + 2 * p + c;
       const float enc = nv_block_scale(a, nv, f.row_scaled, qrow, R, bam[c], &sb[c]);
-      codes[c] = nv_block_codes(nv, f.sr, v[c], bam[c], enc, static_cast<uint32_t>(qrow * C + qcol0));
+      codes[c] = nv_block_codes(nv, f.sr, v[c], signs[c], bam[c], enc, static_cast<uint32_t>(qrow * C + qcol0));
     }
   } else {
     constexpr bool kMse = FO6 == 2;
@@ -443,7 +451,7 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const NvFlags& f
       load16<T>(tile, r0 + 8 * j, 16 * cb, v);
       const int64_t qrow = m0 + r0 + 8 * j;
       const float enc = nv_block_scale(a, nv, false, qrow, R, bam[j], &sb[j]);
-      codes[j] = nv_block_codes(nv, f.sr, v, bam[j], enc, static_cast<uint32_t>(qrow * C + col));
+      codes[j] = nv_block_codes(nv, f.sr, v, sign_nibbles(v), bam[j], enc, static_cast<uint32_t>(qrow * C + col));
     }
   } else {  // 4over6 here is 2D (1D rowwise runs in quant_rows_cuda.cu)
     constexpr bool kMse = FO6 == 2;

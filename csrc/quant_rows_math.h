@@ -157,6 +157,25 @@ QT_HD Codes sign_nibbles_packed(const uint32_t* w) {
   return Codes{out[0], out[1]};
 }
 
+// sign_nibbles of two 16-element runs held as packed bf16 or fp16 pairs, run 0 in the low halves
+// of w[0..15] and run 1 in the high halves (two columns of a tile): element i of run r has its
+// sign at bit 15 + 16 r of w[i]. For each half of the runs, four permutes spread the signs of
+// elements 0, 2 | 4, 6 and 1, 3 | 5, 7 of both runs into byte masks, four more gather each run's
+// even and odd elements, and bit 3 / bit 7 of each byte is kept: 12 instructions for 16 elements.
+QT_HD void sign_nibbles_cols(const uint32_t* w, Codes* run0, Codes* run1) {
+  uint32_t out[2][2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t* p = w + 8 * h;
+    const uint32_t e0 = prmt(p[0], p[2], 0xFBD9u), e1 = prmt(p[4], p[6], 0xFBD9u);
+    const uint32_t o0 = prmt(p[1], p[3], 0xFBD9u), o1 = prmt(p[5], p[7], 0xFBD9u);
+    out[0][h] = (prmt(e0, e1, 0x5410u) & 0x08080808u) | (prmt(o0, o1, 0x5410u) & 0x80808080u);
+    out[1][h] = (prmt(e0, e1, 0x7632u) & 0x08080808u) | (prmt(o0, o1, 0x7632u) & 0x80808080u);
+  }
+  *run0 = Codes{out[0][0], out[0][1]};
+  *run1 = Codes{out[1][0], out[1][1]};
+}
+
 // Codes of one block at the block factor enc, as e2m1_encode(v * enc). Where no product can be
 // NaN (no NaN input, 0 < enc <= FLT_MAX), |v * enc| = |v| * enc and its sign is v's, so the
 // NaN-free code (equal to e2m1_code_bits on every non-NaN pattern, checked exhaustively) and v's
@@ -166,22 +185,23 @@ QT_HD Codes sign_nibbles_packed(const uint32_t* w) {
 // whose scale byte is a normal E4M3 number (about 6 / (1 - 2**-4)): such blocks take the code
 // without its cap; a subnormal scale (or an encode scale at FLT_MAX) keeps the cap.
 template <bool SMALL>
-QT_HD Codes nv_codes_nonan(const float* v, float enc) {
-  Codes w = sign_nibbles(v);
+QT_HD Codes nv_codes_nonan(const float* v, Codes w, float enc) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) w.x += e2m1_code_fast<SMALL>(fabsf(v[i]) * enc) << (4 * i);
 #pragma unroll
   for (int i = 0; i < 8; ++i) w.y += e2m1_code_fast<SMALL>(fabsf(v[i + 8]) * enc) << (4 * i);
   return w;
 }
-QT_HD Codes nv_codes(const float* v, float bam, float enc) {
+// `signs` is sign_nibbles(v), which the caller may have formed from packed words.
+QT_HD Codes nv_codes(const float* v, Codes signs, float bam, float enc) {
   if (f2u(bam) <= 0x7F800000u && enc > 0.f)
-    return bam * enc <= 6.5f ? nv_codes_nonan<true>(v, enc) : nv_codes_nonan<false>(v, enc);
+    return bam * enc <= 6.5f ? nv_codes_nonan<true>(v, signs, enc) : nv_codes_nonan<false>(v, signs, enc);
   unsigned w[2] = {0u, 0u};
 #pragma unroll
   for (int i = 0; i < 16; ++i) w[i >> 3] |= e2m1_encode(v[i] * enc) << (4 * (i & 7));
   return Codes{w[0], w[1]};
 }
+QT_HD Codes nv_codes(const float* v, float bam, float enc) { return nv_codes(v, sign_nibbles(v), bam, enc); }
 
 // ---- stochastic rounding in fewer instructions ------------------------------------------------
 
@@ -240,20 +260,20 @@ QT_HD uint32_t e2m1_encode_sr_biased(float p, uint32_t r8) {
 
 // Stochastic-rounding codes of one block, e2m1_encode_sr(v[i] * enc, sr_bits(key, c0 + i)), where
 // no product can be NaN (no NaN input, 0 < enc) and c0 % 16 == 0: the product's sign is v's, so
-// the sign nibbles come from v and each code is added onto them, as in nv_codes. The codes are
-// added with their bias of 252, and the biases' sum, 252 * 0x11111111 modulo 2**32, is taken off
-// each word once.
-QT_HD Codes nv_codes_sr(const float* v, float enc, uint32_t key, uint32_t c0) {
-  Codes w = sign_nibbles(v);
+// the sign nibbles (`signs`, sign_nibbles(v)) come from v and each code is added onto them, as in
+// nv_codes. The codes are added with their bias of 252, and the biases' sum, 252 * 0x11111111
+// modulo 2**32, is taken off each word once. Element j of a group takes byte j of its hash with
+// one permute (zeros above it).
+QT_HD Codes nv_codes_sr(const float* v, Codes signs, float enc, uint32_t key, uint32_t c0) {
   const uint32_t z = sr_block_key(key, c0);
-  uint32_t words[2] = {w.x - 252u * 0x11111111u, w.y - 252u * 0x11111111u};
+  uint32_t words[2] = {signs.x - 252u * 0x11111111u, signs.y - 252u * 0x11111111u};
 #pragma unroll
   for (uint32_t g = 0; g < 4; ++g) {
     const uint32_t h = sr_group_hash(z ^ g);
 #pragma unroll
     for (uint32_t j = 0; j < 4; ++j) {
       const uint32_t i = 4 * g + j;
-      words[i >> 3] += e2m1_code_sr_biased(fabsf(v[i]) * enc, (h >> (8 * j)) & 0xFFu) << (4 * (i & 7));
+      words[i >> 3] += e2m1_code_sr_biased(fabsf(v[i]) * enc, prmt(h, 0u, 0x4440u | j)) << (4 * (i & 7));
     }
   }
   return Codes{words[0], words[1]};

@@ -56,7 +56,8 @@ def test_lanes_equal_scalar_math(tmp_path, codegen):
         "e4m3_value_lanes": "equal", "e4m3_scale_value": "equal", "e2m1_code_nonan": "equal",
         "e2m1_code_fma": "equal", "e2m1_code_fma_small": "equal", "sr_group_hash": "equal",
         "e2m1_code_sr_biased": "equal", "mx_inv_exponent": "equal", "e2m1_envelope_low": "equal",
-        "div6": "equal", "sign_nibbles_packed": "equal", "fo6_block_tab": "equal"}
+        "div6": "equal", "sign_nibbles_packed": "equal", "sign_nibbles_cols": "equal",
+        "fo6_block_tab": "equal"}
 
 
 def test_a_wrong_tie_rule_is_caught(tmp_path):

@@ -19,6 +19,8 @@
 //   the 4over6 forms of the CUDA kernels (quant_rows_math.h): e2m1_envelope_low == e2m1_code_bits
 //   on every such pattern up to 4.5, div6 == the division by 6 on every pattern of its domain,
 //   sign_nibbles_packed == sign_nibbles on random bf16 blocks and every sign pattern of one,
+//   sign_nibbles_cols == sign_nibbles of each run on random packed column pairs and every sign
+//   pattern of a run,
 //   and fo6_block_tab == fo6_block (scale byte and codes) on random bf16 blocks under tensor
 //   amaxes inside and outside the fast domain, both bounds, MAE and MSE.
 //
@@ -277,6 +279,39 @@ bool check_sign_nibbles() {
   return true;
 }
 
+// sign_nibbles_cols against sign_nibbles of each run's unpacked bf16 values (run 0 in the low
+// halves, run 1 in the high halves) on 2**16 random column pairs and every one of the 2**16 sign
+// patterns of run 0 (run 1 taking the complement).
+bool check_sign_nibbles_cols() {
+  uint32_t rng = 0x7F4A7C15u;
+  for (uint32_t n = 0; n < (1u << 17); ++n) {
+    uint32_t w[16];
+    float v[2][16];
+    for (int i = 0; i < 16; ++i) {
+      w[i] = xorshift(rng);
+      if (n >= (1u << 16)) {  // run 0's element i takes bit i of n as its sign, run 1 the other
+        const uint32_t bit = (n >> i) & 1u;
+        w[i] = (w[i] & 0x7FFF7FFFu) | bit << 15 | (bit ^ 1u) << 31;
+      }
+      v[0][i] = u2f(w[i] << 16);
+      v[1][i] = u2f(w[i] & 0xFFFF0000u);
+    }
+    Codes got[2];
+    sign_nibbles_cols(w, &got[0], &got[1]);
+    for (int r = 0; r < 2; ++r) {
+      const Codes want = sign_nibbles(v[r]);
+      if (want.x != got[r].x || want.y != got[r].y) {
+        std::printf("sign_nibbles_cols: run %d, word 0 0x%08" PRIx32 ": reference %08" PRIx32 "%08" PRIx32
+                    ", got %08" PRIx32 "%08" PRIx32 "\n", r, w[0], want.y, want.x, got[r].y, got[r].x);
+        std::printf("%-24s %s\n", "sign_nibbles_cols", "DIFFERENT");
+        return false;
+      }
+    }
+  }
+  std::printf("%-24s %s\n", "sign_nibbles_cols", "equal");
+  return true;
+}
+
 // fo6_block_tab (the CUDA kernels' 4over6 block, value tables and div6) against fo6_block on
 // random bf16 blocks: tensor amaxes inside and outside fo6_fast_domain, both bounds, MAE and
 // MSE; block amaxes from the tensor amax down past 2**-125 (and zero), with the elements spread
@@ -386,6 +421,7 @@ int main(int argc, char** argv) {
   }) && ok;
   ok = check_div6(full) && ok;
   ok = check_sign_nibbles() && ok;
+  ok = check_sign_nibbles_cols() && ok;
   ok = check_fo6_tab() && ok;
   return ok && values ? 0 : 1;
 }
