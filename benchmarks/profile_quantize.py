@@ -4,7 +4,8 @@
         python benchmarks/profile_quantize.py
 
 Each case is an NVTX range named as in bench_quantize.py. The amaxes are computed first (their
-kernels are profiled too), as the "amax given" rows of bench_quantize.py assume.
+kernels are profiled too, the amax after RHT in its own range), as the "amax given" rows of
+bench_quantize.py assume.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from qtensor.ops import quant as Q
 def main() -> None:
     x = torch.randn(16384, 8192, device="cuda").bfloat16()
     sr = sr_state_tensor(SRSeed(1, 0), "cuda")
-    amax, amax_rht = Q.amax(x), Q.amax(x, columnwise=True, rht=True)
+    amax = Q.amax(x)
+    torch.cuda.nvtx.range_push("amax rht (col)")
+    amax_rht = Q.amax(x, columnwise=True, rht=True)
+    torch.cuda.nvtx.range_pop()
     cases = {
         "nvfp4 row": lambda: Q.nvfp4_codes(x, amax, NVFP4Spec(), None),
         "nvfp4 col": lambda: Q.nvfp4_codes(x, amax, NVFP4Spec(columnwise=True), None),

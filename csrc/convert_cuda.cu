@@ -102,10 +102,19 @@ __global__ void __launch_bounds__(kThreads) rht_amax_kernel(const T* x, int64_t 
   for (int p = 0; p < kAmaxPanels; ++p) {
     const int64_t rb = r0 + p * 16;
     if (rb >= M) break;
+    // One address per panel and a row stride in words: a whole panel (every one but the last
+    // of a ragged M) loads without a bound test per row. Rows past M read as zeros, whose
+    // transform is zero, so they leave the maxima alone.
     Word raw[16];
+    const Word* src = reinterpret_cast<const Word*>(x + rb * K + k);
+    const int64_t row_words = K / 2;
+    if (kin && rb + 16 <= M) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i)
-      raw[i] = (kin && rb + i < M) ? __ldcs(reinterpret_cast<const Word*>(x + (rb + i) * K + k)) : Word{};
+      for (int i = 0; i < 16; ++i) raw[i] = __ldcs(src + i * row_words);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) raw[i] = (kin && rb + i < M) ? __ldcs(src + i * row_words) : Word{};
+    }
     if constexpr (std::is_same_v<T, at::BFloat16>) {  // both runs at once, packed maxima
       const uint32_t m = rht16x2_bf16_absmax(raw);
       cmax[0] = nan_max(cmax[0], u2f(m << 16));
