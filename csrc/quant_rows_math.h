@@ -233,10 +233,10 @@ QT_HD uint32_t sr_group_hash(uint32_t x) {
 //   1 -> 254, 1.5 -> 255, ... 6 -> 259; 8 and up, and inf, land above 259 and take the cap.
 // - Below 1 the step is 0.5 and c = (a + 1) / 2 in [0.5, 1), whose bits above 21 are 252 plus
 //   [c >= 0.75]: there r8 << 14 adds u / 4, so they count how far a + u / 2 reaches past 0.5 and
-//   past 1, which is the code (0, 1 or 2). Rounding c down moves it by less than its last bit,
-//   2**-24, and the thresholds 0.75 - u / 4 and 1 - u / 4 are multiples of 2**-10: no crossing
-//   changes. For a below 1, (a + 1) / 2 > a, and from 1 up it is at most a: the max picks the
-//   right form (at a = 1 - 2**-24 both are a).
+//   past 1, which is the code (0, 1 or 2). The thresholds 0.75 - u / 4 and 1 - u / 4 are
+//   floats (multiples of 2**-10), and a value rounded down reaches a float exactly when the
+//   value itself does: rounding c down changes no comparison. For a below 1, (a + 1) / 2 > a,
+//   and from 1 up it is at most a: the max picks the right form (at a = 1 - 2**-24 both are a).
 // On the GPU the half is one fused multiply-add rounded down; on the host (the check) it is
 // rounded down from fp64, where (a + 1) / 2 is exact.
 QT_HD uint32_t e2m1_code_sr_biased(float a, uint32_t r8) {
