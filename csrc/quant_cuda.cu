@@ -296,86 +296,12 @@ __device__ __forceinline__ void store_staged(const TileArgs& a, const NvOut& out
 
 // ---- NVFP4 columnwise: the result is [K, M], blocks run down the input's columns -----------------
 
-// ---- RHT on tensor cores ----------------------------------------------------------------------
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t* r) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t* r) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
-               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
-               : "memory");
-}
-// d = a b (fp32 accumulation from zero) for an m16n8k16 tile of bf16 operands.
-__device__ __forceinline__ void mma_bf16_16816(float* d, const uint32_t* a, const uint32_t* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%10, %10, %10, %10};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.f));
-}
-
-// This lane's B fragment of the RHT matrix M (k x n, M[k][n] = s_k (-1)^popcount(k & n) / 4, every
-// entry +-0.25 in bf16) for n-tile j: register h holds rows k = 2t + 8h and 2t + 8h + 1 of column
-// n = 8j + g (lane 4g + t), the lower half first.
-__device__ __forceinline__ uint32_t rht_b_fragment(int j, int h) {
-  const int lane = threadIdx.x & 31, n = 8 * j + (lane >> 2);
-  uint32_t r = 0u;
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int k = 2 * (lane & 3) + 8 * h + e;
-    const uint32_t neg = ((kRhtNegative >> k) ^ static_cast<uint32_t>(__popc(k & n))) & 1u;
-    r |= (0x3E80u | (neg << 15)) << (16 * e);
-  }
-  return r;
-}
-
-// The RHT of the 16-runs down the 64 columns of tile rows 16w..16w+15 (warp w's own rows), in
-// place, rounded to bf16: each 16x16 piece X (rows k, columns m) becomes (X^T M)^T.
-// ldmatrix.trans gives X^T as the MMA's A operand, two m16n8k16 MMAs multiply it by M with fp32
-// accumulation, and stmatrix.trans writes the rounded results back transposed; lane 8q + r
-// addresses row r of matrix q both times (q >> 1: the upper 8 rows, q & 1: the upper 8 columns).
-// Every product is exact, and the tensor cores keep about 24 bits below the largest one, where a
-// run that passes Bf16Range's test needs 20 (dev/experiments/rht_mma_exactness.py measures both on
-// the H200): those runs get the exact sums, as from the fp32 butterfly. The caller replaces the
-// others. The whole warp calls it, converged.
-template <typename T>
-__device__ __forceinline__ void rht_rows_mma(unsigned char* tile, int w) {
-  const int lane = threadIdx.x & 31, q = lane >> 3, r = lane & 7;
-  uint32_t b[2][2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    b[j][0] = rht_b_fragment(j, 0);
-    b[j][1] = rht_b_fragment(j, 1);
-  }
-#pragma unroll
-  for (int mt = 0; mt < 4; ++mt) {
-    const int byte = 2 * (16 * mt + 8 * (q & 1));
-    const uint32_t addr =
-        static_cast<uint32_t>(__cvta_generic_to_shared(tile + Stage<T>::at(16 * w + 8 * (q >> 1) + r, byte)));
-    uint32_t a[4];
-    ldmatrix_x4_trans(addr, a);
-    float d[2][4];
-    mma_bf16_16816(d[0], a, b[0]);
-    mma_bf16_16816(d[1], a, b[1]);
-    const uint32_t o[4] = {bf16x2_bits(d[0][0], d[0][1]), bf16x2_bits(d[0][2], d[0][3]),
-                           bf16x2_bits(d[1][0], d[1][1]), bf16x2_bits(d[1][2], d[1][3])};
-    stmatrix_x4_trans(addr, o);
-  }
-}
-#endif
-
 // Lane p takes columns 2p and 2p+1, warp w the 16 rows 16w.. of the tile: one block of each of
 // two result rows. A 2D tile is 8 lanes (16 columns) of one warp. Codes and scales go to the
 // staging buffer, then leave as 16-byte rows of the result.
-// IN_PLACE: no other phase reads the tile, so bf16 RHT may transform the warp's rows in place on
-// tensor cores (sm_90 and newer); otherwise the packed fp32 butterfly runs in registers.
-template <typename T, int FO6, bool IN_PLACE>
-__device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f, unsigned char* tile, NvOut& out,
-                                             const NvShared& nv, int64_t m0, int64_t k0) {
+template <typename T, int FO6>
+__device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f, const unsigned char* tile,
+                                             NvOut& out, const NvShared& nv, int64_t m0, int64_t k0) {
   const NvScale& ts_all = nv.ts;
   const int p = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int64_t R = a.K, C = a.M;
@@ -390,34 +316,7 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
 #pragma unroll
     for (int i = 0; i < 16; ++i)
       wd[i] = *reinterpret_cast<const uint32_t*>(tile + Stage<T>::at(16 * w + i, 4 * p));
-    bool on_tensor_cores = false;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if constexpr (IN_PLACE) {
-      const Bf16Range range = bf16x2_range(wd);
-      const bool exact[2] = {range.f32_exact(0), range.f32_exact(1)};
-      __syncwarp();  // every lane's reads of the rows land before they are overwritten
-      rht_rows_mma<T>(tile, w);
-      __syncwarp();
-      // A run outside the test takes the reference's fp64 butterfly over its MMA result, in the
-      // lane's own column of the tile (no other lane reads it).
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        if (exact[c]) continue;
-        float run[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) run[i] = c ? u2f(wd[i] & 0xFFFF0000u) : u2f(wd[i] << 16);
-        rht16_fast(run, false);
-#pragma unroll
-        for (int i = 0; i < 16; ++i)
-          *reinterpret_cast<uint16_t*>(tile + Stage<T>::at(16 * w + i, 4 * p + 2 * c)) =
-              static_cast<uint16_t>(f2u(run[i]) >> 16);
-      }
-#pragma unroll
-      for (int i = 0; i < 16; ++i) wd[i] = *reinterpret_cast<const uint32_t*>(tile + Stage<T>::at(16 * w + i, 4 * p));
-      on_tensor_cores = true;
-    }
-#endif
-    if (!on_tensor_cores) rht16x2_bf16(wd);
+    rht16x2_bf16(wd);
     sign_nibbles_cols(wd, &signs[0], &signs[1]);
     uint32_t m = 0u;  // both runs' max |result| bits, one per 16-bit half
 #pragma unroll
@@ -955,7 +854,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
     if constexpr (MXC) mx_patch_phase<T, MXR>(a, tile, mx_rs, m0, k0);
     else if constexpr (MXR) mx_row_phase<T>(a, tile, mx_rows);
     if constexpr (NV) {
-      if (f.col) nv_col_phase<T, FO6, !MXR && !MXC>(a, f, tile, nv_out, nv, m0, k0);
+      if (f.col) nv_col_phase<T, FO6>(a, f, tile, nv_out, nv, m0, k0);
       else nv_row_phase<T, FO6>(a, f, tile, nv, m0, k0);
     }
     // The hybrid cast is columnwise (run_tiles checks): nv_col_phase's barrier is behind the
