@@ -216,8 +216,13 @@ void quantize_tile(const float (*buf)[16], int nr, const NvScale* ts, const NvOp
     uint8_t* q = qdata + i * (C / 2) + jb * 8;
     const uint32_t base = static_cast<uint32_t>(i * C + jb * 16) + o.offset;
     uint32_t codes[16];
-    if (o.sr) {
-      for (int c = 0; c < 16; ++c) codes[c] = e2m1_encode_sr(buf[r][c] * enc, sr_bits(o.key, base + c));
+    if (o.sr) {  // one hash per group of four counters (a block may start inside a group)
+      uint32_t h = sr_group_bits(o.key, base);
+      for (int c = 0; c < 16; ++c) {
+        const uint32_t counter = base + static_cast<uint32_t>(c);
+        if (c > 0 && (counter & 3u) == 0u) h = sr_group_bits(o.key, counter);
+        codes[c] = e2m1_encode_sr(buf[r][c] * enc, sr_byte(h, counter));
+      }
     } else {  // branch-free bit arithmetic: this loop vectorizes
       for (int c = 0; c < 16; ++c) codes[c] = e2m1_encode(buf[r][c] * enc);
     }

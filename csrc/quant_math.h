@@ -160,24 +160,33 @@ QT_HD uint32_t mix32(uint32_t x) {
   return x;
 }
 
-QT_HD uint32_t sr_bits(uint32_t key, uint32_t counter) {
-  return (mix32((counter >> 2) ^ key) >> (8u * (counter & 3u))) & 0xFFu;
-}
+// The hash of counter's group of four, and the byte of it that counter takes.
+QT_HD uint32_t sr_group_bits(uint32_t key, uint32_t counter) { return mix32((counter >> 2) ^ key); }
+QT_HD uint32_t sr_byte(uint32_t group_bits, uint32_t counter) { return (group_bits >> (8u * (counter & 3u))) & 0xFFu; }
 
-QT_HD float sr_step(float a) { return a < 2.f ? 0.5f : (a < 4.f ? 1.f : 2.f); }
+QT_HD uint32_t sr_bits(uint32_t key, uint32_t counter) { return sr_byte(sr_group_bits(key, counter), counter); }
 
 // u = r8 / 256. q is the grid point g at or below |v|, or the next one up, g + step(|v|), when
 // |v| - g >= (1 - u) step(|v|): the floor onto the grid of t = |v| + u step(|v|) taken exactly,
-// capped at 6. Sign kept; NaN gives code 7. |v| / step is exact (a multiply by a power of two),
-// so is g, and |v| - g is exact (g <= |v| < g + step, g >= |v| / 2 once g > 0); (1 - u) step is
-// exact. An infinite |v| gives a NaN difference, no step up, and the cap.
+// capped at 6. Sign kept; NaN gives code 7. From |v|'s bits, with no floor and no rounding:
+// - From 1 up the step is the first mantissa bit of |v|'s binade (0.5 in [1, 2), 1 in [2, 4),
+//   2 from 4), and the bits below it are |v| - g. Adding r8 << 14 adds exactly u step, and the
+//   integer add carries into bit 22 (or into the exponent) exactly when |v| - g >= (1 - u) step.
+//   The bits above 21 are then the code plus 252 (1 -> 254, 1.5 -> 255, ... 6 -> 259); from 8 up,
+//   and for inf, they pass 259 and take the cap.
+// - Below 1 the step is 0.5 and g is 0 or 0.5: the code counts the thresholds 0.5 - u / 2 and
+//   1 - u / 2 that |v| reaches, both floats ((256 - r8) 2**-9 and (512 - r8) 2**-9).
 QT_HD uint32_t e2m1_encode_sr(float v, uint32_t r8) {
-  const float a = abs_f(v);
-  const float s = sr_step(a), inv_s = a < 2.f ? 2.f : (a < 4.f ? 1.f : 0.5f);
-  const float g = floorf(a * inv_s) * s;
-  const bool up = a - g >= static_cast<float>(256u - r8) * (1.f / 256.f) * s;
-  const float q = up ? g + s : g;
-  const uint32_t code = e2m1_code_abs(q < 6.f ? q : 6.f);
+  const uint32_t b = f2u(v) & 0x7FFFFFFFu;
+  uint32_t code;
+  if (b >= 0x3F800000u) {
+    const uint32_t q = (b + (r8 << 14)) >> 22;
+    code = (q < 259u ? q : 259u) - 252u;
+  } else {
+    const float a = u2f(b);
+    code = (a >= static_cast<float>(256u - r8) * 0x1p-9f ? 1u : 0u) +
+           (a >= static_cast<float>(512u - r8) * 0x1p-9f ? 1u : 0u);
+  }
   if (is_nan(v)) return 7u;
   return code | (sign_bit(v) << 3);
 }
