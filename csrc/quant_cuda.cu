@@ -349,7 +349,7 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
       bam[0] = absmax16(v[0]);
       bam[1] = absmax16(v[1]);
     }
-    if (!kBf16 || f.rht) {  // fp16 / fp32: from the values
+    if constexpr (!kBf16) {  // fp16 / fp32 (bf16 with RHT took the packed branch): from the values
       signs[0] = sign_nibbles(v[0]);
       signs[1] = sign_nibbles(v[1]);
     }

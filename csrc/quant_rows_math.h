@@ -224,19 +224,14 @@ QT_HD uint32_t sr_group_hash(uint32_t x) {
   return x ^ (x >> 16);
 }
 
-// e2m1_encode_sr's code of a = |v| >= 0 (not NaN) plus 252, capped at 259 (code 7), from a's bits.
-// With c = max(a, (a + 1) / 2 rounded down), bits(c) + (r8 << 14) >> 22 is that code:
-// - From a = 1 up, c = a, and the mantissa bits below bit 22 are a's place in its grid step
-//   (the step is the binade's first mantissa bit: 0.5 in [1, 2), 1 in [2, 4), 2 from 4).
-//   r8 << 14 adds exactly u step, and the integer add carries into bit 22 (or into the exponent)
-//   exactly when a - g >= (1 - u) step. The bits above 21 are then the code plus 252:
-//   1 -> 254, 1.5 -> 255, ... 6 -> 259; 8 and up, and inf, land above 259 and take the cap.
-// - Below 1 the step is 0.5 and c = (a + 1) / 2 in [0.5, 1), whose bits above 21 are 252 plus
-//   [c >= 0.75]: there r8 << 14 adds u / 4, so they count how far a + u / 2 reaches past 0.5 and
-//   past 1, which is the code (0, 1 or 2). The thresholds 0.75 - u / 4 and 1 - u / 4 are
-//   floats (multiples of 2**-10), and a value rounded down reaches a float exactly when the
-//   value itself does: rounding c down changes no comparison. For a below 1, (a + 1) / 2 > a,
-//   and from 1 up it is at most a: the max picks the right form (at a = 1 - 2**-24 both are a).
+// e2m1_encode_sr's code of a = |v| >= 0 (not NaN) plus 252, capped at 259 (code 7), by one add on
+// bits for every a. From 1 up it is e2m1_encode_sr's add on a's own bits. Below 1 the same add runs
+// on c = (a + 1) / 2 rounded down, in [0.5, 1): there r8 << 14 adds u / 4, and the bits above 21,
+// 252 plus [c >= 0.75], count how far a + u / 2 reaches past 0.5 and past 1, which is the code (0,
+// 1 or 2). The thresholds 0.75 - u / 4 and 1 - u / 4 are floats (multiples of 2**-10), and a value
+// rounded down reaches a float exactly when the value itself does: rounding c down changes no
+// comparison. c = max(a, (a + 1) / 2 rounded down) picks the form: for a below 1, (a + 1) / 2 > a,
+// and from 1 up it is at most a (at a = 1 - 2**-24 both are a).
 // On the GPU the half is one fused multiply-add rounded down; on the host (the check) it is
 // rounded down from fp64, where (a + 1) / 2 is exact.
 QT_HD uint32_t e2m1_code_sr_biased(float a, uint32_t r8) {
