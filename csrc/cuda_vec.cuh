@@ -8,6 +8,7 @@
 
 #include "checks.h"
 #include "quant_math.h"
+#include "quant_rows_math.h"
 
 namespace qtensor {
 
@@ -206,52 +207,100 @@ __device__ __forceinline__ void bf16x2_widen(const uint32_t* w, float (*v)[16]) 
   }
 }
 
-// RHT of two bf16 16-runs held as packed pairs (run 0 in the low halves of w[0..15], run 1 in the
-// high halves), in place: w becomes the packed bf16 results, exactly rht16 of each run. When both
-// runs pass the exactness test the butterflies run in fp32 and each pair is rounded by one
-// conversion; otherwise each run goes through rht16_fast on its own.
-__device__ __forceinline__ void rht16x2_bf16(uint32_t* w) {
-  const Bf16Range range = bf16x2_range(w);
-  const bool exact[2] = {range.f32_exact(0), range.f32_exact(1)};
+// The fp32 butterfly of two bf16 16-runs held as packed pairs (run 0 in the low halves of
+// w[0..15], run 1 in the high halves), in place, each result pair rounded by one conversion: w
+// becomes rht16 of each run where the run's range shows the fp32 sums exact (Bf16Range), and
+// something to be replaced (rht16_lanes) where it does not.
+__device__ __forceinline__ void rht16x2_bf16_f32(uint32_t* w) {
   float v[2][16];
   bf16x2_widen(w, v);
-  if (exact[0] && exact[1]) {
-    signed_hadamard16(v[0]);
-    signed_hadamard16(v[1]);
+  signed_hadamard16(v[0]);
+  signed_hadamard16(v[1]);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) w[i] = bf16x2_bits(v[0][i] * 0.25f, v[1][i] * 0.25f);
-    return;
-  }
-  rht16_fast(v[0], exact[0]);
-  rht16_fast(v[1], exact[1]);
-#pragma unroll
-  for (int i = 0; i < 16; ++i) w[i] = (f2u(v[0][i]) >> 16) | (f2u(v[1][i]) & 0xFFFF0000u);
+  for (int i = 0; i < 16; ++i) w[i] = bf16x2_bits(v[0][i] * 0.25f, v[1][i] * 0.25f);
 }
 
-// The max |result| of rht16x2_bf16, packed the same way, without the results: bf16(y / 4) is
-// monotone in |y|, so over an exact fp32 run it is bf16(max |y| / 4), one rounding per run.
+// ---- RHT in fp64, one run over 16 lanes ------------------------------------------------------------
+
+// rht16 of a run held one element a lane: lane i of each half-warp (i = lane % 16) holds element
+// i and gets element i of the result. The same fp64 operations in the same order (each
+// butterfly's a + b in the lane of a, a - b in the lane of b), so the same bits: a lane of the
+// upper half of a pair adds its own value negated to its partner's. Every lane takes part.
+__device__ __forceinline__ float rht16_lanes(float x) {
+  const int i = threadIdx.x & 15;
+  double d = static_cast<double>(x);
+  if ((kRhtNegative >> i) & 1u) d = -d;
+#pragma unroll
+  for (int h = 1; h < 16; h <<= 1) {
+    const double o = __shfl_xor_sync(kFull, d, h);
+    d = o + ((i & h) ? -d : d);
+  }
+  return bf16_round(static_cast<float>(d * 0.25));
+}
+
+// The runs a warp's fp32 butterflies cannot take (bit l of slow0 / slow1: lane l's run 0 / run 1,
+// from a ballot), through rht16_lanes two at a time, one a half-warp: in each round every lane
+// calls round(a, b) with the runs of lanes 0-15 (a) and 16-31 (b), each as 32 h + l for run h of
+// lane l, b = -1 when none is left. The two runs of a round belong to different lanes. A run
+// taking 16 lanes for about 4 instructions a butterfly step, in place of one lane for 226 while
+// the other 31 wait, costs a warp far less: with Gaussian data about one run in 200 needs fp64,
+// and the warp that holds one waits for it. The loop is uniform over the warp.
+template <typename Round>
+__device__ __forceinline__ void for_slow_runs(uint32_t slow0, uint32_t slow1, Round&& round) {
+  uint64_t pending = slow0 | (static_cast<uint64_t>(slow1) << 32);
+  while (pending != 0u) {
+    const int a = __ffsll(static_cast<long long>(pending)) - 1;
+    pending &= pending - 1u;
+    const uint64_t others = pending & ~(uint64_t{1} << (a ^ 32));  // not a's lane's other run
+    int b = -1;
+    if (others != 0u) {
+      b = __ffsll(static_cast<long long>(others)) - 1;
+      pending &= ~(uint64_t{1} << b);
+    }
+    round(a, b);
+  }
+}
+
+// prmt's selector that puts the low 16 bits of its second operand into half h of its first.
+__device__ __forceinline__ uint32_t half_selector(int h) { return h ? 0x5410u : 0x3254u; }
+
+// The max |result| of the RHT of two bf16 16-runs held as packed pairs (as rht16x2_bf16_f32
+// holds them), packed the same way, exactly that of rht16 on each run. bf16(y / 4) is monotone
+// in |y|, so over a run whose fp32 sums are exact it is bf16(max |y| / 4), one rounding a run;
+// the other runs of the warp go through rht16_lanes (each lane of the half-warp gets its element
+// from the owner's word by a shuffle) and a max over the 16 lanes. Every lane of the warp calls it.
 __device__ __forceinline__ uint32_t rht16x2_bf16_absmax(const uint32_t* w) {
   const Bf16Range range = bf16x2_range(w);
-  uint32_t m = 0u;
-  if (range.f32_exact(0) && range.f32_exact(1)) {
-    float v[2][16];
-    bf16x2_widen(w, v);
-    signed_hadamard16(v[0]);
-    signed_hadamard16(v[1]);
-    float m0 = 0.f, m1 = 0.f;  // the exact runs are finite: fmaxf's NaN rule does not arise
+  const uint32_t slow0 = __ballot_sync(kFull, !range.f32_exact(0));
+  const uint32_t slow1 = __ballot_sync(kFull, !range.f32_exact(1));
+  float v[2][16];
+  bf16x2_widen(w, v);
+  signed_hadamard16(v[0]);
+  signed_hadamard16(v[1]);
+  float m0 = 0.f, m1 = 0.f;  // fmaxf's NaN rule does not matter: NaN runs are never f32-exact
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      m0 = fmaxf(m0, fabsf(v[0][i]));
-      m1 = fmaxf(m1, fabsf(v[1][i]));
-    }
-    return bf16x2_bits(m0 * 0.25f, m1 * 0.25f);
+  for (int i = 0; i < 16; ++i) {
+    m0 = fmaxf(m0, fabsf(v[0][i]));
+    m1 = fmaxf(m1, fabsf(v[1][i]));
   }
-  uint32_t r[16];
+  uint32_t m = bf16x2_bits(m0 * 0.25f, m1 * 0.25f);
+  const int lane = threadIdx.x & 31, i = lane & 15;
+  for_slow_runs(slow0, slow1, [&](int a, int b) {
+    const int run = lane < 16 ? a : (b < 0 ? a : b);
+    float x = 0.f;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) r[i] = w[i];
-  rht16x2_bf16(r);
+    for (int s = 0; s < 16; ++s) {
+      const uint32_t t = __shfl_sync(kFull, w[s], run & 31);
+      if (s == i) x = u2f(run >= 32 ? t & 0xFFFF0000u : t << 16);
+    }
+    uint32_t r = f2u(rht16_lanes(x)) & 0x7FFF0000u;  // |result| bits, NaN above inf
 #pragma unroll
-  for (int i = 0; i < 16; ++i) m = __vmaxu2(m, r[i] & 0x7FFF7FFFu);
+    for (int o = 1; o < 16; o <<= 1) r = max(r, __shfl_xor_sync(kFull, r, o));
+    const bool own_b = b >= 0 && lane == (b & 31);
+    const uint32_t got = __shfl_sync(kFull, r, own_b ? 16 : 0) >> 16;
+    if (lane == (a & 31)) m = prmt(m, got, half_selector(a >> 5));
+    if (own_b) m = prmt(m, got, half_selector(b >> 5));
+  });
   return m;
 }
 

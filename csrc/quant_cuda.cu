@@ -227,12 +227,11 @@ __device__ __forceinline__ Codes nv_block_codes(const NvShared& nv, bool sr, con
                                                 float enc, uint32_t offset) {
   if (!sr) return nv_codes(v, signs, bam, enc);
   const uint32_t base = nv.base + offset;
-  if (f2u(bam) <= 0x7F800000u && enc > 0.f && (base & 15u) == 0u)
+  if (f2u(bam) <= 0x7F800000u && enc >= 0x1p-112f && (base & 15u) == 0u)
     return nv_codes_sr(v, signs, enc, nv.key, base);
   unsigned w[2] = {0u, 0u};
 #pragma unroll
-  for (int i = 0; i < 16; ++i)
-    w[i >> 3] |= e2m1_encode_sr_biased(v[i] * enc, sr_bits(nv.key, base + i)) << (4 * (i & 7));
+  for (int i = 0; i < 16; ++i) w[i >> 3] |= e2m1_encode_sr(v[i] * enc, sr_bits(nv.key, base + i)) << (4 * (i & 7));
   return Codes{w[0], w[1]};
 }
 
@@ -316,7 +315,23 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
 #pragma unroll
     for (int i = 0; i < 16; ++i)
       wd[i] = *reinterpret_cast<const uint32_t*>(tile + Stage<T>::at(16 * w + i, 4 * p));
-    rht16x2_bf16(wd);
+    const Bf16Range range = bf16x2_range(wd);
+    const uint32_t slow0 = __ballot_sync(kFull, !range.f32_exact(0));
+    const uint32_t slow1 = __ballot_sync(kFull, !range.f32_exact(1));
+    rht16x2_bf16_f32(wd);
+    // The runs whose fp32 sums may round, in fp64 over half-warps: element i of run h of lane l
+    // from the tile, and lane l takes result i into half h of wd[i].
+    for_slow_runs(slow0, slow1, [&](int ra, int rb) {
+      const int run = p < 16 ? ra : (rb < 0 ? ra : rb);
+      const float x = u2f(static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(
+                              tile + Stage<T>::at(16 * w + (p & 15), 4 * (run & 31) + 2 * (run >> 5))))
+                          << 16);
+      const uint32_t r = f2u(rht16_lanes(x)) >> 16;
+      const bool own_b = rb >= 0 && p == (rb & 31);
+      const uint32_t sel = p == (ra & 31) ? half_selector(ra >> 5) : own_b ? half_selector(rb >> 5) : 0x3210u;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) wd[i] = prmt(wd[i], __shfl_sync(kFull, r, (own_b ? 16 : 0) + i), sel);
+    });
     sign_nibbles_cols(wd, &signs[0], &signs[1]);
     uint32_t m = 0u;  // both runs' max |result| bits, one per 16-bit half
 #pragma unroll

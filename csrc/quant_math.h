@@ -200,14 +200,15 @@ QT_HD float bf16_round(float f) {  // c10's float -> bfloat16, nearest-even, NaN
   return u2f(u & 0xFFFF0000u);
 }
 
+constexpr uint32_t kRhtNegative = 0xD7E8u;  // bit i set where RHT_SIGNS[i] == -1
+
 // d := d @ diag(s) H16 (the sign vector RHT_SIGNS, then the Sylvester butterfly), in the
 // precision of F: the reference's fp64, or fp32 where the caller has shown the sums exact.
 template <typename F>
 QT_HD void signed_hadamard16(F* d) {
-  constexpr uint32_t kNegative = 0xD7E8u;  // bit i set where RHT_SIGNS[i] == -1
 #pragma unroll
   for (int i = 0; i < 16; ++i)
-    if ((kNegative >> i) & 1u) d[i] = -d[i];
+    if ((kRhtNegative >> i) & 1u) d[i] = -d[i];
 #pragma unroll
   for (int h = 1; h < 16; h <<= 1) {
 #pragma unroll

@@ -224,52 +224,85 @@ QT_HD uint32_t sr_group_hash(uint32_t x) {
   return x ^ (x >> 16);
 }
 
-// e2m1_encode_sr's code of a = |v| >= 0 (not NaN) plus 252, capped at 259 (code 7), by one add on
-// bits for every a. From 1 up it is e2m1_encode_sr's add on a's own bits. Below 1 the same add runs
-// on c = (a + 1) / 2 rounded down, in [0.5, 1): there r8 << 14 adds u / 4, and the bits above 21,
-// 252 plus [c >= 0.75], count how far a + u / 2 reaches past 0.5 and past 1, which is the code (0,
-// 1 or 2). The thresholds 0.75 - u / 4 and 1 - u / 4 are floats (multiples of 2**-10), and a value
-// rounded down reaches a float exactly when the value itself does: rounding c down changes no
-// comparison. c = max(a, (a + 1) / 2 rounded down) picks the form: for a below 1, (a + 1) / 2 > a,
-// and from 1 up it is at most a (at a = 1 - 2**-24 both are a).
-// On the GPU the half is one fused multiply-add rounded down; on the host (the check) it is
-// rounded down from fp64, where (a + 1) / 2 is exact.
-QT_HD uint32_t e2m1_code_sr_biased(float a, uint32_t r8) {
+// Two fp32 values to packed fp16 bits rounded toward zero (lo in the low half), for lo, hi >= 0 and
+// not NaN: one conversion on the GPU. The host form is that conversion's arithmetic: from 2**-14 up
+// the top 10 mantissa bits under the exponent rebiased, below it the integer part of x * 2**24
+// (fp16's subnormals), past the largest finite 65504 (toward zero) 0x7BFF, inf 0x7C00.
+QT_HD uint32_t f16x2_rz(float lo, float hi) {
 #if defined(__CUDA_ARCH__)
-  const float c = fmaxf(a, __fmaf_rd(a, 0.5f, 0.5f));
+  uint32_t d;
+  asm("cvt.rz.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
 #else
-  const double h = 0.5 * (static_cast<double>(a) + 1.0);
-  float hf = static_cast<float>(h);
-  if (static_cast<double>(hf) > h) hf = std::nextafter(hf, 0.f);
-  const float c = a > hf ? a : hf;
+  const auto one = [](float x) -> uint32_t {
+    const uint32_t b = f2u(x);
+    if (b >= 0x7F800000u) return 0x7C00u;
+    if (b >= 0x47800000u) return 0x7BFFu;
+    if (b >= 0x38800000u) return (b >> 13) - (112u << 10);
+    const uint32_t e = b >> 23;
+    return e < 103u ? 0u : ((b & 0x7FFFFFu) | 0x800000u) >> (126u - e);
+  };
+  return one(lo) | (one(hi) << 16);
 #endif
-  const uint32_t q = (f2u(c) + (r8 << 14)) >> 22;
-  return q < 259u ? q : 259u;
 }
 
-// e2m1_encode_sr(p, r8) through e2m1_code_sr_biased: NaN gives code 7, else the code and p's sign.
-QT_HD uint32_t e2m1_encode_sr_biased(float p, uint32_t r8) {
-  if (is_nan(p)) return 7u;
-  return (e2m1_code_sr_biased(abs_f(p), r8) - 252u) | (sign_bit(p) << 3);
+// Per 16-bit half, the unsigned min (one instruction on sm_90).
+QT_HD uint32_t min_u16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __vminu2(a, b);
+#else
+  const uint32_t alo = a & 0xFFFFu, blo = b & 0xFFFFu, ahi = a >> 16, bhi = b >> 16;
+  return (alo < blo ? alo : blo) | ((ahi < bhi ? ahi : bhi) << 16);
+#endif
+}
+
+// The E2M1 grid as fp16 positions. Read as an integer, the fp16 bit pattern of a * 2**-14 is a
+// linear position on each stretch of the grid: below 2 (a * 2**-14 below 2**-13: fp16's
+// subnormals and its first binade, one fixed point) it is 1024 a, on [2, 4) 2048 + 512 (a - 2),
+// on [4, 8) 3072 + 256 (a - 4). Every grid point is then a multiple of 512 (code k at 512 k:
+// 0.5 -> 512, 2 -> 2048, 6 -> 3584) and every grid step 512 units wide. Rounding toward zero
+// gives the integer part of the position, and stochastic rounding's step up (|v| - g >=
+// (1 - u) step, u = r8 / 256) is floor(position) + 2 r8 >= the next multiple of 512: both
+// sides are integers. So the code is (floor(position) + 2 r8) >> 9, capped at 4095 (code 7:
+// 6 and up), with no float comparison: one conversion for two elements, an add and a min per
+// pair. fp16's largest finite (past which rounding toward zero stays) and inf are above the cap,
+// and a position plus 2 r8 stays below 2**15, so the two halves of a word never carry into each
+// other.
+// The kernel scales the product itself: |v| * (enc * 2**-14) is r(|v| enc) * 2**-14 exactly
+// whenever enc * 2**-14 is a normal float (enc >= 2**-112) and the result is too; a result below
+// that (|v| enc below 2**-112) has position 0 either way, as does every a below 2**-9 with any r8.
+
+// The positions of a0 and a1 (a * 2**-14 each, a0 in the low half) plus 2 r8 each (r2 holds each
+// half's r8), capped at 4095: each half's code at its bits 9..11, zeros above.
+QT_HD uint32_t sr_positions(float a0, float a1, uint32_t r2) {
+  return min_u16x2(f16x2_rz(a0, a1) + r2 + r2, 0x0FFF0FFFu);
 }
 
 // Stochastic-rounding codes of one block, e2m1_encode_sr(v[i] * enc, sr_bits(key, c0 + i)), where
-// no product can be NaN (no NaN input, 0 < enc) and c0 % 16 == 0: the product's sign is v's, so
-// the sign nibbles (`signs`, sign_nibbles(v)) come from v and each code is added onto them, as in
-// nv_codes. The codes are added with their bias of 252, and the biases' sum, 252 * 0x11111111
-// modulo 2**32, is taken off each word once. Element j of a group takes byte j of its hash with
-// one permute (zeros above it).
+// no product can be NaN (no NaN input, 2**-112 <= enc <= FLT_MAX) and c0 % 16 == 0: the product's
+// sign is v's, so the sign nibbles (`signs`, sign_nibbles(v)) come from v and the codes are or-ed
+// onto them. Group g's hash holds the random bytes of elements 4g..4g+3; elements 4g and 4g + 2
+// share a word (the hash's bytes 0 and 2, by one permute, zeros between), 4g + 1 and 4g + 3
+// another (bytes 1 and 3). A code word then gathers byte 1 of each half (the code at its bits 1..3)
+// from two words of even elements and two of odd ones, and shifts and masks them into nibbles.
 QT_HD Codes nv_codes_sr(const float* v, Codes signs, float enc, uint32_t key, uint32_t c0) {
+  const float e = enc * 0x1p-14f;
   const uint32_t z = sr_block_key(key, c0);
-  uint32_t words[2] = {signs.x - 252u * 0x11111111u, signs.y - 252u * 0x11111111u};
+  uint32_t even[4], odd[4];  // sr_positions of group g's (4g, 4g + 2) and (4g + 1, 4g + 3)
 #pragma unroll
   for (uint32_t g = 0; g < 4; ++g) {
     const uint32_t h = sr_group_hash(z ^ g);
+    const uint32_t r02 = prmt(h, 0u, 0x4240u), r13 = prmt(h, 0u, 0x4341u);
+    const float* b = v + 4 * g;
+    even[g] = sr_positions(fabsf(b[0]) * e, fabsf(b[2]) * e, r02);
+    odd[g] = sr_positions(fabsf(b[1]) * e, fabsf(b[3]) * e, r13);
+  }
+  uint32_t words[2];
 #pragma unroll
-    for (uint32_t j = 0; j < 4; ++j) {
-      const uint32_t i = 4 * g + j;
-      words[i >> 3] += e2m1_code_sr_biased(fabsf(v[i]) * enc, prmt(h, 0u, 0x4440u | j)) << (4 * (i & 7));
-    }
+  for (int k = 0; k < 2; ++k) {
+    const uint32_t y = prmt(even[2 * k], even[2 * k + 1], 0x7531u);  // elements 0, 2, 4, 6 of the word
+    const uint32_t o = prmt(odd[2 * k], odd[2 * k + 1], 0x7531u);    // elements 1, 3, 5, 7
+    words[k] = (k ? signs.y : signs.x) | ((y >> 1) & 0x07070707u) | ((o << 3) & 0x70707070u);
   }
   return Codes{words[0], words[1]};
 }

@@ -133,6 +133,26 @@ def test_rht_all_finite_bf16_patterns(device):
     check_nvfp4(x, NVFP4Spec(rht=True, columnwise=True, stochastic_rounding=True), SRSeed(5, 9))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("share", [0.01, 0.3, 1.0])
+def test_rht_runs_past_the_fp32_range(device, share):
+    # Runs whose magnitudes span more than 2**12 cannot take the fp32 butterfly; the CUDA kernels
+    # send them through fp64 over half-warps, two runs a round. A share of the columns holds such
+    # runs (a few a warp, most of them, or all: rounds with both runs of a lane, and odd counts),
+    # the rest Gaussian ones. Wide runs mix magnitudes 2**-40 .. 2**40 and subnormals, where even
+    # the fp64 sums round: the kernels' fp64 butterfly takes the reference's operations in its
+    # order, so they round alike.
+    g = torch.Generator().manual_seed(int(share * 100))
+    x = torch.randn(256, 512, generator=g)
+    wide = torch.rand(512, generator=g) < share
+    mags = torch.exp2(torch.randint(-40, 41, (256, 512), generator=g).float())
+    tiny = torch.rand(256, 512, generator=g) < 0.05
+    spread = torch.where(tiny, x * 2.0**-130, x * mags)
+    x = torch.where(wide, spread, x).bfloat16().to(device)
+    check_nvfp4(x, NVFP4Spec(rht=True, columnwise=True))
+    check_nvfp4(x, NVFP4Spec(rht=True, columnwise=True, stochastic_rounding=True), SRSeed(7, 0))
+
+
 SR_SPECS = [NVFP4Spec(stochastic_rounding=True), NVFP4Spec(columnwise=True, stochastic_rounding=True),
             NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)]
 

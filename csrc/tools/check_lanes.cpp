@@ -11,9 +11,10 @@
 //   the stochastic-rounding forms of the CUDA tile kernel (quant_rows_math.h): the bytes of
 //   sr_group_hash of sr_block_key == sr_bits on the 16 counters of 2**16 blocks (keys and block
 //   starts from a counter hash, plus the starts before the hash input's carry into bit 16 and
-//   before the wrap at 2**32), and e2m1_code_sr_biased less its bias, with the sign nibble ==
-//   e2m1_encode_sr on every non-negative pattern swept below 16 with all 256 random bytes (from
-//   16 up, where every code is 7, with r8 = 0 and 255);
+//   before the wrap at 2**32), the code from sr_positions (fp16 positions), with the sign nibble,
+//   == e2m1_encode_sr on every non-negative pattern swept below 16 with all 256 random bytes (from
+//   16 up, where every code is 7, with r8 = 0 and 255), and nv_codes_sr == e2m1_encode_sr
+//   element by element on random blocks and block factors;
 //   mx_inv_exponent (the MXFP8 patch phase's multiplier exponent) == mx_inv_scale on the scale
 //   code of every amax pattern swept, under both rules;
 //   the 4over6 forms of the CUDA kernels (quant_rows_math.h): e2m1_envelope_low == e2m1_code_bits
@@ -33,6 +34,7 @@
 // disagreement (printed), 2 on bad arguments, 77 when this build's target (AVX2) is not
 // available on the CPU. Built by tests/test_cpu_lanes.py with the extension's flags, once for
 // baseline x86-64 (SSE2) and once with -mavx2: the two codegens of quant_cpu.cpp's clones.
+#include <cfloat>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
@@ -158,6 +160,13 @@ bool check_code(const char* name, bool full, Code code) {
   return ok;
 }
 
+uint32_t xorshift(uint32_t& x) {
+  x ^= x << 13;
+  x ^= x >> 17;
+  x ^= x << 5;
+  return x;
+}
+
 // The block hash of the stochastic rounding against sr_bits, counter by counter.
 bool check_sr_hash() {
   for (uint32_t j = 0; j < (1u << 16) + 4; ++j) {
@@ -178,8 +187,10 @@ bool check_sr_hash() {
   return true;
 }
 
-// The stochastic code of each non-negative, non-NaN pattern (inf included) with random bytes r8
-// (its sign nibble, the input's sign, is or-ed on by the kernel, so both signs are compared).
+// The stochastic code of each non-negative, non-NaN pattern (inf included) through sr_positions
+// (the pattern times 2**-14, as the kernel's product with enc = 1), with random bytes r8 in the low
+// half and 255 - r8 in the high one, against e2m1_encode_sr of either sign (the kernel or-s the
+// input's sign nibble on): all 256 bytes below 16, 0 and 255 from 16 up.
 bool check_sr_code(bool full) {
   const bool ok = sweep(full, [&](uint32_t u, bool consecutive) {
     uint32_t p[8];
@@ -188,24 +199,60 @@ bool check_sr_code(bool full) {
       const uint32_t b = p[i] & 0x7FFFFFFFu;
       if (b > 0x7F800000u || (!consecutive && (i & 4))) continue;  // NaN; sample: each low once
       const uint32_t last = b < 0x41800000u ? 255u : 1u;
+      const float a = u2f(b) * 0x1p-14f;
       for (uint32_t r = 0; r <= last; ++r) {
-        const uint32_t r8 = b < 0x41800000u ? r : 255u * r;
-        const uint32_t got = e2m1_code_sr_biased(u2f(b), r8) - 252u;
-        for (uint32_t sign = 0; sign < 2; ++sign) {
-          const uint32_t want = e2m1_encode_sr(u2f(b | (sign << 31)), r8);
-          if ((got | (sign << 3)) != want) {
-            std::printf("e2m1_code_sr_biased: pattern 0x%08" PRIx32 ", r8 %" PRIu32
-                        ": reference %" PRIu32 ", got %" PRIu32 "\n",
-                        b | (sign << 31), r8, want, got | (sign << 3));
-            return false;
+        const uint32_t r8[2] = {b < 0x41800000u ? r : 255u * r, 255u - (b < 0x41800000u ? r : 255u * r)};
+        const uint32_t pos = sr_positions(a, a, r8[0] | (r8[1] << 16));
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t half = (pos >> (16 * h)) & 0xFFFFu, got = half >> 9;
+          for (uint32_t sign = 0; sign < 2; ++sign) {
+            const uint32_t want = e2m1_encode_sr(u2f(b | (sign << 31)), r8[h]);
+            if (got > 7u || (got | (sign << 3)) != want) {
+              std::printf("sr_positions: pattern 0x%08" PRIx32 ", r8 %" PRIu32 ", half %d: reference %" PRIu32
+                          ", got position 0x%04" PRIx32 "\n", b | (sign << 31), r8[h], h, want, half);
+              return false;
+            }
           }
         }
       }
     }
     return true;
   });
-  std::printf("%-24s %s\n", "e2m1_code_sr_biased", ok ? "equal" : "DIFFERENT");
+  std::printf("%-24s %s\n", "sr_positions", ok ? "equal" : "DIFFERENT");
   return ok;
+}
+
+// nv_codes_sr against e2m1_encode_sr(v[i] * enc, sr_bits(key, c0 + i)) on 2**16 random blocks of
+// finite values (bf16 patterns over the whole exponent range, zeros and both signs), with block
+// factors over its domain (2**-112 .. FLT_MAX, both ends and 1 included): the pairing of the
+// hash's bytes, the gathering into nibbles, the signs and the product's scaling by 2**-14.
+bool check_sr_block() {
+  uint32_t rng = 0x2545F491u;
+  const float ends[] = {0x1p-112f, 1.f, FLT_MAX, 0x1.8p-100f};
+  for (uint32_t n = 0; n < (1u << 16); ++n) {
+    float v[16];
+    const uint32_t spread = xorshift(rng) % 40u;  // exponents within 2**spread of each other
+    const uint32_t top = 1u + xorshift(rng) % (254u - spread);
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t x = xorshift(rng);
+      const uint32_t e = top + (spread ? x % (spread + 1u) : 0u);
+      v[i] = (x >> 24) < 24u ? 0.f : u2f(((x & 0x80000000u) | (e << 23) | (x & 0x7F0000u)) & 0xFFFF0000u);
+    }
+    float enc = n < 4u ? ends[n] : u2f(0x07800000u + xorshift(rng) % (0x7F7FFFFFu - 0x07800000u));
+    if (n % 5u == 1u) enc = 0x1p-2f;
+    const uint32_t key = mix32(n), c0 = xorshift(rng) & ~15u;
+    const Codes got = nv_codes_sr(v, sign_nibbles(v), enc, key, c0);
+    for (uint32_t i = 0; i < 16; ++i) {
+      const uint32_t want = e2m1_encode_sr(v[i] * enc, sr_bits(key, c0 + i));
+      const uint32_t have = ((i < 8 ? got.x : got.y) >> (4 * (i & 7))) & 0xFu;
+      if (have != want) {
+        std::printf("nv_codes_sr: block %" PRIu32 ", element %" PRIu32 " 0x%08" PRIx32 ", enc 0x%08" PRIx32
+                    ": reference %" PRIu32 ", got %" PRIu32 "\n", n, i, f2u(v[i]), f2u(enc), want, have);
+        return false;
+      }
+    }
+  }
+  return true;
 }
 
 // mx_inv_exponent against mx_inv_scale on the scale code of every amax pattern swept (both signs'
@@ -242,13 +289,6 @@ bool check_div6(bool full) {
   });
   std::printf("%-24s %s\n", "div6", ok ? "equal" : "DIFFERENT");
   return ok;
-}
-
-uint32_t xorshift(uint32_t& x) {
-  x ^= x << 13;
-  x ^= x >> 17;
-  x ^= x << 5;
-  return x;
 }
 
 // sign_nibbles_packed (with its host form of prmt) against sign_nibbles of the unpacked bf16
@@ -415,6 +455,9 @@ int main(int argc, char** argv) {
   std::printf("%-24s %s\n", "sr_group_hash", hash ? "equal" : "DIFFERENT");
   ok = hash && ok;
   ok = check_sr_code(full) && ok;
+  const bool block = check_sr_block();
+  std::printf("%-24s %s\n", "nv_codes_sr", block ? "equal" : "DIFFERENT");
+  ok = block && ok;
   ok = check_mx_exponent(full) && ok;
   ok = check_code("e2m1_envelope_low", full, [](uint32_t b) {
     return b <= 0x40900000u ? e2m1_envelope_low(u2f(b)) - 0x4B000000u : e2m1_code_bits(b);  // a <= 4.5
