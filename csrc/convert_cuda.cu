@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kThreads) rht_amax_kernel(const T* x, int64_t 
         float v[16];
 #pragma unroll
         for (int i = 0; i < 16; ++i) v[i] = c ? PairWord<T>::hi(raw[i]) : PairWord<T>::lo(raw[i]);
-        rht16_fast(v, false);
+        rht16(v);
 #pragma unroll
         for (int i = 0; i < 16; ++i) cmax[c] = nan_max(cmax[c], abs_f(v[i]));
       }

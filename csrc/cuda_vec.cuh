@@ -151,15 +151,17 @@ __device__ __forceinline__ void store16(T* dst, const float* v) {
 // ---- RHT with an fp32 butterfly where it is exact ------------------------------------------------
 
 // The reference sums the 16-point transform in fp64. On bf16 inputs an fp32 butterfly gives the
-// same exact sums when the run's nonzero magnitudes are close: every partial sum is an integer
+// same exact sums y when the run's nonzero magnitudes are close: every partial sum is an integer
 // multiple of the smallest value's last bit, 2**(fmin - 134) (fmin its exponent field, subnormals
 // counted as 1), and below 16 * 2**(fmax - 126); that takes fmax - fmin + 12 <= 24 bits, so fmax
-// <= fmin + 12 suffices, and fmax <= 250 keeps every partial sum below FLT_MAX. The sum / 4 is
-// then exact in fp32 too, and its nearest-even bf16 is the reference's fp64 -> fp32 -> bf16.
+// <= fmin + 12 suffices. The kernels keep bf16(y), four times the result bf16(y / 4), and fold the
+// quarter into the block factor: that needs bf16(y / 4) normal or zero (a nonzero |y| is at least
+// 2**(fmin - 134), so fmin >= 10) and bf16(y) finite (|y| < 2**(fmax - 122), so fmax <= 249).
 // Bf16Range tracks two runs at once, one per 16-bit half of packed bf16 pairs: the max magnitude
 // bits, and the min of (magnitude bits - 1) with a zero dropping out. That min is kept on
 // a + 0x7FFF per half, read as signed 16-bit: a zero gives 0x7FFF (the largest), a nonzero a gives
 // 0x8000 + a - 1 (negative, ordered by a), and no carry crosses the halves since a <= 0x7FFF.
+// (From a - 1, a power of two's exponent reads one low: the test errs to the fp64 side.)
 struct Bf16Range {
   uint32_t hi = 0u, lo = 0x7FFF7FFFu;
   __device__ __forceinline__ void add(uint32_t w) {
@@ -170,21 +172,10 @@ struct Bf16Range {
   __device__ __forceinline__ bool f32_exact(int half) const {
     const uint32_t fmax = (hi >> (16 * half + 7)) & 0xFFu;
     // (lo ^ 0x8000) per half is min(a - 1), 0xFFFF when the run is all zeros
-    const uint32_t fmin = max(((lo ^ 0x80008000u) >> (16 * half + 7)) & 0xFFu, 1u);
-    return fmax <= 250u && fmax <= fmin + 12u;
+    const uint32_t fmin = ((lo ^ 0x80008000u) >> (16 * half + 7)) & 0xFFu;
+    return fmax <= 249u && fmin >= 10u && fmax <= fmin + 12u;
   }
 };
-
-// rht16 (quant_math.h), through the fp32 butterfly when the caller has shown it exact.
-__device__ __forceinline__ void rht16_fast(float* v, bool f32_exact) {
-  if (!f32_exact) {
-    rht16(v);
-    return;
-  }
-  signed_hadamard16(v);
-#pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = __bfloat162float(__float2bfloat16_rn(v[i] * 0.25f));
-}
 
 // The bf16 bits of (lo, hi), nearest-even, packed (lo in the low half): one conversion for both.
 __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
@@ -209,15 +200,15 @@ __device__ __forceinline__ void bf16x2_widen(const uint32_t* w, float (*v)[16]) 
 
 // The fp32 butterfly of two bf16 16-runs held as packed pairs (run 0 in the low halves of
 // w[0..15], run 1 in the high halves), in place, each result pair rounded by one conversion: w
-// becomes rht16 of each run where the run's range shows the fp32 sums exact (Bf16Range), and
+// becomes 4 x rht16 of each run, exactly, where the run's range passes Bf16Range::f32_exact, and
 // something to be replaced (rht16_lanes) where it does not.
-__device__ __forceinline__ void rht16x2_bf16_f32(uint32_t* w) {
+__device__ __forceinline__ void rht16x2_bf16_x4(uint32_t* w) {
   float v[2][16];
   bf16x2_widen(w, v);
   signed_hadamard16(v[0]);
   signed_hadamard16(v[1]);
 #pragma unroll
-  for (int i = 0; i < 16; ++i) w[i] = bf16x2_bits(v[0][i] * 0.25f, v[1][i] * 0.25f);
+  for (int i = 0; i < 16; ++i) w[i] = bf16x2_bits(v[0][i], v[1][i]);
 }
 
 // ---- RHT in fp64, one run over 16 lanes ------------------------------------------------------------
@@ -264,7 +255,7 @@ __device__ __forceinline__ void for_slow_runs(uint32_t slow0, uint32_t slow1, Ro
 // prmt's selector that puts the low 16 bits of its second operand into half h of its first.
 __device__ __forceinline__ uint32_t half_selector(int h) { return h ? 0x5410u : 0x3254u; }
 
-// The max |result| of the RHT of two bf16 16-runs held as packed pairs (as rht16x2_bf16_f32
+// The max |result| of the RHT of two bf16 16-runs held as packed pairs (as rht16x2_bf16_x4
 // holds them), packed the same way, exactly that of rht16 on each run. bf16(y / 4) is monotone
 // in |y|, so over a run whose fp32 sums are exact it is bf16(max |y| / 4), one rounding a run;
 // the other runs of the warp go through rht16_lanes (each lane of the half-warp gets its element

@@ -74,17 +74,24 @@ template <typename S, typename T>
 __device__ __forceinline__ void load_tile(const T* x, int64_t M, int64_t K, int64_t m0, int64_t k0,
                                           uint32_t stage) {
   // Thread t copies chunk t % kPerRow of rows t / kPerRow, + kRowStep, ...: one column offset,
-  // one source offset stepped by kRowStep rows, and the rows left compared in 32 bits.
+  // one source offset stepped by kRowStep rows, and, in a tile past an edge of x, the rows left
+  // compared in 32 bits (a whole tile, every one but the edges', takes no test at all).
   constexpr int kPerRow = S::kRowBytes / 16, kN = 16 / static_cast<int>(sizeof(T));
   constexpr int kRowStep = kThreads / kPerRow;
   const int r0 = threadIdx.x / kPerRow, c = threadIdx.x % kPerRow;
+  const int64_t step = kRowStep * K;
+  static_assert(kRowStep % 8 == 0, "the rows of one thread share their swizzle");
+  const uint32_t dst = stage + S::at(r0, 16 * c);
+  if (m0 + S::kRows <= M && k0 + S::kCols <= K) {  // a whole tile (uniform): no test per chunk
+    const T* src = x + (m0 * K + k0) + (r0 * K + c * kN);
+#pragma unroll
+    for (int l = 0; l < S::kChunks / kThreads; ++l) cp_async16(dst + l * kRowStep * S::kRowBytes, src + l * step, true);
+    return;
+  }
   const int64_t col = k0 + c * kN, left = M - m0 - r0;
   const int rows = left < S::kRows ? static_cast<int>(left) : S::kRows;  // > -kRowStep
   const bool col_ok = col < K;
   int64_t src = (m0 + r0) * K + col;  // an offset: the pointer is formed only in range
-  const int64_t step = kRowStep * K;
-  static_assert(kRowStep % 8 == 0, "the rows of one thread share their swizzle");
-  const uint32_t dst = stage + S::at(r0, 16 * c);
 #pragma unroll
   for (int l = 0; l < S::kChunks / kThreads; ++l, src += step) {
     const bool ok = col_ok && l * kRowStep < rows;
@@ -306,7 +313,8 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
   const int64_t R = a.K, C = a.M;
   constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
   float v[2][16];
-  float bam[2];
+  float bam[2];    // max |v[c]|
+  float unit[2] = {1.f, 1.f};  // v[c] * unit[c] are the run's values (0.25: v holds 4 x rht16)
   Codes signs[2];  // bf16: from the packed words, two runs at once
   bool packed_rht = false;  // bf16 RHT: both runs transformed on their packed pairs
   if constexpr (kBf16) packed_rht = f.rht;
@@ -318,9 +326,11 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
     const Bf16Range range = bf16x2_range(wd);
     const uint32_t slow0 = __ballot_sync(kFull, !range.f32_exact(0));
     const uint32_t slow1 = __ballot_sync(kFull, !range.f32_exact(1));
-    rht16x2_bf16_f32(wd);
+    rht16x2_bf16_x4(wd);
+    unit[0] = (slow0 >> p) & 1u ? 1.f : 0.25f;
+    unit[1] = (slow1 >> p) & 1u ? 1.f : 0.25f;
     // The runs whose fp32 sums may round, in fp64 over half-warps: element i of run h of lane l
-    // from the tile, and lane l takes result i into half h of wd[i].
+    // from the tile, and lane l takes result i (rht16's, unit 1) into half h of wd[i].
     for_slow_runs(slow0, slow1, [&](int ra, int rb) {
       const int run = p < 16 ? ra : (rb < 0 ? ra : rb);
       const float x = u2f(static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(
@@ -353,7 +363,7 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
     if (f.rht) {  // fp16 / fp32: the reference's fp64 butterfly
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        rht16_fast(v[c], false);
+        rht16(v[c]);
         bam[c] = absmax16(v[c]);
       }
     } else if constexpr (kBf16) {
@@ -370,15 +380,29 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
     }
   }
   const int64_t qcol0 = m0 + 16 * w;
-  if (f.b2d) bam[0] = bam[1] = lanes_absmax<1, 8>(u2f(max(f2u(bam[0]), f2u(bam[1]))));
+  // The blocks' amaxes (exact products: a run held times 4 has a max below 2**127 that is normal
+  // or zero), over the 16x16 tile in 2D.
+  float amax[2] = {bam[0] * unit[0], bam[1] * unit[1]};
+  if (f.b2d) amax[0] = amax[1] = lanes_absmax<1, 8>(u2f(max(f2u(amax[0]), f2u(amax[1]))));
   uint8_t sb[2];
   Codes codes[2];
   if constexpr (FO6 == 0) {
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int64_t qrow = k0 + 2 * p + c;
-      const float enc = nv_block_scale(a, nv, f.row_scaled, qrow, R, bam[c], &sb[c]);
-      codes[c] = nv_block_codes(nv, f.sr, v[c], signs[c], bam[c], enc, static_cast<uint32_t>(qrow * C + qcol0));
+      const float enc = nv_block_scale(a, nv, f.row_scaled, qrow, R, amax[c], &sb[c]);
+      // The codes take v[c] * (enc * unit[c]), the same product as the values times enc wherever
+      // enc * 0.25 is exact; below 2**-124 (huge inputs) v is brought to unit 1 instead, exactly
+      // (fmin >= 10 kept its values normal). Their block max, for the cap test, is in v's unit.
+      float venc = enc * unit[c];
+      if (unit[c] != 1.f && enc < 0x1p-124f) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) v[c][i] *= 0.25f;
+        venc = enc;
+        unit[c] = 1.f;
+      }
+      const float vmax = unit[c] == 1.f ? amax[c] : amax[c] * 4.f;
+      codes[c] = nv_block_codes(nv, f.sr, v[c], signs[c], vmax, venc, static_cast<uint32_t>(qrow * C + qcol0));
     }
   } else {
     constexpr bool kMse = FO6 == 2;
@@ -388,16 +412,16 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
       for (int c = 0; c < 2; ++c) {
         const int64_t qrow = k0 + 2 * p + c;
         const NvScale ts = nv_scale(qrow < R ? a.amax[qrow] : 0.f, a.bound);
-        sb[c] = fo6_block<kMse>(v[c], bam[c], ts, six_b, &codes[c]);
+        sb[c] = fo6_block<kMse>(v[c], amax[c], ts, six_b, &codes[c]);
       }
     } else if (!f.b2d) {
 #pragma unroll
       for (int c = 0; c < 2; ++c)
-        sb[c] = fo6_block_tab<kMse, kThreads>(v[c], bam[c], ts_all, six_b, nv.fo6, nv.col6, nv.col4, &codes[c]);
+        sb[c] = fo6_block_tab<kMse, kThreads>(v[c], amax[c], ts_all, six_b, nv.fo6, nv.col6, nv.col4, &codes[c]);
     } else {  // one choice per 16x16 tile (2D excludes row scaling: one tensor scale)
       // Every lane of the warp runs the shuffles below (tiles of one warp may differ in whether
       // s6 == s4; equal candidates give equal errors, so the choice is then map-to-6 anyway).
-      const Fo6Cand t = fo6_prepare<kThreads>(bam[0], ts_all, nv.fo6, nv.col6, nv.col4);
+      const Fo6Cand t = fo6_prepare<kThreads>(amax[0], ts_all, nv.fo6, nv.col6, nv.col4);
       const uint8_t s6 = t.s6, s4 = t.s4;
       Codes c6[2], c4[2];
       float e6[2], e4[2];

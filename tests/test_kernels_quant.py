@@ -23,6 +23,7 @@ from conftest import (
 from qtensor.formats import mxfp4, mxfp8, nvfp4, scale_layout
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec, SRSeed
+from qtensor.formats.rht import RHT_SIGNS
 from qtensor.ops import quant as Q
 
 pytestmark = pytest.mark.skipif(Q.EXTENSION_ERROR is not None, reason="qtensor._C is not built")
@@ -151,6 +152,28 @@ def test_rht_runs_past_the_fp32_range(device, share):
     x = torch.where(wide, spread, x).bfloat16().to(device)
     check_nvfp4(x, NVFP4Spec(rht=True, columnwise=True))
     check_nvfp4(x, NVFP4Spec(rht=True, columnwise=True, stochastic_rounding=True), SRSeed(7, 0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spec", [NVFP4Spec(rht=True, columnwise=True, block_2d=True),
+                                  NVFP4Spec(rht=True, columnwise=True, block_2d=True, stochastic_rounding=True)],
+                         ids=str)
+def test_rht_2d_tiles_beside_a_huge_run(device, spec):
+    # The CUDA kernels keep a run whose fp32 sums are exact as 4 x its transform and fold the
+    # quarter into the block factor. A 2D tile shares its scale with a run of 2**125 (through fp64:
+    # its exponent is past the fp32 range), whose transform 2**127 is the tensor amax, so the
+    # factor 6 / 2**127 of the tile's ordinary runs has no exact quarter: they fall back to
+    # their own scale. Every column of a tile holds ordinary runs but the first.
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 256, generator=g)
+    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32)
+    x[16:32, 0] = signs * 2.0**125
+    x[32:48, 16:32] = signs[:, None] * 2.0**125  # a whole tile of them
+    x = x.bfloat16().to(device)
+    sr = SRSeed(3, 0) if spec.stochastic_rounding else None
+    check_nvfp4(x, spec, sr)
+    ref = nvfp4.quantize(x, spec, sr)
+    assert float(ref.amax) == 2.0**127
 
 
 SR_SPECS = [NVFP4Spec(stochastic_rounding=True), NVFP4Spec(columnwise=True, stochastic_rounding=True),
