@@ -83,7 +83,8 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* x, int64_t M, i
   }
 }
 
-// The amax after RHT (columnwise: 16-runs down each column). Lane l of a warp takes columns 2l and
+// The amax after RHT (columnwise: 16-runs down each column) of fp16 and fp32 inputs, and per column
+// (bf16's one amax runs in quant_cuda.cu's tile kernel, rht_amax_tiles_cuda). Lane l of a warp takes columns 2l and
 // 2l+1 of 64, one 4- or 8-byte word per row, so that a lane holds 16 words and one 16-run at a
 // time in registers (with 8 columns a lane, the fp64 fallback's registers left one CTA per SM).
 // mode 0: one amax; 2: one per input column.
@@ -155,6 +156,10 @@ at::Tensor amax_cuda(const at::Tensor& x, bool columnwise, bool rht, bool per_ro
   const int mode = !per_row ? 0 : (columnwise ? 2 : 1);
   if (!rht && mode != 2) {  // one amax or one per input row: streamed, no 16-row panels
     amax_rows_cuda(x2, per_row, out);
+    return out;
+  }
+  if (rht && mode == 0 && x.scalar_type() == at::kBFloat16) {  // the gradients' scale: the tile kernel
+    rht_amax_tiles_cuda(x2, out);
     return out;
   }
   dispatch_float(x.scalar_type(), op, [&](auto tag) {

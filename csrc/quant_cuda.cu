@@ -145,6 +145,7 @@ enum NvMode : int {
   kNvRowSr,     // rowwise, stochastic rounding: gradients for dgrad
   kNvCol2d,     // 2D, columnwise and rowwise: weights
   kNvRow2d,
+  kNvAmaxRht,   // no codes: the amax after RHT of the runs down the columns (bf16), for the scale
 };
 
 // The fixed flags of each mode but kNvAny, in NvMode's order (col, b2d, rht, sr, row_scaled).
@@ -155,6 +156,7 @@ constexpr NvFlags kNvModeFlags[] = {
     {false, false, false, true, false},
     {true, true, false, false, false},
     {false, true, false, false, false},
+    {true, false, true, false, false},
 };
 
 template <int MODE>
@@ -163,7 +165,7 @@ __device__ __forceinline__ NvFlags nv_flags(const NvFlags& f) {
   else return kNvModeFlags[MODE];
 }
 
-// The mode whose fixed flags are f's, else kNvAny.
+// The quantizing mode whose fixed flags are f's, else kNvAny.
 inline int nv_mode(const NvFlags& f) {
   for (int m = kNvAny + 1; m <= kNvRow2d; ++m) {
     const NvFlags& g = kNvModeFlags[m];
@@ -182,6 +184,7 @@ struct TileArgs {
   int nv_4o6, bound;
   const int64_t* sr_state;  // stochastic rounding's (seed, offset) in device memory, or nullptr
   uint8_t *nv_q, *nv_s;
+  unsigned* amax_out;  // kNvAmaxRht: the fp32 amax's bits, raised by atomicMax
   // MXFP8
   int rule;
   uint8_t *mxr_q, *mxr_s, *mxc_q, *mxc_s;
@@ -798,6 +801,20 @@ __device__ __forceinline__ void mx_patch_phase(const TileArgs& a, unsigned char*
   }
 }
 
+// ---- the amax after RHT ------------------------------------------------------------------------------
+
+// Lane p of warp w transforms columns 2p and 2p+1 of tile rows 16w..16w+15 (bf16, packed pairs) and
+// returns both runs' max |result| bits. Rows and columns past x's edges were zero-filled: their
+// transform is zero.
+__device__ __forceinline__ uint32_t rht_amax_phase(const unsigned char* tile) {
+  using S = Stage<at::BFloat16>;
+  const int p = threadIdx.x & 31, w = threadIdx.x >> 5;
+  uint32_t wd[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) wd[i] = *reinterpret_cast<const uint32_t*>(tile + S::at(16 * w + i, 4 * p));
+  return rht16x2_bf16_absmax(wd);
+}
+
 // ---- the tile walk ---------------------------------------------------------------------------------
 
 // The grid step in tiles, as whole rows of tiles and the remainder.
@@ -847,7 +864,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
   NvShared nv{NvScale{}, enc_of, 0u, 0u, fo6_bytes, &fo6_cols[0][0][threadIdx.x], &fo6_cols[1][0][threadIdx.x]};
   NvFlags f = nv_flags<MODE>(a.nv);
   if constexpr (FO6 != 0) f.rht = f.sr = false;  // 4over6 excludes both (check_nv_options)
-  if constexpr (NV) {
+  constexpr bool kAmax = MODE == kNvAmaxRht;
+  uint32_t run_max = 0u;  // kAmax: the max |result| bits of this thread's runs, one per 16-bit half
+  if constexpr (NV && !kAmax) {
     static_assert(kThreads == 256, "one scale byte a thread");
     if (!f.row_scaled) {
       nv.ts = nv_scale(a.amax[0], a.bound);
@@ -892,7 +911,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
     cur.advance(by);
     if constexpr (MXC) mx_patch_phase<T, MXR>(a, tile, mx_rs, m0, k0);
     else if constexpr (MXR) mx_row_phase<T>(a, tile, mx_rows);
-    if constexpr (NV) {
+    if constexpr (kAmax) {
+      run_max = __vmaxu2(run_max, rht_amax_phase(tile));
+    } else if constexpr (NV) {
       if (f.col) nv_col_phase<T, FO6>(a, f, tile, nv_out, nv, m0, k0);
       else nv_row_phase<T, FO6>(a, f, tile, nv, m0, k0);
     }
@@ -902,6 +923,12 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
     stage = stage == kStages - 1 ? 0 : stage + 1;
   }
   cp_async_wait<0>();
+  if constexpr (kAmax) {  // integer max of magnitude bits: torch.amax's order, NaN above inf
+    uint32_t m = max(run_max & 0xFFFFu, run_max >> 16);
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) m = max(m, __shfl_xor_sync(kFull, m, o));
+    if ((threadIdx.x & 31) == 0) atomicMax(a.amax_out, m << 16);
+  }
 }
 
 // The persistent grid: as many CTAs as fit on the device at once (read once per device), each
@@ -972,6 +999,19 @@ void run_tiles(const at::Tensor& x2, TileArgs& a, bool nv, bool mxr, bool mxc) {
     }
   });
 }
+
+}  // namespace
+
+void rht_amax_tiles_cuda(const at::Tensor& x2, at::Tensor& out) {
+  TileArgs a{};
+  a.x = x2.data_ptr();
+  a.M = x2.size(0);
+  a.K = x2.size(1);
+  a.amax_out = reinterpret_cast<unsigned*>(out.data_ptr<float>());
+  launch_tiles<at::BFloat16, true, 0, false, false, kNvAmaxRht>(a);
+}
+
+namespace {
 
 TileArgs nv_args(const at::Tensor& amax, bool columnwise, bool block_2d, int64_t fourover6,
                  int64_t bound, bool rht, bool stochastic, const int64_t* sr_state,

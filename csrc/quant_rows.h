@@ -2,6 +2,7 @@
 // shared-memory tile, so each thread reads its own blocks with 16-byte loads and writes its codes
 // with one vector store. quant_cuda.cu validates the arguments, allocates the outputs and routes
 // here; every other mode (columnwise, 2D, RHT, stochastic rounding, fused MXFP8) stays there.
+// The amax ops of convert_cuda.cu call in here too.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,5 +19,10 @@ void mxfp8_rows_cuda(const at::Tensor& x2, int64_t rule, at::Tensor& q, at::Tens
 
 // max |x| of x2 into out (fp32, zero-initialised): one value, or one per row of x2.
 void amax_rows_cuda(const at::Tensor& x2, bool per_row, at::Tensor& out);
+
+// quant_cuda.cu's: the one max |rht16| over the 16-runs down the columns of the bf16 x2 [M, K]
+// (M % 16 == 0, K % 16 == 0) into out (fp32 scalar, zero-initialised), by the tile kernel, whose
+// cp.async ring keeps the loads in flight while the runs are transformed.
+void rht_amax_tiles_cuda(const at::Tensor& x2, at::Tensor& out);
 
 }  // namespace qtensor

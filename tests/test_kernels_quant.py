@@ -176,6 +176,23 @@ def test_rht_2d_tiles_beside_a_huge_run(device, spec):
     assert float(ref.amax) == 2.0**127
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [[float("inf")], [float("inf"), -float("inf")], [float("nan")]],
+                         ids=["inf", "inf_and_minus_inf", "nan"])
+def test_amax_after_rht_of_non_finite_runs(device, bad):
+    # A run with inf goes through fp64 (its exponent is past the fp32 range): its transform holds
+    # inf, or NaN where inf meets -inf in the butterfly; the amax is then inf or NaN.
+    g = torch.Generator().manual_seed(len(bad))
+    x = torch.randn(320, 192, generator=g)
+    for i, b in enumerate(bad):
+        x[35 + 3 * i, 70] = b
+    x = x.bfloat16()
+    ref = nvfp4.quantize(x, NVFP4Spec(rht=True, columnwise=True)).amax
+    got = Q.amax(x.to(device), columnwise=True, rht=True)
+    assert_bits_equal_nan(got.cpu(), ref, f"amax after RHT with {bad}")
+    assert not torch.isfinite(ref)
+
+
 SR_SPECS = [NVFP4Spec(stochastic_rounding=True), NVFP4Spec(columnwise=True, stochastic_rounding=True),
             NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)]
 
