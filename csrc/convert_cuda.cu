@@ -83,10 +83,11 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* x, int64_t M, i
   }
 }
 
-// The amax after RHT (columnwise: 16-runs down each column) of fp16 and fp32 inputs, and per column
-// (bf16's one amax runs in quant_cuda.cu's tile kernel, rht_amax_tiles_cuda). Lane l of a warp takes columns 2l and
-// 2l+1 of 64, one 4- or 8-byte word per row, so that a lane holds 16 words and one 16-run at a
-// time in registers (with 8 columns a lane, the fp64 fallback's registers left one CTA per SM).
+// The amax after RHT (columnwise: 16-runs down each column) of fp16 and fp32 inputs, and per
+// column (bf16's one amax runs in quant_cuda.cu's tile kernel, rht_amax_tiles_cuda). Lane l of a
+// warp takes columns 2l and 2l+1 of 64, one 4- or 8-byte word per row, so that a lane holds 16
+// words and one 16-run at a time in registers (with 8 columns a lane, the fp64 fallback's
+// registers left one CTA per SM).
 // mode 0: one amax; 2: one per input column.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) rht_amax_kernel(const T* x, int64_t M, int64_t K, int mode,

@@ -231,7 +231,8 @@ __device__ __forceinline__ float nv_block_scale(const TileArgs& a, const NvShare
 // Codes of one block at its factor enc (plain or stochastic rounding); bam is its amax (the 16x16
 // tile's in 2D). Stochastic rounding draws element i's bits at counter nv.base + offset + i; the
 // offset is a multiple of 16, so the block's counters start on one whenever nv.base does (the
-// training modules keep it at 0 and move the seed on), and nv_codes_sr hashes them in fewer steps.
+// training modules keep it at 0 and move the seed on), and nv_codes_sr hashes them in fewer steps
+// (in its domain: no NaN, enc >= 2**-112); any other block takes the scalar e2m1_encode_sr.
 // `signs` is sign_nibbles(v), which the caller may have formed from packed words.
 __device__ __forceinline__ Codes nv_block_codes(const NvShared& nv, bool sr, const float* v, Codes signs, float bam,
                                                 float enc, uint32_t offset) {
