@@ -175,6 +175,13 @@ struct Bf16Range {
     const uint32_t fmin = ((lo ^ 0x80008000u) >> (16 * half + 7)) & 0xFFu;
     return fmax <= 249u && fmin >= 10u && fmax <= fmin + 12u;
   }
+  // Whether rht_sum_error_bound applies to the run, and the bound (meaningless where not).
+  __device__ __forceinline__ bool bounded(int half) const {
+    return rht_bound_applies((hi >> (16 * half + 7)) & 0xFFu);
+  }
+  __device__ __forceinline__ float sum_error_bound(int half) const {
+    return rht_sum_error_bound((hi >> (16 * half + 7)) & 0xFFu);
+  }
 };
 
 // The bf16 bits of (lo, hi), nearest-even, packed (lo in the low half): one conversion for both.
@@ -200,15 +207,33 @@ __device__ __forceinline__ void bf16x2_widen(const uint32_t* w, float (*v)[16]) 
 
 // The fp32 butterfly of two bf16 16-runs held as packed pairs (run 0 in the low halves of
 // w[0..15], run 1 in the high halves), in place, each result pair rounded by one conversion: w
-// becomes 4 x rht16 of each run, exactly, where the run's range passes Bf16Range::f32_exact, and
-// something to be replaced (rht16_lanes) where it does not.
-__device__ __forceinline__ void rht16x2_bf16_x4(uint32_t* w) {
+// becomes 4 x rht16 of each run, exactly, where the run's range passes Bf16Range::f32_exact.
+// Other runs' results may be off; with kPin each result is also tested against its run's error
+// bound (Bf16Range::sum_error_bound: rht_rounding_pinned, on both runs by one conversion of each
+// end), and bit h of the return is set where some result of run h is not pinned, or the bound does
+// not apply. Those runs are to be replaced (rht16_lanes); the pinned ones are exact.
+template <bool kPin = false>
+__device__ __forceinline__ uint32_t rht16x2_bf16_x4(uint32_t* w, const Bf16Range& range = {}) {
   float v[2][16];
   bf16x2_widen(w, v);
   signed_hadamard16(v[0]);
   signed_hadamard16(v[1]);
+  float e[2] = {0.f, 0.f};
+  if constexpr (kPin) {
+    e[0] = range.sum_error_bound(0);
+    e[1] = range.sum_error_bound(1);
+  }
+  uint32_t moved = 0u;  // bits where an end of the interval rounds away from the result
 #pragma unroll
-  for (int i = 0; i < 16; ++i) w[i] = bf16x2_bits(v[0][i], v[1][i]);
+  for (int i = 0; i < 16; ++i) {
+    w[i] = bf16x2_bits(v[0][i], v[1][i]);
+    if constexpr (kPin)
+      moved |= (bf16x2_bits(v[0][i] - e[0], v[1][i] - e[1]) ^ w[i]) |
+               (bf16x2_bits(v[0][i] + e[0], v[1][i] + e[1]) ^ w[i]);
+  }
+  if constexpr (!kPin) return 0u;
+  return ((moved & 0xFFFFu) != 0u || !range.bounded(0) ? 1u : 0u) |
+         ((moved >> 16) != 0u || !range.bounded(1) ? 2u : 0u);
 }
 
 // ---- RHT in fp64, one run over 16 lanes ------------------------------------------------------------
@@ -257,13 +282,16 @@ __device__ __forceinline__ uint32_t half_selector(int h) { return h ? 0x5410u : 
 
 // The max |result| of the RHT of two bf16 16-runs held as packed pairs (as rht16x2_bf16_x4
 // holds them), packed the same way, exactly that of rht16 on each run. bf16(y / 4) is monotone
-// in |y|, so over a run whose fp32 sums are exact it is bf16(max |y| / 4), one rounding a run;
-// the other runs of the warp go through rht16_lanes (each lane of the half-warp gets its element
-// from the owner's word by a shuffle) and a max over the 16 lanes. Every lane of the warp calls it.
+// in |y|, so over a run whose fp32 sums are exact it is bf16(max |y| / 4), one rounding a run.
+// Over a run whose sums may round, the fp32 max is within the run's error bound of the
+// reference's max |S| (each sum is), and it is the same where the bound pins its rounding
+// (rht_rounding_pinned). The other runs of the warp go through rht16_lanes (each lane of the
+// half-warp gets its element from the owner's word by a shuffle) and a max over the 16 lanes.
+// Every lane of the warp calls it.
 __device__ __forceinline__ uint32_t rht16x2_bf16_absmax(const uint32_t* w) {
   const Bf16Range range = bf16x2_range(w);
-  const uint32_t slow0 = __ballot_sync(kFull, !range.f32_exact(0));
-  const uint32_t slow1 = __ballot_sync(kFull, !range.f32_exact(1));
+  uint32_t slow0 = __ballot_sync(kFull, !range.f32_exact(0));
+  uint32_t slow1 = __ballot_sync(kFull, !range.f32_exact(1));
   float v[2][16];
   bf16x2_widen(w, v);
   signed_hadamard16(v[0]);
@@ -275,6 +303,13 @@ __device__ __forceinline__ uint32_t rht16x2_bf16_absmax(const uint32_t* w) {
     m1 = fmaxf(m1, fabsf(v[1][i]));
   }
   uint32_t m = bf16x2_bits(m0 * 0.25f, m1 * 0.25f);
+  if ((slow0 | slow1) != 0u) {
+    const float e0 = range.sum_error_bound(0), e1 = range.sum_error_bound(1);
+    const uint32_t r = bf16x2_bits(m0, m1);
+    const uint32_t moved = (bf16x2_bits(m0 - e0, m1 - e1) ^ r) | (bf16x2_bits(m0 + e0, m1 + e1) ^ r);
+    slow0 &= __ballot_sync(kFull, (moved & 0xFFFFu) != 0u || !range.bounded(0));
+    slow1 &= __ballot_sync(kFull, (moved >> 16) != 0u || !range.bounded(1));
+  }
   const int lane = threadIdx.x & 31, i = lane & 15;
   for_slow_runs(slow0, slow1, [&](int a, int b) {
     const int run = lane < 16 ? a : (b < 0 ? a : b);

@@ -328,13 +328,19 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
     for (int i = 0; i < 16; ++i)
       wd[i] = *reinterpret_cast<const uint32_t*>(tile + Stage<T>::at(16 * w + i, 4 * p));
     const Bf16Range range = bf16x2_range(wd);
-    const uint32_t slow0 = __ballot_sync(kFull, !range.f32_exact(0));
-    const uint32_t slow1 = __ballot_sync(kFull, !range.f32_exact(1));
-    rht16x2_bf16_x4(wd);
+    uint32_t slow0 = __ballot_sync(kFull, !range.f32_exact(0));
+    uint32_t slow1 = __ballot_sync(kFull, !range.f32_exact(1));
+    if ((slow0 | slow1) == 0u) {
+      rht16x2_bf16_x4(wd);
+    } else {  // keep the runs whose results the error bound pins
+      const uint32_t open = rht16x2_bf16_x4<true>(wd, range);
+      slow0 &= __ballot_sync(kFull, (open & 1u) != 0u);
+      slow1 &= __ballot_sync(kFull, (open & 2u) != 0u);
+    }
     unit[0] = (slow0 >> p) & 1u ? 1.f : 0.25f;
     unit[1] = (slow1 >> p) & 1u ? 1.f : 0.25f;
-    // The runs whose fp32 sums may round, in fp64 over half-warps: element i of run h of lane l
-    // from the tile, and lane l takes result i (rht16's, unit 1) into half h of wd[i].
+    // The runs left, in fp64 over half-warps: element i of run h of lane l from the tile, and
+    // lane l takes result i (rht16's, unit 1) into half h of wd[i].
     for_slow_runs(slow0, slow1, [&](int ra, int rb) {
       const int run = p < 16 ? ra : (rb < 0 ? ra : rb);
       const float x = u2f(static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(
@@ -397,7 +403,8 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
       const float enc = nv_block_scale(a, nv, f.row_scaled, qrow, R, amax[c], &sb[c]);
       // The codes take v[c] * (enc * unit[c]), the same product as the values times enc wherever
       // enc * 0.25 is exact; below 2**-124 (huge inputs) v is brought to unit 1 instead, exactly
-      // (fmin >= 10 kept its values normal). Their block max, for the cap test, is in v's unit.
+      // (the fp32 range test, or the error bound that pinned a run, kept its values normal or
+      // zero). Their block max, for the cap test, is in v's unit.
       float venc = enc * unit[c];
       if (unit[c] != 1.f && enc < 0x1p-124f) {
 #pragma unroll

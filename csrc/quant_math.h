@@ -233,6 +233,24 @@ QT_HD void rht16(float* v) {
   for (int i = 0; i < 16; ++i) v[i] = bf16_round(static_cast<float>(d[i] * 0.25));
 }
 
+// Where an fp32 butterfly of a run (signed_hadamard16<float>, no quarter: S = 4 y) may round,
+// its results still fix most of the reference's: each fp32 sum is within rht_sum_error_bound of
+// the reference's fp64 sum, and where both ends of that interval round to the same bf16, so does
+// the reference. The bound: stage s (1..4) of the butterfly rounds a partial sum below
+// 2**s * 2**(fmax - 126) (fmax the run's largest exponent field) by at most half its ulp,
+// 2**(s - 1) * 2**(fmax - 150), and each output takes one partial sum of every stage with
+// coefficient +-1: 15 * 2**(fmax - 150) in all. The reference's own fp64 rounding (spreads past
+// 2**45) adds under 2**-28 of that; 2**(fmax - 146) covers both. Both roundings, fp64 -> fp32 and
+// fp32 -> bf16, are monotone, so the reference's bf16(fp32(S)) lies between those of the ends.
+// A result pinned this way is at least the bound in magnitude (ends of different signs round
+// apart), so with fmax >= 24 it is a normal 4 x bf16(y): bf16(fp32(S / 4)) = bf16(fp32(S)) / 4.
+// fmax <= 249 keeps every sum finite.
+QT_HD bool rht_bound_applies(uint32_t fmax) { return fmax >= 24u && fmax <= 249u; }
+QT_HD float rht_sum_error_bound(uint32_t fmax) { return u2f((fmax - 19u) << 23); }  // 2**(fmax - 146)
+QT_HD bool rht_rounding_pinned(float s, float bound) {
+  return f2u(bf16_round(s - bound)) == f2u(bf16_round(s + bound));
+}
+
 // ---- NVFP4 -----------------------------------------------------------------------------------
 
 struct NvScale {

@@ -57,7 +57,7 @@ def test_lanes_equal_scalar_math(tmp_path, codegen):
         "e2m1_code_fma": "equal", "e2m1_code_fma_small": "equal", "sr_group_hash": "equal",
         "sr_positions": "equal", "nv_codes_sr": "equal", "mx_inv_exponent": "equal", "e2m1_envelope_low": "equal",
         "div6": "equal", "sign_nibbles_packed": "equal", "sign_nibbles_cols": "equal",
-        "fo6_block_tab": "equal"}
+        "fo6_block_tab": "equal", "rht_rounding_pinned": "equal"}
 
 
 def test_a_wrong_tie_rule_is_caught(tmp_path):
@@ -74,3 +74,19 @@ def test_a_wrong_tie_rule_is_caught(tmp_path):
     res = run(build(tmp_path / "tools" / "check_lanes.cpp", tmp_path / "check", "baseline"))
     assert res.returncode == 1
     assert "e4m3_lanes: pattern 0x" in res.stdout and "e2m1_lanes               equal" in res.stdout
+
+
+def test_a_small_rht_error_bound_is_caught(tmp_path):
+    """Negative control: the RHT's fp32 error bound a quarter of what it must be."""
+    (tmp_path / "tools").mkdir()
+    for header in CSRC.glob("*.h"):
+        shutil.copy(header, tmp_path)
+    shutil.copy(CSRC / "tools" / "check_lanes.cpp", tmp_path / "tools")
+    math_h = tmp_path / "quant_math.h"
+    text = math_h.read_text()
+    bound = "return u2f((fmax - 19u) << 23);"
+    assert bound in text
+    math_h.write_text(text.replace(bound, "return u2f((fmax - 21u) << 23);"))
+    res = run(build(tmp_path / "tools" / "check_lanes.cpp", tmp_path / "check", "baseline"))
+    assert res.returncode == 1
+    assert "rht_sum_error_bound: run " in res.stdout and "fo6_block_tab            equal" in res.stdout

@@ -23,7 +23,7 @@ from conftest import (
 from qtensor.formats import mxfp4, mxfp8, nvfp4, scale_layout
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec, SRSeed
-from qtensor.formats.rht import RHT_SIGNS
+from qtensor.formats.rht import RHT_SIGNS, apply_rht
 from qtensor.ops import quant as Q
 
 pytestmark = pytest.mark.skipif(Q.EXTENSION_ERROR is not None, reason="qtensor._C is not built")
@@ -152,6 +152,47 @@ def test_rht_runs_past_the_fp32_range(device, share):
     x = torch.where(wide, spread, x).bfloat16().to(device)
     check_nvfp4(x, NVFP4Spec(rht=True, columnwise=True))
     check_nvfp4(x, NVFP4Spec(rht=True, columnwise=True, stochastic_rounding=True), SRSeed(7, 0))
+
+
+def runs_near_bf16_ties(seed: int, rows: int = 256, cols: int = 128) -> torch.Tensor:
+    """bf16 [rows, cols] whose 16-runs down each column hold 2**t and +-2**(t - 8), so that their
+    transforms sit on a bf16 half-way point (1 + 2**-8), or on a representable value, scaled; the
+    other 14 elements are tiny and decide the rounding: near the sums' last fp32 bit (2**(t - 28)
+    .. 2**(t - 17), where the fp32 butterfly rounds them) or far below it (down to 2**(t - 90))."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (rows // 16, 16, cols)
+
+    def signs(*size):
+        return torch.randint(0, 2, size, generator=g).double() * 2 - 1
+
+    t = torch.randint(-10, 10, (rows // 16, 1, cols), generator=g).double()
+    near = torch.randint(17, 29, shape, generator=g)
+    far = torch.randint(30, 91, shape, generator=g)
+    drop = torch.where(torch.rand(shape, generator=g) < 0.5, near, far).double()
+    mant = 1 + torch.randint(0, 128, shape, generator=g).double() / 128
+    runs = signs(*shape) * mant * torch.exp2(t - drop)
+    runs[:, :1] = signs(rows // 16, 1, cols) * torch.exp2(t)
+    i1 = torch.randint(1, 16, (rows // 16, 1, cols), generator=g)
+    runs.scatter_(1, i1, signs(rows // 16, 1, cols) * torch.exp2(t - 8))
+    x = runs.reshape(rows, cols)
+    assert torch.equal(x.bfloat16().double(), x)
+    return x.bfloat16()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rht_sums_near_bf16_ties(device, seed):
+    # The CUDA kernels keep an fp32 butterfly's result of a run outside the fp32 range where its
+    # error bound pins the bf16 rounding, and send the run through fp64 where a result may round
+    # either way: here most runs have a result on a half-way point up to their tiny elements.
+    # Codes, scales, the amax after RHT and its per-column form.
+    x = runs_near_bf16_ties(seed).to(device)
+    check_nvfp4(x, NVFP4Spec(rht=True, columnwise=True))
+    check_nvfp4(x, NVFP4Spec(rht=True, columnwise=True, stochastic_rounding=True), SRSeed(seed, 3))
+    check_nvfp4(x, NVFP4Spec(rht=True, columnwise=True, block_2d=True))
+    ref = apply_rht(x.cpu().t().contiguous()).float().abs().amax(dim=1)
+    got = Q.amax(x, columnwise=True, rht=True, per_row=True)
+    assert_bits_equal(got.cpu(), ref, "per-column amax after RHT")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -36,6 +36,7 @@
 // baseline x86-64 (SSE2) and once with -mavx2: the two codegens of quant_cpu.cpp's clones.
 #include <cfloat>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 
@@ -255,6 +256,94 @@ bool check_sr_block() {
   return true;
 }
 
+// rht_rounding_pinned (the CUDA kernels' test for runs outside the fp32 range): on runs of every
+// spread, each fp32 butterfly result that its run's error bound pins, held times 4, is rht16's
+// result exactly, and so is the run's max |result| where the bound pins the fp32 max. Families:
+// wide random spreads (13 to 120 exponent steps, subnormals and zeros among them), and sums put
+// on a bf16 half-way point by two large elements with tiny ones deciding the rounding (the fp32
+// butterfly loses or rounds them). Most results of the first must be pinned, and some of the
+// second not; a bound 4 times too small fails.
+bool check_rht_pinned() {
+  uint32_t rng = 0x6C8E9CF5u;
+  uint64_t wide = 0, wide_pinned = 0, tie = 0, tie_pinned = 0;
+  double worst = 0.0;  // the largest |fp32 sum - fp64 sum| seen, in bounds
+  for (uint32_t n = 0; n < (1u << 17); ++n) {
+    const bool ties = n % 4u == 3u;
+    float x[16];
+    const uint32_t spread = 13u + xorshift(rng) % 108u;
+    const uint32_t top = 24u + xorshift(rng) % 226u;  // the bound's domain: fmax in [24, 249]
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t r = xorshift(rng);
+      const uint32_t e = top > (r >> 8) % (spread + 1u) ? top - (r >> 8) % (spread + 1u) : 0u;
+      x[i] = (r >> 28) == 0u ? 0.f : u2f(((r & 0x80000000u) | (e << 23) | (r & 0x7F0000u)) & 0xFFFF0000u);
+    }
+    if (ties) {  // x0 + x1 = 2**t (1 + 2**-8) on the outputs that add them; the rest tiny
+      const uint32_t t = 10u + xorshift(rng) % 200u, i1 = 1u + xorshift(rng) % 15u;
+      for (int i = 0; i < 16; ++i)
+        if (xorshift(rng) % 3u != 0u) {
+          // near the sums' last fp32 bit (the largest rounding errors), or far below it
+          const uint32_t drop = n % 8u == 3u ? 17u + xorshift(rng) % 12u : 30u + xorshift(rng) % 60u;
+          x[i] = u2f((f2u(x[i]) & 0x807FFFFFu) | ((t > drop ? t - drop : 0u) << 23));
+        }
+      x[0] = u2f(t << 23);
+      x[i1] = u2f((t - 8u) << 23);
+    }
+    uint32_t fmax = 0u;
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t e = (f2u(x[i]) >> 23) & 0xFFu;
+      fmax = e > fmax ? e : fmax;
+    }
+    if (!rht_bound_applies(fmax)) continue;
+    float ref[16], s[16];
+    double d[16];
+    std::memcpy(ref, x, sizeof x);
+    std::memcpy(s, x, sizeof x);
+    for (int i = 0; i < 16; ++i) d[i] = x[i];
+    rht16(ref);
+    signed_hadamard16(s);
+    signed_hadamard16(d);  // the reference's fp64 sums
+    const float bound = rht_sum_error_bound(fmax);
+    for (int i = 0; i < 16; ++i) {
+      const double err = std::fabs(static_cast<double>(s[i]) - d[i]) / bound;
+      if (!(err <= 1.0)) {
+        std::printf("rht_sum_error_bound: run %" PRIu32 ", result %d: fp32 sum 0x%08" PRIx32 " is %g bounds "
+                    "from the fp64 sum\n", n, i, f2u(s[i]), err);
+        return false;
+      }
+      worst = err > worst ? err : worst;
+    }
+    float smax = 0.f, rmax = 0.f;
+    for (int i = 0; i < 16; ++i) {
+      smax = std::fabs(s[i]) > smax ? std::fabs(s[i]) : smax;
+      rmax = std::fabs(ref[i]) > rmax ? std::fabs(ref[i]) : rmax;
+      const bool pinned = rht_rounding_pinned(s[i], bound);
+      (ties ? tie : wide) += 1;
+      (ties ? tie_pinned : wide_pinned) += pinned ? 1 : 0;
+      if (pinned && f2u(bf16_round(s[i]) * 0.25f) != f2u(ref[i])) {
+        std::printf("rht_rounding_pinned: run %" PRIu32 ", result %d: fp32 sum 0x%08" PRIx32 ", bound 0x%08" PRIx32
+                    ": reference 0x%08" PRIx32 ", pinned 0x%08" PRIx32 "\n", n, i, f2u(s[i]), f2u(bound),
+                    f2u(ref[i]), f2u(bf16_round(s[i]) * 0.25f));
+        return false;
+      }
+    }
+    if (rht_rounding_pinned(smax, bound) && f2u(bf16_round(smax) * 0.25f) != f2u(rmax)) {
+      std::printf("rht_rounding_pinned: run %" PRIu32 ": max |fp32 sum| 0x%08" PRIx32 ": reference max 0x%08" PRIx32
+                  ", pinned 0x%08" PRIx32 "\n", n, f2u(smax), f2u(rmax), f2u(bf16_round(smax) * 0.25f));
+      return false;
+    }
+  }
+  const double share = static_cast<double>(wide_pinned) / static_cast<double>(wide);
+  std::fprintf(stderr, "rht_rounding_pinned: pinned %.4f of %" PRIu64 " wide results, %" PRIu64 " of %" PRIu64
+               " near ties; largest error %.3f of the bound\n", share, wide, tie_pinned, tie, worst);
+  if (share < 0.98 || tie_pinned == tie || worst < 0.25) {
+    std::printf("rht_rounding_pinned: the families no longer test the bound (want >= 0.98 pinned "
+                "of wide results, some near ties not, an error past a quarter of the bound)\n");
+    return false;
+  }
+  std::printf("%-24s %s\n", "rht_rounding_pinned", "equal");
+  return true;
+}
+
 // mx_inv_exponent against mx_inv_scale on the scale code of every amax pattern swept (both signs'
 // magnitudes, inf and NaN included), under both rules: a finite amax's code is at most 247 and
 // its exponent byte gives mx_inv_scale exactly; a NaN or inf amax gives code 255 and byte 255.
@@ -466,5 +555,6 @@ int main(int argc, char** argv) {
   ok = check_sign_nibbles() && ok;
   ok = check_sign_nibbles_cols() && ok;
   ok = check_fo6_tab() && ok;
+  ok = check_rht_pinned() && ok;
   return ok && values ? 0 : 1;
 }
