@@ -60,33 +60,29 @@ def test_lanes_equal_scalar_math(tmp_path, codegen):
         "fo6_block_tab": "equal", "rht_rounding_pinned": "equal"}
 
 
+def run_altered(tmp_path: Path, header: str, old: str, new: str) -> subprocess.CompletedProcess:
+    """check_lanes (baseline codegen) built on a copy of the headers with `old` replaced by `new`
+    in `header`: a negative control's mutant."""
+    (tmp_path / "tools").mkdir()
+    for h in CSRC.glob("*.h"):
+        shutil.copy(h, tmp_path)
+    shutil.copy(CSRC / "tools" / "check_lanes.cpp", tmp_path / "tools")
+    path = tmp_path / header
+    text = path.read_text()
+    assert old in text, f"{header} no longer holds {old!r}: update the negative control"
+    path.write_text(text.replace(old, new))
+    return run(build(tmp_path / "tools" / "check_lanes.cpp", tmp_path / "check", "baseline"))
+
+
 def test_a_wrong_tie_rule_is_caught(tmp_path):
     """Negative control: the E4M3 lanes with ties rounded up instead of to even."""
-    (tmp_path / "tools").mkdir()
-    for header in CSRC.glob("*.h"):
-        shutil.copy(header, tmp_path)
-    shutil.copy(CSRC / "tools" / "check_lanes.cpp", tmp_path / "tools")
-    lanes = tmp_path / "quant_cpu_math.h"
-    text = lanes.read_text()
-    nearest_even = "+ 0x7FFFF + ((c >> 20) & 1)) >> 20"
-    assert nearest_even in text
-    lanes.write_text(text.replace(nearest_even, "+ 0x7FFFF + 1) >> 20"))
-    res = run(build(tmp_path / "tools" / "check_lanes.cpp", tmp_path / "check", "baseline"))
+    res = run_altered(tmp_path, "quant_cpu_math.h", "+ 0x7FFFF + ((c >> 20) & 1)) >> 20", "+ 0x7FFFF + 1) >> 20")
     assert res.returncode == 1
     assert "e4m3_lanes: pattern 0x" in res.stdout and "e2m1_lanes               equal" in res.stdout
 
 
 def test_a_small_rht_error_bound_is_caught(tmp_path):
     """Negative control: the RHT's fp32 error bound a quarter of what it must be."""
-    (tmp_path / "tools").mkdir()
-    for header in CSRC.glob("*.h"):
-        shutil.copy(header, tmp_path)
-    shutil.copy(CSRC / "tools" / "check_lanes.cpp", tmp_path / "tools")
-    math_h = tmp_path / "quant_math.h"
-    text = math_h.read_text()
-    bound = "return u2f((fmax - 19u) << 23);"
-    assert bound in text
-    math_h.write_text(text.replace(bound, "return u2f((fmax - 21u) << 23);"))
-    res = run(build(tmp_path / "tools" / "check_lanes.cpp", tmp_path / "check", "baseline"))
+    res = run_altered(tmp_path, "quant_math.h", "return u2f((fmax - 19u) << 23);", "return u2f((fmax - 21u) << 23);")
     assert res.returncode == 1
     assert "rht_sum_error_bound: run " in res.stdout and "fo6_block_tab            equal" in res.stdout
