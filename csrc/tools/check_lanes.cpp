@@ -23,7 +23,10 @@
 //   sign_nibbles_cols == sign_nibbles of each run on random packed column pairs and every sign
 //   pattern of a run,
 //   and fo6_block_tab == fo6_block (scale byte and codes) on random bf16 blocks under tensor
-//   amaxes inside and outside the fast domain, both bounds, MAE and MSE.
+//   amaxes inside and outside the fast domain, both bounds, MAE and MSE;
+//   the RHT's error bound for runs outside the fp32 range (quant_math.h): every fp32 butterfly
+//   result within rht_sum_error_bound of the fp64 sum, and every result (and run max) that
+//   rht_rounding_pinned keeps == rht16's, on random wide runs and sums near bf16 half-way points.
 //
 //   check_lanes full     every one of the 2**32 fp32 patterns (a minute or two on one core)
 //   check_lanes sample   bits 12..31 in full with bits 0..11 in {0, 1, 0x800, 0xFFF}: every
