@@ -42,7 +42,7 @@ from qtensor.ops import quant as Q  # noqa: E402
 SHAPE = (16384, 8192)
 
 
-def run_tests(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def outside_and_left(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[M / 16, K] bool each: the 16-runs down the columns that the kernels' fp32 range test
     refuses, and those of them whose fp32 butterfly results the error bound does not pin."""
     a = (x.view(torch.int16).to(torch.int32) & 0x7FFF).view(-1, 16, x.shape[1])
@@ -136,7 +136,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for name, x in cases.items():
         x = x.bfloat16()
-        outside, left = run_tests(x)
+        outside, left = outside_and_left(x)
         # a warp of the tile kernel holds one 16-row panel (one row of runs) x 64 columns
         warp_tiles = left.view(left.shape[0], left.shape[1] // 64, 64).any(dim=2)
         amax = Q.amax(x, columnwise=True, rht=True)
