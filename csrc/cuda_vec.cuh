@@ -182,12 +182,25 @@ struct Bf16Range {
   __device__ __forceinline__ float sum_error_bound(int half) const {
     return rht_sum_error_bound((hi >> (16 * half + 7)) & 0xFFu);
   }
+  // Bit h set where run h is left open: a result of it moved (a bit of bf16x2_moved's return in
+  // half h) or the bound does not apply to it.
+  __device__ __forceinline__ uint32_t open_runs(uint32_t moved) const {
+    return ((moved & 0xFFFFu) != 0u || !bounded(0) ? 1u : 0u) |
+           ((moved >> 16) != 0u || !bounded(1) ? 2u : 0u);
+  }
 };
 
 // The bf16 bits of (lo, hi), nearest-even, packed (lo in the low half): one conversion for both.
 __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
   const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// The bits where an end of the interval (lo -+ e_lo, hi -+ e_hi) rounds to another bf16 than r, the
+// packed bf16 of (lo, hi): zero in a half where the bound pins that result (rht_rounding_pinned).
+__device__ __forceinline__ uint32_t bf16x2_moved(float lo, float hi, float e_lo, float e_hi,
+                                                 uint32_t r) {
+  return (bf16x2_bits(lo - e_lo, hi - e_hi) ^ r) | (bf16x2_bits(lo + e_lo, hi + e_hi) ^ r);
 }
 
 // The range of both runs of packed pairs w, and the runs widened to fp32 (exact).
@@ -227,13 +240,10 @@ __device__ __forceinline__ uint32_t rht16x2_bf16_x4(uint32_t* w, const Bf16Range
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     w[i] = bf16x2_bits(v[0][i], v[1][i]);
-    if constexpr (kPin)
-      moved |= (bf16x2_bits(v[0][i] - e[0], v[1][i] - e[1]) ^ w[i]) |
-               (bf16x2_bits(v[0][i] + e[0], v[1][i] + e[1]) ^ w[i]);
+    if constexpr (kPin) moved |= bf16x2_moved(v[0][i], v[1][i], e[0], e[1], w[i]);
   }
   if constexpr (!kPin) return 0u;
-  return ((moved & 0xFFFFu) != 0u || !range.bounded(0) ? 1u : 0u) |
-         ((moved >> 16) != 0u || !range.bounded(1) ? 2u : 0u);
+  return range.open_runs(moved);
 }
 
 // ---- RHT in fp64, one run over 16 lanes ------------------------------------------------------------
@@ -305,10 +315,9 @@ __device__ __forceinline__ uint32_t rht16x2_bf16_absmax(const uint32_t* w) {
   uint32_t m = bf16x2_bits(m0 * 0.25f, m1 * 0.25f);
   if ((slow0 | slow1) != 0u) {
     const float e0 = range.sum_error_bound(0), e1 = range.sum_error_bound(1);
-    const uint32_t r = bf16x2_bits(m0, m1);
-    const uint32_t moved = (bf16x2_bits(m0 - e0, m1 - e1) ^ r) | (bf16x2_bits(m0 + e0, m1 + e1) ^ r);
-    slow0 &= __ballot_sync(kFull, (moved & 0xFFFFu) != 0u || !range.bounded(0));
-    slow1 &= __ballot_sync(kFull, (moved >> 16) != 0u || !range.bounded(1));
+    const uint32_t open = range.open_runs(bf16x2_moved(m0, m1, e0, e1, bf16x2_bits(m0, m1)));
+    slow0 &= __ballot_sync(kFull, (open & 1u) != 0u);
+    slow1 &= __ballot_sync(kFull, (open & 2u) != 0u);
   }
   const int lane = threadIdx.x & 31, i = lane & 15;
   for_slow_runs(slow0, slow1, [&](int a, int b) {
