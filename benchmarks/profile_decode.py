@@ -8,6 +8,10 @@ under torch.profiler. It prints the kernels sorted by their total GPU time, divi
 tokens (the prefill is one forward among them, so a kernel seen once is most likely the
 prefill's), and the host-side ops that launched the most. With TORCH_LOGS=cudagraphs the CUDA
 graph trees also say when they record again and why.
+
+With --host it profiles the host instead: cProfile around one generate() call, the Python
+functions by their own time per new token, and by their cumulative time (where the host time
+of a token goes between the compiled calls, the guards and the CUDA graph replays).
 """
 
 from __future__ import annotations
@@ -26,7 +30,31 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import build_model, decode_ms_per_token, generate, quantize  # noqa: E402
 
 
-def profile_config(name: str, layers: int, tokens: int, compiled: bool, top: int) -> None:
+def host_profile(model, ids, name: str, tokens: int, compiled: bool, top: int) -> None:
+    """cProfile of one generate() call of `tokens` new tokens, per token."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    generate(model, ids, tokens, compiled)
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = [(key, value) for key, value in stats.stats.items()]  # (file, line, fn): (cc, nc, tt, ct, _)
+    total = sum(v[2] for _, v in rows)
+    print(f"\n### {name}: host profile of generate(), {tokens} new tokens: "
+          f"{total / tokens * 1e6:.0f} us of Python-visible time per token")
+    for title, col in (("own time", 2), ("cumulative time", 3)):
+        print(f"| function ({title}) | calls / token | us / token |")
+        print("|---|---|---|")
+        for (file, line, fn), v in sorted(rows, key=lambda r: -r[1][col])[:top]:
+            where = f"{os.path.basename(os.path.dirname(file))}/{os.path.basename(file)}:{line}"
+            print(f"| {fn[:50]} {where} | {v[1] / tokens:.1f} | {v[col] / tokens * 1e6:.1f} |")
+
+
+def profile_config(name: str, layers: int, tokens: int, compiled: bool, top: int,
+                   host: bool = False) -> None:
     torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()
@@ -36,6 +64,12 @@ def profile_config(name: str, layers: int, tokens: int, compiled: bool, top: int
     ms, _ = decode_ms_per_token(model, ids, compiled, 32)  # also the warm-up
     generate(model, ids, tokens, compiled)
     torch.cuda.synchronize()
+    print(f"\n{name}: {ms * 1e3:.0f} us/token wall (generate(), "
+          f"{'compiled' if compiled else 'eager'})")
+    if host:
+        host_profile(model, ids, name, tokens, compiled, top)
+        del model
+        return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         generate(model, ids, tokens, compiled)
         torch.cuda.synchronize()
@@ -65,9 +99,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--eager", action="store_true", help="profile eager decoding instead")
     p.add_argument("--top", type=int, default=20)
+    p.add_argument("--host", action="store_true", help="profile the host (cProfile) instead")
     args = p.parse_args()
     for name in args.configs.split(","):
-        profile_config(name, args.layers, args.tokens, not args.eager, args.top)
+        profile_config(name, args.layers, args.tokens, not args.eager, args.top, args.host)
 
 
 if __name__ == "__main__":
