@@ -225,6 +225,7 @@ def decode_section(n: int, k: int, ms_list, splits_sweep: bool) -> None:
     copies = {fmt: rotating(lambda i, v=v: tuple(t.roll(i) if t is not None and t.dim() else t
                                                   for t in v), v[0].numel() + v[1].numel())
               for fmt, v in per.items()}
+    wgmma = torch.cuda.get_device_capability() == (9, 0)  # where the warpgroup tile runs
     emit(f"\n### decode GEMM, weight {n}x{k} (N x K), CUDA-graphed\n")
     emit("| M | path | us | vs bf16 | weight bytes/s (TB/s) |")
     emit("|---|---|---|---|---|")
@@ -248,8 +249,20 @@ def decode_section(n: int, k: int, ms_list, splits_sweep: bool) -> None:
 
             ms = graph_ms(run)
             wbytes = codes.numel() + scales.numel()
-            emit(f"| {m} | qtensor bf16 x {fmt.upper()} decode GEMM | {ms * 1e3:.1f} | "
+            wide = 32 < m <= dmm.DECODE_M  # each tile of the kernel, side by side
+            emit(f"| {m} | qtensor bf16 x {fmt.upper()} decode GEMM"
+                 f"{' (chosen tile)' if wide else ''} | {ms * 1e3:.1f} | "
                  f"{base / ms:.2f}x | {wbytes / ms / 1e9:.2f} |")
+            for name, tile in dmm.TILES.items() if wide and wgmma else ():
+
+                def run_tile(nxt=nxt, fmt=fmt, tile=tile):
+                    c, s_, a_ = nxt()
+                    return dmm._launch(x, c, s_, a_, None, fmt, n, k, 448, torch.bfloat16,
+                                       tile=tile)
+
+                ms = graph_ms(run_tile)
+                emit(f"| {m} | qtensor bf16 x {fmt.upper()} decode GEMM ({name}) | "
+                     f"{ms * 1e3:.1f} | {base / ms:.2f}x | {wbytes / ms / 1e9:.2f} |")
             if m >= 64 and fmt != "mxfp4":  # the crossover: unpack for the call + dense Triton
 
                 def dense(nxt=nxt, fmt=fmt):

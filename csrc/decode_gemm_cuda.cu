@@ -48,6 +48,17 @@
 //   MMAs run on this one, and its MMAs alternate between two accumulators. The decode's
 //   instructions take about as long as the streaming (docs/decode.md, "Status"), so the
 //   per-super-tile path holds only its shared loads, the decode and the MMAs.
+// - The warpgroup tile (33-64 tokens, sm_90a; kTileAuto says where it is chosen). The four
+//   consumer warps multiply as one warpgroup with wgmma: A is the activation in registers (a
+//   warp's 16 tokens as the rows of the same fragments the m16n8k16 path reads as B), B the
+//   decoded weights, which each warp stores with stmatrix into shared-memory tiles of 16 K slots
+//   x 64 rows (its rows of every row-tile group). The K slots keep the layout's permutation on
+//   both sides, so the products and their fp32 sums are those of the m16n8k16 path. Per
+//   super-tile a warp waits until the MMAs of two super-tiles back are done (their B buffer and
+//   activation registers are free), decodes, stores, meets the other three at a named barrier,
+//   and issues 4R asynchronous MMAs that run while it decodes the next super-tile. Each warp
+//   reads only its own 16 tokens' activation, and one instruction does the work of 32
+//   m16n8k16 MMAs.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -213,6 +224,104 @@ __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, ui
   }
 }
 
+// ---- warpgroup MMA (sm_90a) ----------------------------------------------------------------
+// D[64 tokens, 64 weight rows] += A[64 tokens, 16 K slots] x B[16 K slots, 64 weight rows] per
+// instruction, for the warpgroup tile ([Note: decode GEMM]).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define QTENSOR_DECODE_WGMMA 1
+#endif
+
+// B tiles in shared memory: 16 K slots x 64 weight rows, K-major without swizzle, as 8 x 2 core
+// matrices of 8 rows x 16 bytes (8 K slots): the two K halves of a row group 128 bytes apart
+// (the leading-dimension offset), row groups 256 bytes apart (the stride offset).
+constexpr int kBTile = 64 * 16 * 2;
+constexpr uint32_t kBLead = 128, kBStride = 256;
+
+__device__ __forceinline__ uint64_t b_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr >> 4) & 0x3FFFu) |
+         (static_cast<uint64_t>(kBLead >> 4) << 16) | (static_cast<uint64_t>(kBStride >> 4) << 32);
+}
+
+// The four 8x8 matrices of a warp's m16n8k16 A fragment (rows g / g + 8 x K slots 0-7 / 8-15)
+// to shared memory; lane i names row i % 8 of matrix i / 8.
+__device__ __forceinline__ void stmatrix4(uint32_t addr, const uint32_t* a) {
+#ifdef QTENSOR_DECODE_WGMMA
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               ::"r"(addr), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]) : "memory");
+#endif
+}
+
+template <bool HALF>
+__device__ __forceinline__ void wgmma_n64(float* d, const uint32_t* a, uint64_t desc) {
+#ifdef QTENSOR_DECODE_WGMMA
+  if constexpr (HALF) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+  }
+#endif
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef QTENSOR_DECODE_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#ifdef QTENSOR_DECODE_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#ifdef QTENSOR_DECODE_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// The accumulators stay in place around asynchronous MMAs: no instruction the compiler moves
+// across this reads or writes them.
+__device__ __forceinline__ void fence_regs(float* d, int n) {
+#pragma unroll
+  for (int i = 0; i < n; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// The same for the A registers an MMA reads asynchronously until the wait that completes it:
+// touched after that wait, they stay allocated (and are not reused for temporaries) until then.
+__device__ __forceinline__ void fence_regs(uint4* v, int n) {
+#pragma unroll
+  for (int i = 0; i < n; ++i)
+    asm volatile("" : "+r"(v[i].x), "+r"(v[i].y), "+r"(v[i].z), "+r"(v[i].w)::"memory");
+}
+
 template <typename T>
 __device__ __forceinline__ float to_f32(const void* p, int64_t i) {
   return static_cast<float>(static_cast<const T*>(p)[i]);
@@ -303,17 +412,41 @@ struct Operands {
   template <int U>
   __device__ __forceinline__ void load(uint32_t st, int u, uint32_t w_off, uint32_t s_off,
                                        const uint32_t* x_off) {
+    load_w<U>(st, u, w_off, s_off);
+    load_x(st, u, x_off);
+  }
+  template <int U>
+  __device__ __forceinline__ void load_w(uint32_t st, int u, uint32_t w_off, uint32_t s_off) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
 #pragma unroll
       for (int v = 0; v < V; ++v) w[r][v] = lds128(st + w_off + ((r * U + u) * V + v) * 512);
       sc[r] = lds16(st + s_off + (r * U + u) * 64);
     }
+  }
+  __device__ __forceinline__ void load_x(uint32_t st, int u, const uint32_t* x_off) {
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
       for (int h = 0; h < (kHalves ? 1 : 2); ++h)
         x[i][h] = lds128(st + x_off[i] + u * 128 + 16 * h);
+  }
+
+  // The four A registers of subtile s of row tile r (rows g and g + 8, the lane's K slots),
+  // decoded and scaled: value * scale * 2**-8 (NVFP4 in bf16; [Note: decode GEMM]).
+  __device__ __forceinline__ void weight_regs(const Factors<FMT, HALF>& fac, int r, int s,
+                                              uint32_t* a) const {
+    if constexpr (FMT == kMxfp8) {
+      // Subtile s: words 2s (registers 0, 1) and 2s + 1 (registers 2, 3) of the lane's 32 bytes.
+      const uint4 v = w[r][s >> 1];
+      e4m3_regs((s & 1) ? v.z : v.x, a);
+      e4m3_regs((s & 1) ? v.w : v.y, a + 2);
+    } else {
+      const uint4 v = w[r][0];
+      e2m1_regs<HALF>(s == 0 ? v.x : s == 1 ? v.y : s == 2 ? v.z : v.w, a);
+    }
+#pragma unroll
+    for (int o = 0; o < 4; ++o) a[o] = fac.apply(a[o], o & 1);
   }
 
   // The products into acc[r][subtile % chains][i]; with kHalves the activation's second half is
@@ -332,18 +465,7 @@ struct Operands {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         uint32_t a[4];
-        if constexpr (FMT == kMxfp8) {
-          // Subtile s: words 2s (registers 0, 1) and 2s + 1 (registers 2, 3) of the lane's 32
-          // bytes.
-          const uint4 v = w[r][s >> 1];
-          e4m3_regs((s & 1) ? v.z : v.x, a);
-          e4m3_regs((s & 1) ? v.w : v.y, a + 2);
-        } else {
-          const uint4 v = w[r][0];
-          e2m1_regs<HALF>(s == 0 ? v.x : s == 1 ? v.y : s == 2 ? v.z : v.w, a);
-        }
-#pragma unroll
-        for (int o = 0; o < 4; ++o) a[o] = fac[r].apply(a[o], o & 1);
+        weight_regs(fac[r], r, s, a);
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
           const uint4 xv = x[i][kHalves ? 0 : s >> 1];
@@ -381,13 +503,22 @@ struct Stage {
 // thread issues only its decode: three shared loads, the scale and value decode, and the MMAs.
 constexpr int kThreads = (kWarps + 1) * 32;
 
-// With 64 tokens, at most 128 registers a thread: three CTAs of five warps per SM.
-template <int FMT, int MT, bool HALF, int U, int R>
-__global__ void __launch_bounds__(kThreads, MT == 8 ? 3 : 1)
+// Shared-memory bytes of the warpgroup tile's B tiles: a super-tile's 4 subtiles for each of the
+// R row-tile groups.
+template <int R>
+constexpr int kBBytes = 4 * R * kBTile;
+
+// With 64 tokens on m16n8k16, at most 128 registers a thread: three CTAs of five warps per SM.
+// WG: the warpgroup tile (64 tokens, sm_90a only).
+template <int FMT, int MT, bool HALF, int U, int R, bool WG>
+__global__ void __launch_bounds__(kThreads, WG ? 5 - R : (MT == 8 ? 3 : 1))
     decode_gemm_kernel(const DecodeArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // clusters: sm_90 and newer (decode_mm never launches it on an older device)
 #else
+#ifndef QTENSOR_DECODE_WGMMA
+  if constexpr (WG) __trap();  // the host launches it only where the sm_90a code runs
+#endif
   using St = Stage<FMT, U, R>;
   constexpr int V = St::V, kTiles = St::kTiles;
   constexpr int TOK = 8 * MT;
@@ -489,6 +620,92 @@ __global__ void __launch_bounds__(kThreads, MT == 8 ? 3 : 1)
   uint32_t x_off[MT];
 #pragma unroll
   for (int i = 0; i < MT; ++i) x_off[i] = St::kW + St::kS + min(8 * i + g, a.M - 1) * St::kXRow + 32 * t;
+  const bool consumer = warp < kWarps;
+  // The warpgroup tile's accumulators: D[64 tokens][64 weight rows] of row-tile group r (the
+  // four warps' row tile r), in the wgmma fragment: this warp's tokens 16 warp + g (+ 8).
+  float wacc[R][32];
+  if constexpr (WG) {
+    static_assert(MT == 8, "the warpgroup tile takes 64 tokens");
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int e = 0; e < 32; ++e) wacc[r][e] = 0.f;
+    // A: tokens 16 warp + g and 16 warp + 8 + g, the rows g and g + 8 of this warp's fragments.
+    uint32_t xw_off[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      xw_off[i] = St::kW + St::kS + min(16 * warp + 8 * i + g, a.M - 1) * St::kXRow + 32 * t;
+    // B: after the stages, [4 subtiles][R] tiles. This lane's stmatrix row: matrix
+    // lane / 8 is (row group 2 warp + its bit 0, K half its bit 1), row lane % 8.
+    const uint32_t btiles = base + kStages * stage_bytes;
+    const int mtx = lane >> 3;
+    const uint32_t st_off =
+        (2 * warp + (mtx & 1)) * kBStride + (mtx >> 1) * kBLead + (lane & 7) * 16;
+    Operands<FMT, 2, R, HALF> wop;
+    int slot = 0;
+    uint32_t parity = 0;
+    for (int j0 = consumer ? 0 : batches; j0 < batches; j0 += 2) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = j0 + h;
+        if (j < batches) {
+          const uint32_t st = base + slot * stage_bytes;
+          mbar_wait(full + 8 * slot, parity);
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            // The weights of this super-tile, decoded while this warpgroup's MMAs of the
+            // previous one run.
+            Operands<FMT, 2, R, HALF>& op = wop;
+            op.template load_w<U>(st, u, w_off, s_off);
+            Factors<FMT, HALF> fac[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) fac[r].load(op.sc[r]);
+            uint32_t wa[4][R][4];
+#pragma unroll
+            for (int s = 0; s < 4; ++s)
+#pragma unroll
+              for (int r = 0; r < R; ++r) op.weight_regs(fac[r], r, s, wa[s][r]);
+            // Those MMAs read the B tiles and, asynchronously, this warp's activation
+            // registers: the compiler does not keep an A register from reuse until the MMA
+            // completes (it reused them for the next loads), so the warp waits for its MMAs
+            // before loading them, and the barrier makes every warp's part of them done
+            // before B is stored over.
+            wgmma_wait<0>();
+            fence_regs(&wacc[0][0], R * 32);
+            fence_regs(&op.x[0][0], 4);
+            asm volatile("bar.sync 1, 128;\n" ::: "memory");
+            op.load_x(st, u, xw_off);
+#pragma unroll
+            for (int s = 0; s < 4; ++s)
+#pragma unroll
+              for (int r = 0; r < R; ++r)
+                stmatrix4(btiles + (s * R + r) * kBTile + st_off, wa[s][r]);
+            // The tensor cores read B through the async proxy, after all four warps stored it.
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            asm volatile("bar.sync 1, 128;\n" ::: "memory");
+            wgmma_fence();
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+              const uint4 x0 = op.x[0][s >> 1], x1 = op.x[1][s >> 1];
+              const uint32_t xa[4] = {(s & 1) ? x0.z : x0.x, (s & 1) ? x1.z : x1.x,
+                                      (s & 1) ? x0.w : x0.y, (s & 1) ? x1.w : x1.y};
+#pragma unroll
+              for (int r = 0; r < R; ++r)
+                wgmma_n64<HALF>(wacc[r], xa, b_desc(btiles + (s * R + r) * kBTile));
+            }
+            wgmma_commit();
+          }
+          __syncwarp();
+          if (lane == 0) mbar_arrive(empty + 8 * slot);  // its registers hold what it read
+          slot = slot + 1 == kStages ? 0 : slot + 1;
+          if (slot == 0) parity ^= 1u;
+        }
+      }
+    }
+    wgmma_wait<0>();
+    fence_regs(&wacc[0][0], R * 32);
+    fence_regs(&wop.x[0][0], 4);
+  }
   // Up to 16 tokens, super-tile q (stage q / U, offset q % U) computes from ops[q % 2] while
   // super-tile q + 1 is read into ops[(q + 1) % 2], the last of a stage waiting for the next
   // stage first. With more tokens the second set of activation registers would cost CTAs per SM
@@ -496,14 +713,13 @@ __global__ void __launch_bounds__(kThreads, MT == 8 ? 3 : 1)
   // constant of the unrolled code for any U.
   constexpr bool kPrefetch = MT <= 2;
   Operands<FMT, MT, R, HALF> ops[2];
-  const bool consumer = warp < kWarps;
   int slot = 0;
   uint32_t parity = 0;
   if (kPrefetch && consumer && batches > 0) {
     mbar_wait(full, 0);
     ops[0].template load<U>(base, 0, w_off, s_off, x_off);
   }
-  for (int j0 = consumer ? 0 : batches; j0 < batches; j0 += 2) {
+  for (int j0 = consumer && !WG ? 0 : batches; j0 < batches; j0 += 2) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int j = j0 + h;
@@ -537,7 +753,17 @@ __global__ void __launch_bounds__(kThreads, MT == 8 ? 3 : 1)
   // Partial tile [64R rows][TOK tokens] of this CTA; fragment c0, c1: row g, tokens 2t, 2t + 1;
   // c2, c3: row g + 8.
   float* part = reinterpret_cast<float*>(smem);
-  if (warp < kWarps) {  // the producer holds no tile
+  if (WG && warp < kWarps) {
+    // D fragment j, element e: token 16 warp + g + 8 (e / 2), column n = 8j + 2t + e % 2 of
+    // group r, which is row n % 16 of warp n / 16's row tile r.
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        const int n = 8 * (e >> 2) + 2 * t + (e & 1), tok = 16 * warp + g + 8 * ((e >> 1) & 1);
+        part[(((n >> 4) * R + r) * kTileRows + (n & 15)) * TOK + tok] = wacc[r][e];
+      }
+  } else if (warp < kWarps) {  // the producer holds no tile
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -623,14 +849,15 @@ inline int pick_splits(int groups, int chunks, const int* fits) {
   return best;
 }
 
-template <int FMT, int MT, bool HALF, int U, int R>
+template <int FMT, int MT, bool HALF, int U, int R, bool WG = false>
 void launch(const DecodeArgs& a, int splits, int device, cudaStream_t stream) {
   using St = Stage<FMT, U, R>;
   constexpr int TOK = 8 * MT;
   constexpr int kPart = St::kTiles * kTileRows * TOK * 4;
-  auto kernel = decode_gemm_kernel<FMT, MT, HALF, U, R>;
+  constexpr int kB = WG ? kBBytes<R> : 0;  // the warpgroup tile's B tiles follow the stages
+  auto kernel = decode_gemm_kernel<FMT, MT, HALF, U, R, WG>;
   DecodeArgs b = a;
-  b.bar_offset = (std::max(kStages * St::bytes(a.M), kPart) + 7) / 8 * 8;
+  b.bar_offset = (std::max(kStages * St::bytes(a.M) + kB, kPart) + 7) / 8 * 8;
   const int smem = b.bar_offset + 2 * kStages * 8;
   const int groups = (a.NT + St::kTiles - 1) / St::kTiles;
   cudaLaunchAttribute attr[1];
@@ -639,9 +866,9 @@ void launch(const DecodeArgs& a, int splits, int device, cudaStream_t stream) {
   static bool ready[16] = {};
   const int d = device & 15;
   if (!ready[d]) {
+    const int most = (std::max(kStages * St::bytes(TOK) + kB, kPart) + 7) / 8 * 8;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (std::max(kStages * St::bytes(TOK), kPart) + 7) / 8 * 8 +
-                                            2 * kStages * 8));
+                                        most + 2 * kStages * 8));
     ready[d] = true;
   }
   if (fits[d][a.M][1] == 0) {
@@ -673,13 +900,48 @@ void launch_r(const DecodeArgs& a, int splits, int device, cudaStream_t stream) 
   launch<FMT, MT, HALF, U, 1>(a, splits, device, stream);
 }
 
+// Whether the warpgroup tile runs on `device`: a compute capability 9.0 GPU running the sm_90a
+// code of this build (wgmma exists on no other target), found once per device.
+bool wgmma_runs(int device) {
+  static int state[16] = {};  // 0 unknown, 1 yes, 2 no
+  const int d = device & 15;
+  if (state[d] == 0) {
+    cudaDeviceProp prop;
+    C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    cudaFuncAttributes attr;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(
+        &attr, decode_gemm_kernel<kNvfp4, 8, false, 1, 2, true>));
+    state[d] = prop.major == 9 && prop.minor == 0 && attr.binaryVersion == 90 ? 1 : 2;
+  }
+  return state[d] == 1;
+}
+
+// The tile of a launch with 33-64 tokens: the m16n8k16 tiles (kTileMma) or the warpgroup tile
+// with one or two row tiles per warp (kTileWgmma64, kTileWgmma128: 64 or 128 weight rows a
+// CTA). kTileAuto chooses: where the warpgroup tile runs, MXFP8 takes it with one row tile per
+// warp, and a 4-bit weight of 2**27 elements or more with two where K >= N (long K ranges) and
+// one where N > K (more CTAs); the rest the m16n8k16 tiles. On the H200 at 40 and 64 tokens
+// (benchmarks/RESULTS.md, "the warpgroup tile"), MXFP8 gains 1.1-1.6x, 28672x8192 4-bit weights
+// 2-12 % with 64 rows a CTA (128 rows: 0-4 %), 8192x28672 ones 1-4 % with 128 rows (64 rows
+// lose 20 %), and 8192x8192 NVFP4 runs 2-26 % slower on either, so it keeps m16n8k16.
+constexpr int64_t kTileAuto = 0, kTileMma = 1, kTileWgmma64 = 2, kTileWgmma128 = 3;
+
 template <int FMT, bool HALF>
-void launch_mt(const DecodeArgs& a, int splits, int device, cudaStream_t stream) {
+void launch_mt(const DecodeArgs& a, int splits, int64_t tile, int device, cudaStream_t stream) {
   constexpr int U = FMT == kMxfp8 ? 2 : 4;
-  if (a.M <= 8) launch_r<FMT, 1, HALF, U>(a, splits, device, stream);
-  else if (a.M <= 16) launch_r<FMT, 2, HALF, U>(a, splits, device, stream);
-  else if (a.M <= 32) launch_r<FMT, 4, HALF, U / 2>(a, splits, device, stream);
-  else launch_r<FMT, 8, HALF, U / 2>(a, splits, device, stream);
+  if (a.M <= 8) return launch_r<FMT, 1, HALF, U>(a, splits, device, stream);
+  if (a.M <= 16) return launch_r<FMT, 2, HALF, U>(a, splits, device, stream);
+  if (a.M <= 32) return launch_r<FMT, 4, HALF, U / 2>(a, splits, device, stream);
+  if (tile == kTileAuto && wgmma_runs(device)) {
+    if (FMT == kMxfp8) tile = kTileWgmma64;
+    else if (static_cast<int64_t>(a.N) * a.K >= (int64_t{1} << 27))
+      tile = a.K >= a.N ? kTileWgmma128 : kTileWgmma64;
+  }
+  // A stage of the warpgroup tile is one super-tile: with its B tiles, four CTAs (one row tile
+  // per warp) or three (two) fit on an SM.
+  if (tile == kTileWgmma64) return launch<FMT, 8, HALF, 1, 1, true>(a, splits, device, stream);
+  if (tile == kTileWgmma128) return launch<FMT, 8, HALF, 1, 2, true>(a, splits, device, stream);
+  launch_r<FMT, 8, HALF, U / 2>(a, splits, device, stream);
 }
 
 // The block size and the tile counts of a packed weight [N, K] (NT row tiles of 16, KT
@@ -716,7 +978,7 @@ PackedDims check_packed(const char* op, const at::Tensor& w, const at::Tensor& s
 at::Tensor decode_gemm_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
                             const std::optional<at::Tensor>& amax, const std::optional<at::Tensor>& bias,
                             int64_t fmt, int64_t n, int64_t k, double inv, int64_t splits,
-                            at::ScalarType out_dtype) {
+                            at::ScalarType out_dtype, int64_t tile) {
   const char* op = "qtensor.decode_gemm";
   const PackedDims p = check_packed(op, w, s, fmt, n, k, 16);
   const int64_t NT = p.NT, KT = p.KT;
@@ -744,6 +1006,13 @@ at::Tensor decode_gemm_cuda(const at::Tensor& x, const at::Tensor& w, const at::
   }
   TORCH_CHECK(splits >= 0 && splits <= kMaxSplits, op, ": splits is 0 (chosen) to 8; got ",
               num(splits), ".");
+  TORCH_CHECK(tile >= kTileAuto && tile <= kTileWgmma128, op,
+              ": tile is 0 (chosen), 1 (m16n8k16), 2 or 3 (warpgroup, 64 or 128 rows a CTA); "
+              "got ", num(tile), ".");
+  TORCH_CHECK(tile < kTileWgmma64 || (x.size(0) > 32 && wgmma_runs(x.get_device())), op,
+              ": the warpgroup tile takes 33 to 64 activation rows on a compute capability 9.0 "
+              "GPU running this build's sm_90a code; got ", num(x.size(0)),
+              " rows. Pass tile=0 to let the kernel choose.");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(out_dtype));
   if (x.size(0) == 0) return out;
@@ -776,12 +1045,12 @@ at::Tensor decode_gemm_cuda(const at::Tensor& x, const at::Tensor& w, const at::
   const int dev = x.get_device();
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   if (fmt == kNvfp4) {
-    if (half) launch_mt<kNvfp4, true>(a, sp, dev, stream);
-    else launch_mt<kNvfp4, false>(a, sp, dev, stream);
+    if (half) launch_mt<kNvfp4, true>(a, sp, tile, dev, stream);
+    else launch_mt<kNvfp4, false>(a, sp, tile, dev, stream);
   } else if (fmt == kMxfp4) {
-    launch_mt<kMxfp4, false>(a, sp, dev, stream);
+    launch_mt<kMxfp4, false>(a, sp, tile, dev, stream);
   } else {
-    launch_mt<kMxfp8, false>(a, sp, dev, stream);
+    launch_mt<kMxfp8, false>(a, sp, tile, dev, stream);
   }
   return out;
 }
