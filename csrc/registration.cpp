@@ -58,10 +58,12 @@ TORCH_LIBRARY(qtensor, m) {
   // out [M, N] = epilogue(x [M <= 64, K] @ W^T) for a weight [N, K] packed in the decode layout,
   // fmt 0 NVFP4 (amax, inv = r(1 / (6 B))), 1 MXFP4, 2 MXFP8; splits 0 lets the kernel choose;
   // tile 0 lets it choose its tile, 1 asks for the m16n8k16 tiles, 2 and 3 for the warpgroup
-  // tile of 64 or 128 weight rows a CTA (33-64 rows, sm_90a).
+  // tile of 64 or 128 weight rows a CTA (33-64 rows, sm_90a); pdl lets a launch of up to 8
+  // rows (16 with NVFP4) overlap the end of the previous kernel on the stream (it waits for that
+  // kernel before reading x).
   m.def(
       "decode_gemm(Tensor x, Tensor w, Tensor s, Tensor? amax, Tensor? bias, int fmt, int n, "
-      "int k, float inv, int splits, ScalarType out_dtype, int tile=0) -> Tensor");
+      "int k, float inv, int splits, ScalarType out_dtype, int tile=0, bool pdl=True) -> Tensor");
   // The canonical (codes, scales) uint8 bytes of a weight [N, K] in the decode layout: the
   // inverse of qtensor/formats/decode_layout.pack (CUDA only; the reference is its `unpack`).
   m.def("decode_unpack(Tensor w, Tensor s, int fmt, int n, int k) -> (Tensor, Tensor)");

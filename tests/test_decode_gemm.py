@@ -444,6 +444,52 @@ def test_every_split_count_gives_the_same_result(splits):
 
 @pytest.mark.cuda
 @needs_kernel
+@pytest.mark.parametrize("m", [1, 16, 32])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_overlapped_launches_wait_for_their_input(fmt, m):
+    """A launch may overlap the end of the previous kernel (programmatic dependent launch,
+    [Note: decode GEMM] "Launch"), and lets the next one start once it has streamed its weight.
+    A chain of products, each reading the output of the one before (the first one that of an
+    elementwise kernel), gives the same bits eagerly and replayed from a CUDA graph as launches
+    that each wait for the previous kernel to complete."""
+    from qtensor import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
+
+    n = k = 2048
+    cls = {"nvfp4": NVFP4Tensor, "mxfp4": MXFP4Tensor, "mxfp8": MXFP8Tensor}[fmt]
+    g = torch.Generator("cuda").manual_seed(m)
+    weights = []
+    for _ in range(6):
+        q = cls.from_hp(torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.03)
+        codes, scales = dl.pack(fmt, q.qdata.view(torch.uint8), q.scale.view(torch.uint8), n, k)
+        weights.append((codes, scales, q.amax if fmt == "nvfp4" else None))
+    x0 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def chain(pdl: bool) -> torch.Tensor:
+        x = x0 * 1.0
+        for codes, scales, amax in weights:
+            x = dmm._launch(x, codes, scales, amax, None, fmt, n, k, 448, torch.bfloat16, pdl=pdl)
+        return x
+
+    serial = chain(False)
+    assert torch.isfinite(serial).all() and bool(serial.abs().max() > 0)
+    for _ in range(3):
+        assert torch.equal(chain(True), serial)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain(True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(True)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, serial)
+
+
+@pytest.mark.cuda
+@needs_kernel
 def test_kernel_reads_strided_and_misaligned_activations():
     args = list(_problem("nvfp4", 6, 128, 256, "cuda", seed=2))
     wide = torch.zeros(6, 264, dtype=torch.bfloat16, device="cuda")
