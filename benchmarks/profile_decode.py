@@ -41,7 +41,7 @@ def host_profile(model, ids, name: str, tokens: int, compiled: bool, top: int) -
     torch.cuda.synchronize()
     prof.disable()
     stats = pstats.Stats(prof)
-    rows = [(key, value) for key, value in stats.stats.items()]  # (file, line, fn): (cc, nc, tt, ct, _)
+    rows = list(stats.stats.items())  # (file, line, function): (cc, calls, own, cumulative, _)
     total = sum(v[2] for _, v in rows)
     print(f"\n### {name}: host profile of generate(), {tokens} new tokens: "
           f"{total / tokens * 1e6:.0f} us of Python-visible time per token")

@@ -395,9 +395,10 @@ def test_each_tile_of_33_to_64_rows(fmt, case, tile, m, n, k):
 @pytest.mark.parametrize("tile", dmm.TILES.values(), ids=dmm.TILES)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_each_tile_on_a_large_quantized_gaussian_weight(fmt, tile):
-    """Many CTAs on every SM and long K ranges: the H200 run that added the warpgroup tile saw
-    it (64 rows a CTA) give wrong sums here, differently from run to run, on 8192x28672 MXFP8
-    and MXFP4 at 40 and 64 rows, while the small shapes above passed."""
+    """Many CTAs on every SM and long K ranges, three launches each: where a warpgroup tile
+    whose A registers the compiler reused before its MMAs had completed gave wrong sums,
+    differently from launch to launch (8192x28672 MXFP8 and MXFP4 at 40 and 64 rows), while
+    the small shapes above passed."""
     if tile != dmm.TILE_MMA and not _wgmma_device():
         pytest.skip("the warpgroup tile runs on compute capability 9.0")
     from qtensor import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
