@@ -54,11 +54,11 @@
 //   decoded weights, which each warp stores with stmatrix into shared-memory tiles of 16 K slots
 //   x 64 rows (its rows of every row-tile group). The K slots keep the layout's permutation on
 //   both sides, so the products and their fp32 sums are those of the m16n8k16 path. Per
-//   super-tile a warp waits until the MMAs of two super-tiles back are done (their B buffer and
-//   activation registers are free), decodes, stores, meets the other three at a named barrier,
-//   and issues 4R asynchronous MMAs that run while it decodes the next super-tile. Each warp
-//   reads only its own 16 tokens' activation, and one instruction does the work of 32
-//   m16n8k16 MMAs.
+//   super-tile a warp decodes its weights while the previous super-tile's MMAs run, waits for
+//   those MMAs (they read its activation registers asynchronously, and the one B buffer), meets
+//   the other three at a named barrier, loads its activation, stores B, meets them again and
+//   issues 4R asynchronous MMAs. Each warp reads only its own 16 tokens' activation, and one
+//   instruction does the work of 32 m16n8k16 MMAs.
 // - Launch. At decode sizes a launch's fixed part (its start, the first stage's wait on memory,
 //   the reduction and the end) is as long as the streaming of a 4096x4096 weight, so the kernel
 //   is launched to overlap the end of the previous kernel on the stream (programmatic dependent
