@@ -63,13 +63,12 @@
 //   the reduction and the end) is as long as the streaming of a 4096x4096 weight, so the kernel
 //   is launched to overlap the end of the previous kernel on the stream (programmatic dependent
 //   launch, which CUDA graphs keep), where it measured faster: up to 8 tokens, 16 for NVFP4.
-//   Until that kernel has completed, the producer only
-//   prefetches the first kStages stages of its weight and scales into L2 (a hint: a write of
-//   that kernel to those bytes would update the lines); it waits before its first copy (the
-//   activation may be that kernel's output), and the consumers wait before the epilogue reads
-//   amax and bias and writes the output (whose memory that kernel may still read). Once a CTA
-//   has streamed its K range it lets the next kernel start, so that chained decode GEMMs (q, k,
-//   v; gate, up) overlap too.
+//   Until that kernel has completed, the producer only prefetches the first kStages stages of
+//   its weight and scales into L2 (a hint: a write of that kernel to those bytes would update
+//   the lines); it waits before its first copy (the activation may be that kernel's output),
+//   and the consumers wait before the epilogue reads amax and bias and writes the output (whose
+//   memory that kernel may still read). Once a CTA has streamed its K range it lets the next
+//   kernel start, so that chained decode GEMMs (q, k, v; gate, up) overlap too.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -975,9 +974,10 @@ bool wgmma_runs(int device) {
 // CTA). kTileAuto chooses: where the warpgroup tile runs, MXFP8 takes it with one row tile per
 // warp, and a 4-bit weight of 2**27 elements or more with two where K >= N (long K ranges) and
 // one where N > K (more CTAs); the rest the m16n8k16 tiles. On the H200 at 40 and 64 tokens
-// (benchmarks/RESULTS.md, "the warpgroup tile"), MXFP8 gains 1.1-1.6x, 28672x8192 4-bit weights
-// 2-12 % with 64 rows a CTA (128 rows: 0-4 %), 8192x28672 ones 1-4 % with 128 rows (64 rows
-// lose 20 %), and 8192x8192 NVFP4 runs 2-26 % slower on either, so it keeps m16n8k16.
+// (benchmarks/RESULTS.md, "the decode GEMM's warpgroup tile and overlapped launches"), MXFP8
+// gains 1.1-1.6x, 28672x8192 4-bit weights 2-12 % with 64 rows a CTA (128 rows: 0-4 %),
+// 8192x28672 ones 1-4 % with 128 rows (64 rows lose 20 %), and 8192x8192 NVFP4 runs 2-26 %
+// slower on either, so it keeps m16n8k16.
 constexpr int64_t kTileAuto = 0, kTileMma = 1, kTileWgmma64 = 2, kTileWgmma128 = 3;
 
 template <int FMT, bool HALF>
