@@ -261,46 +261,31 @@ __device__ __forceinline__ void stmatrix4(uint32_t addr, const uint32_t* a) {
 #endif
 }
 
+// One m64n64k16 warpgroup MMA accumulating into d (fp32), A from registers, B by descriptor;
+// AB is the PTX type of both operands.
+#define QT_WGMMA_M64N64K16(AB)                                                               \
+  asm volatile(                                                                              \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                           \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." AB "." AB " "                            \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "              \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "    \
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                           \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),  \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),           \
+        "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),        \
+        "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),        \
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),        \
+        "+f"(d[31])                                                                          \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1))
+
 template <bool HALF>
 __device__ __forceinline__ void wgmma_n64(float* d, const uint32_t* a, uint64_t desc) {
 #ifdef QTENSOR_DECODE_WGMMA
-  if constexpr (HALF) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        :
-        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
-        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        :
-        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
-        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
-  }
+  if constexpr (HALF) QT_WGMMA_M64N64K16("f16");
+  else QT_WGMMA_M64N64K16("bf16");
 #endif
 }
+#undef QT_WGMMA_M64N64K16
 
 __device__ __forceinline__ void wgmma_fence() {
 #ifdef QTENSOR_DECODE_WGMMA
@@ -532,10 +517,12 @@ constexpr int kThreads = (kWarps + 1) * 32;
 template <int R>
 constexpr int kBBytes = 4 * R * kBTile;
 
-// With 64 tokens on m16n8k16, at most 128 registers a thread: three CTAs of five warps per SM.
+// Registers a thread, from the CTAs of five warps that must fit on an SM: with 9-32 tokens 96
+// (four CTAs; left free, MX weights took 106-112 and three, so fewer clusters were resident and
+// the K split was coarser), with 64 on m16n8k16 128 (three).
 // WG: the warpgroup tile (64 tokens, sm_90a only).
 template <int FMT, int MT, bool HALF, int U, int R, bool WG>
-__global__ void __launch_bounds__(kThreads, WG ? 5 - R : (MT == 8 ? 3 : 1))
+__global__ void __launch_bounds__(kThreads, WG ? 5 - R : (MT == 8 ? 3 : MT == 1 ? 1 : 4))
     decode_gemm_kernel(const DecodeArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // clusters: sm_90 and newer (decode_mm never launches it on an older device)
