@@ -9,6 +9,9 @@ tokens (the prefill is one forward among them, so a kernel seen once is most lik
 prefill's), and the host-side ops that launched the most. With TORCH_LOGS=cudagraphs the CUDA
 graph trees also say when they record again and why.
 
+With --freezing, Inductor compiles with its freezing option: in inference the parameters, the
+quantized weights included, become constants of the compiled graph instead of its inputs.
+
 With --host it profiles the host instead: cProfile around one generate() call, the Python
 functions by their own time per new token, and by their cumulative time (where the host time
 of a token goes between the compiled calls, the guards and the CUDA graph replays).
@@ -100,7 +103,12 @@ def main() -> None:
     p.add_argument("--eager", action="store_true", help="profile eager decoding instead")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--host", action="store_true", help="profile the host (cProfile) instead")
+    p.add_argument("--freezing", action="store_true",
+                   help="compile with Inductor's freezing: the weights become constants of the graph")
     args = p.parse_args()
+    import torch._inductor.config as inductor_config
+
+    inductor_config.freezing = args.freezing
     for name in args.configs.split(","):
         profile_config(name, args.layers, args.tokens, not args.eager, args.top, args.host)
 
