@@ -213,6 +213,14 @@ def packed_weights(w: torch.Tensor):
     return out
 
 
+def rotating_packed(w: torch.Tensor):
+    """Each decode-layout format of w as rotating copies: {fmt: (copies, next)}, each copy
+    (codes, scales, amax)."""
+    return {fmt: rotating(lambda i, v=v: tuple(t.roll(i) if t is not None and t.dim() else t
+                                               for t in v), v[0].numel() + v[1].numel())
+            for fmt, v in packed_weights(w).items()}
+
+
 def decode_section(n: int, k: int, ms_list, splits_sweep: bool) -> None:
     """The decode GEMM (qtensor::decode_mm's CUDA kernel) on each weight format against bf16
     F.linear, CUDA-graphed, with the bytes each streams per second."""
@@ -221,10 +229,7 @@ def decode_section(n: int, k: int, ms_list, splits_sweep: bool) -> None:
     g = torch.Generator("cuda").manual_seed(n + k)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
     wb_copies, wb_next = rotating(lambda i: w.roll(i, 0).contiguous(), n * k * 2)
-    per = packed_weights(w)
-    copies = {fmt: rotating(lambda i, v=v: tuple(t.roll(i) if t is not None and t.dim() else t
-                                                  for t in v), v[0].numel() + v[1].numel())
-              for fmt, v in per.items()}
+    copies = rotating_packed(w)
     wgmma = torch.cuda.get_device_capability() == (9, 0)  # where the warpgroup tile runs
     emit(f"\n### decode GEMM, weight {n}x{k} (N x K), CUDA-graphed\n")
     emit("| M | path | us | vs bf16 | weight bytes/s (TB/s) |")

@@ -104,7 +104,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--host", action="store_true", help="profile the host (cProfile) instead")
     p.add_argument("--freezing", action="store_true",
-                   help="compile with Inductor's freezing: the weights become constants of the graph")
+                   help="compile with Inductor's freezing (the weights become graph constants)")
     args = p.parse_args()
     import torch._inductor.config as inductor_config
 

@@ -1,0 +1,139 @@
+"""What a launch of the decode GEMM costs, and what bounds it: three measurements on the GPU.
+
+    python dev/experiments/decode_launches.py fixed-cost [--n 8192] [--ks 1024,...] [--m 1]
+    python dev/experiments/decode_launches.py splits [--shapes 28672x8192,8192x28672] [--ms 1,16]
+    ncu --clock-control none -k regex:decode_gemm --section SpeedOfLight --section Occupancy \\
+        --section WarpStateStats --section SchedulerStats --section InstructionStats \\
+        python dev/experiments/decode_launches.py profile [--shapes 28672x8192] [--ms 1,16]
+
+fixed-cost: for one weight height N and a sweep of K, each format's kernel from a CUDA graph
+(many launches back to back, rotating copies that exceed the L2, as in bench_gemm.py), with and
+without overlapped launches, beside bf16 F.linear; a least-squares line t = a + bytes / rate over
+the sweep (bytes in MB, t in us: the rate in TB/s) splits a launch into a fixed cost a (the
+ramp, the split-K reduction, the tail) and a streaming rate.
+
+splits: each format's kernel with the K split it chooses (every cluster resident at once) and
+with each forced split (one whose clusters do not all fit runs in more than one wave).
+
+profile: three launches of each format alone, for Nsight Compute (the first warms up).
+
+Results, with date and device, are in benchmarks/RESULTS.md and docs/decode.md ("Status").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+from bench_gemm import graph_ms, rotating, rotating_packed  # noqa: E402
+
+from qtensor.ops import decode_mm as dmm  # noqa: E402
+
+
+def launch(x, weight, fmt, n, k, **options):
+    """One launch of the decode kernel on a (codes, scales, amax) triple, bf16 out."""
+    codes, scales, amax = weight
+    return dmm._launch(x, codes, scales, amax, None, fmt, n, k, 448, torch.bfloat16, **options)
+
+
+def shapes(text: str):
+    return [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+
+
+def fit(points):
+    """Least squares t = a + b * x over (x, t) points: (a, b, largest |residual|)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    mt = sum(t for _, t in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (t - mt) for x, t in points) / sxx
+    a = mt - b * mx
+    return a, b, max(abs(t - a - b * x) for x, t in points)
+
+
+def fixed_cost(args) -> None:
+    n, m = args.n, args.m
+    series: dict[str, list[tuple[float, float]]] = {}
+    print(f"# {torch.cuda.get_device_name()}, N = {n}, M = {m}: us per launch from a CUDA graph")
+    print("| K | path | us | weight MB |")
+    print("|---|---|---|---|")
+    for k in (int(v) for v in args.ks.split(",")):
+        g = torch.Generator("cuda").manual_seed(k)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        _, wb_next = rotating(lambda i: w.roll(i, 0).contiguous(), n * k * 2)
+        us = graph_ms(lambda: F.linear(x, wb_next())) * 1e3
+        series.setdefault("bf16 F.linear", []).append((n * k * 2 / 1e6, us))
+        print(f"| {k} | bf16 F.linear | {us:.1f} | {n * k * 2 / 1e6:.1f} |")
+        for fmt, (copies, nxt) in rotating_packed(w).items():
+            mb = (copies[0][0].numel() + copies[0][1].numel()) / 1e6
+            for pdl in (True, False):
+                us = graph_ms(lambda nxt=nxt, fmt=fmt, pdl=pdl:
+                              launch(x, nxt(), fmt, n, k, pdl=pdl)) * 1e3
+                name = f"{fmt}{'' if pdl else ' (no overlap)'}"
+                series.setdefault(name, []).append((mb, us))
+                print(f"| {k} | {name} | {us:.1f} | {mb:.1f} |")
+    print("\n| path | fixed cost (us) | streaming rate (TB/s) | largest residual (us) |")
+    print("|---|---|---|---|")
+    for name, pts in series.items():
+        a, b, r = fit(pts)
+        print(f"| {name} | {a:.1f} | {1 / b:.2f} | {r:.1f} |")
+
+
+def splits(args) -> None:
+    forced = [int(s) for s in args.splits.split(",")]
+    print(f"# {torch.cuda.get_device_name()}: decode GEMM us by K split (0: its own choice)")
+    print("| weight | M | format | " + " | ".join(str(s) for s in [0] + forced) + " |")
+    print("|---|---|---|" + "---|" * (1 + len(forced)))
+    for n, k in shapes(args.shapes):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        for fmt, (_, nxt) in rotating_packed(w).items():
+            for m in (int(v) for v in args.ms.split(",")):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                cells = []
+                for sp in [0] + forced:
+                    us = graph_ms(lambda nxt=nxt, fmt=fmt, sp=sp, x=x:
+                                  launch(x, nxt(), fmt, n, k, splits=sp)) * 1e3
+                    cells.append(f"{us:.1f}")
+                print(f"| {n}x{k} | {m} | {fmt} | " + " | ".join(cells) + " |", flush=True)
+
+
+def profile(args) -> None:
+    for n, k in shapes(args.shapes):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        packed = {fmt: copies[0] for fmt, (copies, _) in rotating_packed(w).items()}
+        for m in (int(v) for v in args.ms.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for fmt, weight in packed.items():
+                for _ in range(3):
+                    launch(x, weight, fmt, n, k)
+                torch.cuda.synchronize()
+                print(f"{fmt} {n}x{k} M={m}: 3 launches")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    f = sub.add_parser("fixed-cost", help="time over K, fitted into a fixed cost and a rate")
+    f.add_argument("--n", type=int, default=8192)
+    f.add_argument("--ks", default="1024,2048,4096,8192,16384,28672")
+    f.add_argument("--m", type=int, default=1)
+    s = sub.add_parser("splits", help="each forced K split against the chosen one")
+    s.add_argument("--shapes", default="28672x8192,8192x28672")
+    s.add_argument("--ms", default="1,16")
+    s.add_argument("--splits", default="1,2,3,4,6")
+    r = sub.add_parser("profile", help="launches alone, for Nsight Compute")
+    r.add_argument("--shapes", default="28672x8192")
+    r.add_argument("--ms", default="1,16")
+    args = p.parse_args()
+    {"fixed-cost": fixed_cost, "splits": splits, "profile": profile}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()
