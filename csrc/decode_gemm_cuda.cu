@@ -517,12 +517,17 @@ constexpr int kThreads = (kWarps + 1) * 32;
 template <int R>
 constexpr int kBBytes = 4 * R * kBTile;
 
-// Registers a thread, from the CTAs of five warps that must fit on an SM: with 9-32 tokens 96
-// (four CTAs; left free, MX weights took 106-112 and three, so fewer clusters were resident and
-// the K split was coarser), with 64 on m16n8k16 128 (three).
+// Registers a thread, from the CTAs of five warps that must fit on an SM (the K split is sized
+// by the clusters resident at once, so more resident CTAs allow a finer split): with 9-32 tokens
+// 96 (four CTAs; left free, MX weights took 106-112 and three), with 64 on m16n8k16 128 (three),
+// up to 8 tokens 64 for MXFP8 (six; free, 80 and four). The other kernels of up to 8 tokens stay
+// free (56-72): bounded to seven CTAs, their code ran 3-8 % slower on the smaller weights.
+template <int FMT, int MT, int R, bool WG>
+constexpr int kMinCtas = WG ? 5 - R : MT == 8 ? 3 : MT == 1 ? (FMT == kMxfp8 ? 6 : 1) : 4;
+
 // WG: the warpgroup tile (64 tokens, sm_90a only).
 template <int FMT, int MT, bool HALF, int U, int R, bool WG>
-__global__ void __launch_bounds__(kThreads, WG ? 5 - R : (MT == 8 ? 3 : MT == 1 ? 1 : 4))
+__global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
     decode_gemm_kernel(const DecodeArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // clusters: sm_90 and newer (decode_mm never launches it on an older device)
