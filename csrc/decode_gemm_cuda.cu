@@ -522,6 +522,7 @@ constexpr int kBBytes = 4 * R * kBTile;
 // 96 (four CTAs; left free, MX weights took 106-112 and three), with 64 on m16n8k16 128 (three),
 // up to 8 tokens 64 for MXFP8 (six; free, 80 and four). The other kernels of up to 8 tokens stay
 // free (56-72): bounded to seven CTAs, NVFP4 ran 3-4 % slower and MXFP4 5-8 % on 8192x8192.
+// The warpgroup tile fits 5 - R (its B tiles take shared memory too).
 template <int FMT, int MT, int R, bool WG>
 constexpr int kMinCtas = WG ? 5 - R : MT == 8 ? 3 : MT == 1 ? (FMT == kMxfp8 ? 6 : 1) : 4;
 
