@@ -15,7 +15,10 @@ ramp, the split-K reduction, the tail) and a streaming rate.
 splits: each format's kernel with the K split it chooses (every cluster resident at once) and
 with each forced split (one whose clusters do not all fit runs in more than one wave).
 
-profile: three launches of each format alone, for Nsight Compute (the first warms up).
+profile: three launches of each format alone, for Nsight Compute (the first warms up). With
+ncu's `--section SourceCounters --page source --print-source sass --csv` instead of the sections
+above, `benchmarks/ncu_sass_regions.py` splits each kernel's instructions and stall samples into
+its straight-line regions (which wait the stall samples sit at: a stage's mbarrier, a shared load).
 
 Results, with date and device, are in benchmarks/RESULTS.md and docs/decode.md ("Status").
 """
