@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <limits>
 
 #include "checks.h"
 #include "cuda_vec.cuh"
@@ -70,28 +71,32 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// a * b in 64 bits from 32-bit factors (one wide multiply): the offsets of the tile kernels, whose
+// positions are 32-bit (launch_tiles bounds the dimensions).
+__device__ __forceinline__ uint64_t wide(uint32_t a, uint32_t b) { return static_cast<uint64_t>(a) * b; }
+
 template <typename S, typename T>
-__device__ __forceinline__ void load_tile(const T* x, int64_t M, int64_t K, int64_t m0, int64_t k0,
+__device__ __forceinline__ void load_tile(const T* x, uint32_t M, uint32_t K, uint32_t m0, uint32_t k0,
                                           uint32_t stage) {
   // Thread t copies chunk t % kPerRow of rows t / kPerRow, + kRowStep, ...: one column offset,
   // one source offset stepped by kRowStep rows, and, in a tile past an edge of x, the rows left
-  // compared in 32 bits (a whole tile, every one but the edges', takes no test at all).
+  // compared (a whole tile, every one but the edges', takes no test at all).
   constexpr int kPerRow = S::kRowBytes / 16, kN = 16 / static_cast<int>(sizeof(T));
   constexpr int kRowStep = kThreads / kPerRow;
   const int r0 = threadIdx.x / kPerRow, c = threadIdx.x % kPerRow;
-  const int64_t step = kRowStep * K;
+  const uint64_t step = wide(kRowStep, K);
   static_assert(kRowStep % 8 == 0, "the rows of one thread share their swizzle");
   const uint32_t dst = stage + S::at(r0, 16 * c);
+  const uint32_t col = k0 + c * kN;
+  uint64_t src = wide(m0 + r0, K) + col;  // an offset: the pointer is formed only in range
   if (m0 + S::kRows <= M && k0 + S::kCols <= K) {  // a whole tile (uniform): no test per chunk
-    const T* src = x + (m0 * K + k0) + (r0 * K + c * kN);
 #pragma unroll
-    for (int l = 0; l < S::kChunks / kThreads; ++l) cp_async16(dst + l * kRowStep * S::kRowBytes, src + l * step, true);
+    for (int l = 0; l < S::kChunks / kThreads; ++l) cp_async16(dst + l * kRowStep * S::kRowBytes, x + (src + l * step), true);
     return;
   }
-  const int64_t col = k0 + c * kN, left = M - m0 - r0;
-  const int rows = left < S::kRows ? static_cast<int>(left) : S::kRows;  // > -kRowStep
+  const int left = static_cast<int>(M - m0) - r0;  // M > m0
+  const int rows = left < S::kRows ? left : S::kRows;  // > -kRowStep
   const bool col_ok = col < K;
-  int64_t src = (m0 + r0) * K + col;  // an offset: the pointer is formed only in range
 #pragma unroll
   for (int l = 0; l < S::kChunks / kThreads; ++l, src += step) {
     const bool ok = col_ok && l * kRowStep < rows;
@@ -177,7 +182,7 @@ inline int nv_mode(const NvFlags& f) {
 
 struct TileArgs {
   const void* x;
-  int64_t M, K;
+  uint32_t M, K;  // at most 2**31 - 1 each (launch_tiles)
   // NVFP4
   const float* amax;
   NvFlags nv;
@@ -190,12 +195,17 @@ struct TileArgs {
   uint8_t *mxr_q, *mxr_s, *mxc_q, *mxc_s;
 };
 
-// Staging of one tile's NVFP4 columnwise outputs: 8-byte code words and scale bytes of 8 blocks
-// x 64 result rows, block-major ([block][row of the result]), so each thread's writes are
-// contiguous.
-struct NvOut {
+// Staging of one tile's NVFP4 columnwise outputs, 8 blocks x 64 result rows. The 8-byte code
+// words are block-major ([block][row of the result]), so each thread's writes are contiguous. The
+// scale bytes are row-major, a result row's 8 bytes one 8-byte group, so that a thread reads a
+// row's bytes at once; the groups of rows 16..31 (mod 32) are swapped in pairs, and the two
+// halves of the groups of rows 32..63 are swapped, so that the 32 bytes written by one
+// instruction (byte w of rows 2p or 2p + 1, p the lane) fall in 32 distinct banks.
+struct alignas(16) NvOut {
   uint2 q[8 * 64];
-  uint8_t s[8 * 64];
+  uint8_t s[64 * 8];
+  __device__ static int group(int r) { return r ^ ((r >> 4) & 1); }
+  __device__ static int sbyte(int r, int b) { return 8 * group(r) + (b ^ (((r >> 5) & 1) << 2)); }
 };
 
 // ---- NVFP4 blocks ----------------------------------------------------------------------------------
@@ -218,7 +228,7 @@ struct NvShared {
 // factor from the table; under row `row`'s own amax when the tensor is row-scaled (rows past
 // `rows` are padding, amax 0).
 __device__ __forceinline__ float nv_block_scale(const TileArgs& a, const NvShared& nv, bool row_scaled,
-                                                int64_t row, int64_t rows, float bam, uint8_t* sb) {
+                                                uint32_t row, uint32_t rows, float bam, uint8_t* sb) {
   if (row_scaled) {
     const NvScale ts = nv_scale(row < rows ? a.amax[row] : 0.f, a.bound);
     *sb = e4m3_scale_bits(bam * ts.s_enc_c6);
@@ -259,7 +269,7 @@ __device__ __forceinline__ float lanes_absmax(float bam) {
 // The first nb (at most sizeof(W)) of the scale bytes held in `bytes`, lowest first, to dst: one
 // word store where all are whole and dst is aligned to the word, else byte by byte.
 template <typename W>
-__device__ __forceinline__ void store_scale_bytes(uint8_t* dst, W bytes, int64_t nb) {
+__device__ __forceinline__ void store_scale_bytes(uint8_t* dst, W bytes, uint32_t nb) {
   constexpr int kN = static_cast<int>(sizeof(W));
   if (nb == kN && (reinterpret_cast<uintptr_t>(dst) & (kN - 1)) == 0) {
     *reinterpret_cast<W*>(dst) = bytes;
@@ -272,16 +282,16 @@ __device__ __forceinline__ void store_scale_bytes(uint8_t* dst, W bytes, int64_t
 // blocks of 16 from c0 in each. Codes leave two blocks a thread, as one 16-byte store where the
 // pair is whole and aligned; scale bytes a row a thread, as one 8-byte word where the row's blocks
 // are whole.
-__device__ __forceinline__ void store_staged(const TileArgs& a, const NvOut& out, int64_t r0, int64_t c0,
-                                             int64_t R, int64_t C) {
+__device__ __forceinline__ void store_staged(const TileArgs& a, const NvOut& out, uint32_t r0, uint32_t c0,
+                                             uint32_t R, uint32_t C) {
   constexpr int kBlocks = 8, kResultRows = 64;
   static_assert(kResultRows * kBlocks / 2 == kThreads, "two blocks of a result row a thread");
   {
     const int rr = threadIdx.x / (kBlocks / 2), h = threadIdx.x % (kBlocks / 2);
-    const int64_t row = r0 + rr, col = c0 + 32 * h;
+    const uint32_t row = r0 + rr, col = c0 + 32 * h;
     if (row < R && col < C) {
       const uint2 lo = out.q[(2 * h) * kResultRows + rr], hi = out.q[(2 * h + 1) * kResultRows + rr];
-      uint8_t* dst = a.nv_q + row * (C / 2) + col / 2;
+      uint8_t* dst = a.nv_q + (wide(row, C / 2) + col / 2);
       if (col + 16 < C && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
         *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
       } else {
@@ -292,13 +302,13 @@ __device__ __forceinline__ void store_staged(const TileArgs& a, const NvOut& out
   }
   if (threadIdx.x < kResultRows) {
     const int rr = threadIdx.x;
-    const int64_t row = r0 + rr;
+    const uint32_t row = r0 + rr;
     if (row < R) {
-      const int64_t nb = (C - c0) / 16 < kBlocks ? (C - c0) / 16 : kBlocks;
-      uint8_t* dst = a.nv_s + row * (C / 16) + c0 / 16;
-      uint64_t bytes = 0u;
-#pragma unroll
-      for (int b = 0; b < kBlocks; ++b) bytes |= static_cast<uint64_t>(out.s[b * kResultRows + rr]) << (8 * b);
+      const uint32_t nb = (C - c0) / 16 < kBlocks ? (C - c0) / 16 : kBlocks;
+      uint8_t* dst = a.nv_s + (wide(row, C / 16) + c0 / 16);
+      const uint2 g = *reinterpret_cast<const uint2*>(out.s + 8 * NvOut::group(rr));
+      const bool swapped = (rr >> 5) & 1;
+      const uint64_t bytes = swapped ? (static_cast<uint64_t>(g.x) << 32) | g.y : (static_cast<uint64_t>(g.y) << 32) | g.x;
       store_scale_bytes(dst, bytes, nb);
     }
   }
@@ -306,15 +316,21 @@ __device__ __forceinline__ void store_staged(const TileArgs& a, const NvOut& out
 
 // ---- NVFP4 columnwise: the result is [K, M], blocks run down the input's columns -----------------
 
+// One thread's columnwise outputs of a tile: the codes of its two blocks and their scale bytes.
+struct NvColCodes {
+  Codes q[2];
+  uint8_t sb[2];
+};
+
 // Lane p takes columns 2p and 2p+1, warp w the 16 rows 16w.. of the tile: one block of each of
-// two result rows. A 2D tile is 8 lanes (16 columns) of one warp. Codes and scales go to the
-// staging buffer, then leave as 16-byte rows of the result.
+// two result rows. A 2D tile is 8 lanes (16 columns) of one warp. The codes and scales go to the
+// staging buffer (nv_col_stage), then leave as 16-byte rows of the result (store_staged).
 template <typename T, int FO6>
-__device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f, const unsigned char* tile,
-                                             NvOut& out, const NvShared& nv, int64_t m0, int64_t k0) {
+__device__ __forceinline__ NvColCodes nv_col_codes(const TileArgs& a, const NvFlags& f, const unsigned char* tile,
+                                                   const NvShared& nv, uint32_t m0, uint32_t k0) {
   const NvScale& ts_all = nv.ts;
   const int p = threadIdx.x & 31, w = threadIdx.x >> 5;
-  const int64_t R = a.K, C = a.M;
+  const uint32_t R = a.K, C = a.M;
   constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
   float v[2][16];
   float bam[2];    // max |v[c]|
@@ -389,7 +405,7 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
       signs[1] = sign_nibbles(v[1]);
     }
   }
-  const int64_t qcol0 = m0 + 16 * w;
+  const uint32_t qcol0 = m0 + 16 * w;
   // The blocks' amaxes (exact products: a run held times 4 has a max below 2**127 that is normal
   // or zero), over the 16x16 tile in 2D.
   float amax[2] = {bam[0] * unit[0], bam[1] * unit[1]};
@@ -399,7 +415,7 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
   if constexpr (FO6 == 0) {
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      const int64_t qrow = k0 + 2 * p + c;
+      const uint32_t qrow = k0 + 2 * p + c;
       const float enc = nv_block_scale(a, nv, f.row_scaled, qrow, R, amax[c], &sb[c]);
       // The codes take v[c] * (enc * unit[c]), the same product as the values times enc wherever
       // enc * 0.25 is exact; below 2**-124 (huge inputs) v is brought to unit 1 instead, exactly
@@ -413,7 +429,7 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
         unit[c] = 1.f;
       }
       const float vmax = unit[c] == 1.f ? amax[c] : amax[c] * 4.f;
-      codes[c] = nv_block_codes(nv, f.sr, v[c], signs[c], vmax, venc, static_cast<uint32_t>(qrow * C + qcol0));
+      codes[c] = nv_block_codes(nv, f.sr, v[c], signs[c], vmax, venc, qrow * C + qcol0);  // mod 2**32
     }
   } else {
     constexpr bool kMse = FO6 == 2;
@@ -421,7 +437,7 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
     if (!f.b2d && f.row_scaled) {
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        const int64_t qrow = k0 + 2 * p + c;
+        const uint32_t qrow = k0 + 2 * p + c;
         const NvScale ts = nv_scale(qrow < R ? a.amax[qrow] : 0.f, a.bound);
         sb[c] = fo6_block<kMse>(v[c], amax[c], ts, six_b, &codes[c]);
       }
@@ -460,11 +476,15 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
       sb[0] = sb[1] = map4 ? s4 : s6;
     }
   }
-  // Block-major staging: this thread's two result rows 2p, 2p+1 of block w are adjacent.
-  reinterpret_cast<uint4*>(out.q)[w * 32 + p] = make_uint4(codes[0].x, codes[0].y, codes[1].x, codes[1].y);
-  reinterpret_cast<uint16_t*>(out.s)[w * 32 + p] = static_cast<uint16_t>(sb[0] | (sb[1] << 8));
-  __syncthreads();
-  store_staged(a, out, k0, m0, R, C);
+  return NvColCodes{{codes[0], codes[1]}, {sb[0], sb[1]}};
+}
+
+// Block-major staging: the thread's two result rows 2p, 2p+1 of block w are adjacent.
+__device__ __forceinline__ void nv_col_stage(NvOut& out, const NvColCodes& c) {
+  const int p = threadIdx.x & 31, w = threadIdx.x >> 5;
+  reinterpret_cast<uint4*>(out.q)[w * 32 + p] = make_uint4(c.q[0].x, c.q[0].y, c.q[1].x, c.q[1].y);
+  out.s[NvOut::sbyte(2 * p, w)] = c.sb[0];
+  out.s[NvOut::sbyte(2 * p + 1, w)] = c.sb[1];
 }
 
 // ---- NVFP4 rowwise with 2D tiles or stochastic rounding ---------------------------------------------
@@ -475,10 +495,10 @@ __device__ __forceinline__ void nv_col_phase(const TileArgs& a, const NvFlags& f
 // registers. A 2D tile (16x16) is the 8 lanes of one l % 4, two rows each.
 template <typename T, int FO6>
 __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const NvFlags& f, const unsigned char* tile,
-                                             const NvShared& nv, int64_t m0, int64_t k0) {
+                                             const NvShared& nv, uint32_t m0, uint32_t k0) {
   const NvScale& ts = nv.ts;  // the rowwise tile modes exclude row scaling
   const int l = threadIdx.x & 31, w = threadIdx.x >> 5, cb = l & 3, r0 = 16 * w + (l >> 2);
-  const int64_t R = a.M, C = a.K, col = k0 + 16 * cb;
+  const uint32_t R = a.M, C = a.K, col = k0 + 16 * cb;
   // Both blocks' amaxes first, on the packed words (a 2D tile needs both), then each block is
   // widened and encoded in turn: one block's 16 values live at a time.
   float bam[2];
@@ -499,9 +519,9 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const NvFlags& f
     for (int j = 0; j < 2; ++j) {
       float v[16];
       load16<T>(tile, r0 + 8 * j, 16 * cb, v);
-      const int64_t qrow = m0 + r0 + 8 * j;
+      const uint32_t qrow = m0 + r0 + 8 * j;
       const float enc = nv_block_scale(a, nv, false, qrow, R, bam[j], &sb[j]);
-      codes[j] = nv_block_codes(nv, f.sr, v, sign_nibbles(v), bam[j], enc, static_cast<uint32_t>(qrow * C + col));
+      codes[j] = nv_block_codes(nv, f.sr, v, sign_nibbles(v), bam[j], enc, qrow * C + col);  // mod 2**32
     }
   } else {  // 4over6 here is 2D (1D rowwise runs in quant_rows_cuda.cu)
     constexpr bool kMse = FO6 == 2;
@@ -545,10 +565,10 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const NvFlags& f
   if (col >= C) return;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    const int64_t qrow = m0 + r0 + 8 * j;
+    const uint32_t qrow = m0 + r0 + 8 * j;
     if (qrow < R) {
-      *reinterpret_cast<uint2*>(a.nv_q + qrow * (C / 2) + col / 2) = make_uint2(codes[j].x, codes[j].y);
-      a.nv_s[qrow * (C / 16) + col / 16] = sb[j];
+      *reinterpret_cast<uint2*>(a.nv_q + (wide(qrow, C / 2) + col / 2)) = make_uint2(codes[j].x, codes[j].y);
+      a.nv_s[wide(qrow, C / 16) + col / 16] = sb[j];
     }
   }
 }
@@ -556,24 +576,37 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const NvFlags& f
 // ---- MXFP8 ------------------------------------------------------------------------------------------
 
 // Rowwise beside NVFP4 columnwise (the hybrid cast, 128 x 64 tiles). The codes and scales are
-// staged in shared memory and leave after the NVFP4 phase's barrier as whole 64-byte tile rows
-// and 2 scale bytes a row: stored straight from the lanes, each request would carry one 32-byte
-// sector or one scale byte, and the L2's requests, not the DRAM, would bound the cast. Chunk c
-// (16 bytes) of row r is kept at c ^ ((r / 2) % 4): the 8 rows of a store phase and the 2 rows
-// of a load phase then fall in distinct banks.
+// staged in shared memory and leave after a barrier as whole 64-byte tile rows and 2 scale bytes
+// a row: stored straight from the lanes, each request would carry one 32-byte sector or one scale
+// byte, and the L2's requests, not the DRAM, would bound the cast. Chunk c (16 bytes) of row r is
+// kept at c ^ ((r / 2) % 4): the 8 rows of a store phase and the 2 rows of a load phase then fall
+// in distinct banks.
 struct MxRowOut {
   uint4 q[kRows][kCols / 16];
   uint8_t s[kRows][kCols / 32];
   __device__ static int chunk(int r, int c) { return c ^ ((r >> 1) & 3); }
 };
 
+// One thread's MXFP8 rowwise outputs of a tile: 16 code bytes of each of two 32-blocks and their
+// scale codes.
+struct MxRowCodes {
+  uint4 q[2];
+  uint32_t code[2];
+};
+
 // Lanes l and l ^ 8 of warp w hold the two halves (h = l / 8 % 2) of the 32-blocks of row
 // 16w + l % 8 + 8 (l / 16); one shuffle joins their amaxes. The 8 lanes of each phase of a
 // 16-byte shared-memory read are 8 consecutive rows at one column, in distinct banks under the
 // stage's swizzle.
+__device__ __forceinline__ int mx_row_of_thread() {
+  const int l = threadIdx.x & 31;
+  return 16 * (threadIdx.x >> 5) + (l & 7) + 8 * (l >> 4);
+}
+
 template <typename T>
-__device__ __forceinline__ void mx_row_phase(const TileArgs& a, const unsigned char* tile, MxRowOut& out) {
-  const int l = threadIdx.x & 31, r = 16 * (threadIdx.x >> 5) + (l & 7) + 8 * (l >> 4), h = (l >> 3) & 1;
+__device__ __forceinline__ MxRowCodes mx_row_codes(const TileArgs& a, const unsigned char* tile) {
+  const int l = threadIdx.x & 31, r = mx_row_of_thread(), h = (l >> 3) & 1;
+  MxRowCodes out;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     constexpr int kN = Vec<T>::kN;
@@ -587,28 +620,37 @@ __device__ __forceinline__ void mx_row_phase(const TileArgs& a, const unsigned c
     float v[16];
 #pragma unroll
     for (int i = 0; i < 16 / kN; ++i) Vec<T>::unpack(raw[i], v + i * kN);
-    const uint32_t code = mx_scale_code(u2f(am), a.rule);
-    out.q[r][out.chunk(r, 2 * j + h)] = mx_e4m3x16(v, code);
-    if (h == 0) out.s[r][j] = static_cast<uint8_t>(code);
+    out.code[j] = mx_scale_code(u2f(am), a.rule);
+    out.q[j] = mx_e4m3x16(v, out.code[j]);
+  }
+  return out;
+}
+
+__device__ __forceinline__ void mx_row_stage(MxRowOut& out, const MxRowCodes& c) {
+  const int r = mx_row_of_thread(), h = (threadIdx.x >> 3) & 1;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    out.q[r][out.chunk(r, 2 * j + h)] = c.q[j];
+    if (h == 0) out.s[r][j] = static_cast<uint8_t>(c.code[j]);
   }
 }
 
 // The staged rowwise outputs of the tile at (m0, k0), after a barrier: 4 threads a row, 16 bytes
 // each; a row's 2 scale bytes as one 2-byte word where they are whole and aligned (K % 32 == 0).
-__device__ __forceinline__ void mx_row_store(const TileArgs& a, const MxRowOut& out, int64_t m0, int64_t k0) {
+__device__ __forceinline__ void mx_row_store(const TileArgs& a, const MxRowOut& out, uint32_t m0, uint32_t k0) {
   constexpr int kPerRow = kCols / 16, kRowsPerPass = kThreads / kPerRow;
   const int c = threadIdx.x % kPerRow;
-  const int64_t col = k0 + 16 * c;
+  const uint32_t col = k0 + 16 * c;
 #pragma unroll
   for (int k = 0; k < kRows / kRowsPerPass; ++k) {
     const int r = kRowsPerPass * k + threadIdx.x / kPerRow;
     if (m0 + r < a.M && col < a.K)
-      *reinterpret_cast<uint4*>(a.mxr_q + (m0 + r) * a.K + col) = out.q[r][out.chunk(r, c)];
+      *reinterpret_cast<uint4*>(a.mxr_q + (wide(m0 + r, a.K) + col)) = out.q[r][out.chunk(r, c)];
   }
   if (threadIdx.x < kRows && m0 + threadIdx.x < a.M) {
     const int r = threadIdx.x;
-    const int64_t nb = (a.K - k0) / 32 < 2 ? (a.K - k0) / 32 : 2;
-    uint8_t* dst = a.mxr_s + (m0 + r) * (a.K / 32) + k0 / 32;
+    const uint32_t nb = (a.K - k0) / 32 < 2 ? (a.K - k0) / 32 : 2;
+    uint8_t* dst = a.mxr_s + (wide(m0 + r, a.K / 32) + k0 / 32);
     store_scale_bytes(dst, static_cast<uint16_t>(out.s[r][0] | (out.s[r][1] << 8)), nb);
   }
 }
@@ -680,8 +722,8 @@ struct alignas(16) MxOut {
 
 // rs: the row scales of the tile, 4 a row (ROW).
 template <typename T, bool ROW>
-__device__ __forceinline__ void mx_patch_phase(const TileArgs& a, unsigned char* tile, uint32_t* rs, int64_t m0,
-                                               int64_t k0) {
+__device__ __forceinline__ void mx_patch_phase(const TileArgs& a, unsigned char* tile, uint32_t* rs, uint32_t m0,
+                                               uint32_t k0) {
   using P = MxPatch<T>;
   using S = Stage<T, kMxRows, kMxCols>;
   static_assert(sizeof(MxOut<ROW>) <= S::kBytes, "the staged codes fit in the tile's stage");
@@ -719,7 +761,7 @@ __device__ __forceinline__ void mx_patch_phase(const TileArgs& a, unsigned char*
   // Rows come whole in patches of 32 (M % 32 == 0), columns in groups of 8 (K % 16 == 0).
   const bool in = m0 + pr < a.M && k0 + c0 < a.K;
   const uint32_t ccode = mx_scale_code(u2f(absmax_bits<T>(col_bits)), a.rule);
-  if (in) a.mxc_s[((m0 + pr) / 32) * a.K + k0 + c0 + (l >> 2)] = static_cast<uint8_t>(ccode);
+  if (in) a.mxc_s[wide((m0 + pr) / 32, a.K) + (k0 + c0 + (l >> 2))] = static_cast<uint8_t>(ccode);
   uint32_t ec = mx_inv_exponent(ccode) << (8 * ((l >> 2) & 1));
   ec |= __shfl_xor_sync(kFull, ec, 4);
   ec <<= 16 * ((l >> 3) & 1);
@@ -788,7 +830,7 @@ __device__ __forceinline__ void mx_patch_phase(const TileArgs& a, unsigned char*
   // Out as whole rows: 8 threads a row, 16 bytes (16 columns) each.
   constexpr int kPerRow = kMxCols / 16, kRowsPerPass = kThreads / kPerRow;
   const int cj = threadIdx.x % kPerRow;
-  const int64_t col = k0 + 16 * cj;
+  const uint32_t col = k0 + 16 * cj;
 #pragma unroll
   for (int d = 0; d < (ROW ? 2 : 1); ++d) {
     uint8_t* dst = d == 0 ? a.mxc_q : a.mxr_q;
@@ -797,14 +839,14 @@ __device__ __forceinline__ void mx_patch_phase(const TileArgs& a, unsigned char*
       const int r = kRowsPerPass * k + threadIdx.x / kPerRow;
       // Words 2 cj and 2 cj + 1 stay adjacent under the swizzle (it flips bits 2 and 3).
       const uint4 q = *reinterpret_cast<const uint4*>(&out.q[d][r][out.word(r, 2 * cj)]);
-      if (m0 + r < a.M && col < a.K) *reinterpret_cast<uint4*>(dst + (m0 + r) * a.K + col) = q;
+      if (m0 + r < a.M && col < a.K) *reinterpret_cast<uint4*>(dst + (wide(m0 + r, a.K) + col)) = q;
     }
   }
   if constexpr (ROW) {
     // K % 32 == 0 here; a tile row's 4 scale bytes as one word where they are whole and aligned.
     if (threadIdx.x < kMxRows && m0 + threadIdx.x < a.M) {
-      const int64_t nb = (a.K - k0) / 32 < 4 ? (a.K - k0) / 32 : 4;
-      store_scale_bytes(a.mxr_s + (m0 + threadIdx.x) * (a.K / 32) + k0 / 32, rs[threadIdx.x], nb);
+      const uint32_t nb = (a.K - k0) / 32 < 4 ? (a.K - k0) / 32 : 4;
+      store_scale_bytes(a.mxr_s + (wide(m0 + threadIdx.x, a.K / 32) + k0 / 32), rs[threadIdx.x], nb);
     }
   }
 }
@@ -827,13 +869,13 @@ __device__ __forceinline__ uint32_t rht_amax_phase(const unsigned char* tile) {
 
 // The grid step in tiles, as whole rows of tiles and the remainder.
 struct TileStep {
-  int64_t rows, cols, tiles_k;
+  uint32_t rows, cols, tiles_k;
 };
 
 // Tile t as (row tile, column tile) of a grid tiles_k tiles wide, moved on by a TileStep.
 struct TileWalk {
-  int64_t tm, tk;
-  __device__ TileWalk(int64_t t, int64_t tiles_k) : tm(t / tiles_k), tk(t % tiles_k) {}
+  uint32_t tm, tk;
+  __device__ TileWalk(uint32_t t, uint32_t tiles_k) : tm(t / tiles_k), tk(t % tiles_k) {}
   __device__ __forceinline__ void advance(const TileStep& by) {
     tm += by.rows;
     tk += by.cols;
@@ -857,7 +899,7 @@ template <typename T, bool NV>
 using TileStage = Stage<T, NV ? kRows : kMxRows, NV ? kCols : kMxCols>;
 
 template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE>
-__global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileArgs a, int64_t tiles, int64_t tiles_k) {
+__global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileArgs a, uint32_t tiles, uint32_t tiles_k) {
   extern __shared__ __align__(16) unsigned char stages[];
   __shared__ std::conditional_t<NV, NvOut, char> nv_out;
   __shared__ uint32_t mx_rs[MXC && MXR ? kMxRows : 1];
@@ -891,10 +933,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
     }
   }
   // The loop's first barrier orders the table's writes before any read.
-  const int64_t step = gridDim.x;
-  // The tile coordinates advance by the grid without dividing (a 64-bit division per tile and
-  // thread cost about 5 instructions per element): `cur` is the tile quantized, `ahead` the
-  // one refilled, kStages - 1 steps later.
+  const uint32_t step = gridDim.x;
+  // The tile coordinates advance by the grid without dividing (a division per tile and thread
+  // cost about 5 instructions per element): `cur` is the tile quantized, `ahead` the one
+  // refilled, kStages - 1 steps later. Tile counts, positions and their sums stay below 2**32
+  // (launch_tiles), so all of them are 32-bit; byte offsets are formed by wide().
   const TileStep by{step / tiles_k, step % tiles_k, tiles_k};
   TileWalk ahead(blockIdx.x, tiles_k);
 #pragma unroll
@@ -906,7 +949,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
   }
   TileWalk cur(blockIdx.x, tiles_k);
   int stage = 0;
-  for (int64_t t = blockIdx.x; t < tiles; t += step) {
+  for (uint32_t t = blockIdx.x; t < tiles; t += step) {
     cp_async_wait<kStages - 2>();  // this thread's copies of tile t have landed
     __syncthreads();               // everyone's have, and the stage refilled next is read out
     const int refill = stage == 0 ? kStages - 1 : stage - 1;
@@ -915,19 +958,28 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
     cp_async_commit();
     ahead.advance(by);
     unsigned char* tile = stages + stage * S::kBytes;
-    const int64_t m0 = cur.tm * S::kRows, k0 = cur.tk * S::kCols;
+    const uint32_t m0 = cur.tm * S::kRows, k0 = cur.tk * S::kCols;
     cur.advance(by);
-    if constexpr (MXC) mx_patch_phase<T, MXR>(a, tile, mx_rs, m0, k0);
-    else if constexpr (MXR) mx_row_phase<T>(a, tile, mx_rows);
-    if constexpr (kAmax) {
+    if constexpr (MXC) {
+      mx_patch_phase<T, MXR>(a, tile, mx_rs, m0, k0);
+    } else if constexpr (kAmax) {
       run_max = __vmaxu2(run_max, rht_amax_phase(tile));
+    } else if constexpr (MXR) {  // the hybrid cast, columnwise (run_tiles checks)
+      const NvColCodes c = nv_col_codes<T, FO6>(a, f, tile, nv, m0, k0);
+      mx_row_stage(mx_rows, mx_row_codes<T>(a, tile));
+      nv_col_stage(nv_out, c);
+      __syncthreads();
+      store_staged(a, nv_out, k0, m0, a.K, a.M);
+      mx_row_store(a, mx_rows, m0, k0);
     } else if constexpr (NV) {
-      if (f.col) nv_col_phase<T, FO6>(a, f, tile, nv_out, nv, m0, k0);
-      else nv_row_phase<T, FO6>(a, f, tile, nv, m0, k0);
+      if (f.col) {
+        nv_col_stage(nv_out, nv_col_codes<T, FO6>(a, f, tile, nv, m0, k0));
+        __syncthreads();
+        store_staged(a, nv_out, k0, m0, a.K, a.M);
+      } else {
+        nv_row_phase<T, FO6>(a, f, tile, nv, m0, k0);
+      }
     }
-    // The hybrid cast is columnwise (run_tiles checks): nv_col_phase's barrier is behind the
-    // staged rows.
-    if constexpr (NV && MXR) mx_row_store(a, mx_rows, m0, k0);
     stage = stage == kStages - 1 ? 0 : stage + 1;
   }
   cp_async_wait<0>();
@@ -956,10 +1008,15 @@ void launch_tiles(const TileArgs& a) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     resident[dev] = std::max(per_sm, 1) * sms;
   }
-  const int64_t tiles_k = (a.K + S::kCols - 1) / S::kCols;
-  const int64_t tiles = ((a.M + S::kRows - 1) / S::kRows) * tiles_k;
+  const int64_t tiles_k = (static_cast<int64_t>(a.K) + S::kCols - 1) / S::kCols;
+  const int64_t tiles = ((static_cast<int64_t>(a.M) + S::kRows - 1) / S::kRows) * tiles_k;
+  // The kernel walks tiles in 32 bits: t + (kStages - 1) * grid must stay below 2**32.
+  TORCH_CHECK(tiles < (int64_t{1} << 30), "qtensor: the CUDA tile quantizer takes at most 2**30 tiles of ",
+              num(S::kRows), "x", num(S::kCols), " elements; got an input of ", num(a.M), "x", num(a.K),
+              ". Quantize it in row chunks.");
   const int64_t grid = std::min<int64_t>(tiles, resident[dev]);
-  kernel<<<grid, kThreads, kSmem, c10::cuda::getCurrentCUDAStream()>>>(a, tiles, tiles_k);
+  kernel<<<grid, kThreads, kSmem, c10::cuda::getCurrentCUDAStream()>>>(a, static_cast<uint32_t>(tiles),
+                                                                        static_cast<uint32_t>(tiles_k));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -984,10 +1041,19 @@ void launch_nv_mode(const TileArgs& a, bool mxr) {
   }
 }
 
-void run_tiles(const at::Tensor& x2, TileArgs& a, bool nv, bool mxr, bool mxc) {
+// x2's pointer and dimensions into a, each dimension at most 2**31 - 1 (the kernels' 32-bit
+// positions).
+void set_tile_input(const at::Tensor& x2, TileArgs& a) {
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  TORCH_CHECK(x2.size(0) <= kMax && x2.size(1) <= kMax, "qtensor: the CUDA tile quantizer takes at most 2**31 - 1 ",
+              "rows and columns; got a [", num(x2.size(0)), ", ", num(x2.size(1)), "] input. Quantize it in row chunks.");
   a.x = x2.data_ptr();
-  a.M = x2.size(0);
-  a.K = x2.size(1);
+  a.M = static_cast<uint32_t>(x2.size(0));
+  a.K = static_cast<uint32_t>(x2.size(1));
+}
+
+void run_tiles(const at::Tensor& x2, TileArgs& a, bool nv, bool mxr, bool mxc) {
+  set_tile_input(x2, a);
   dispatch_float(x2.scalar_type(), "qtensor quantize", [&](auto tag) {
     using T = decltype(tag);
     if (nv && a.nv_4o6) {
@@ -1012,9 +1078,7 @@ void run_tiles(const at::Tensor& x2, TileArgs& a, bool nv, bool mxr, bool mxc) {
 
 void rht_amax_tiles_cuda(const at::Tensor& x2, at::Tensor& out) {
   TileArgs a{};
-  a.x = x2.data_ptr();
-  a.M = x2.size(0);
-  a.K = x2.size(1);
+  set_tile_input(x2, a);
   a.amax_out = reinterpret_cast<unsigned*>(out.data_ptr<float>());
   launch_tiles<at::BFloat16, true, 0, false, false, kNvAmaxRht>(a);
 }
