@@ -750,12 +750,37 @@ __device__ __forceinline__ void mx_patch_phase(const TileArgs& a, unsigned char*
       x[i][4 * h + 3] = q.w;
     }
   }
-  // Column maxima of the 4 rows, then across the 8 lanes of the column group (lane bits 4, 3, 2).
-  uint32_t cm[kW];
+  // Column maxima of the 4 rows and (ROW) row maxima over the 8 columns, from one masking of the
+  // words before any shuffle (so the magnitudes die young and are not masked twice); then the
+  // columns' across the 8 lanes of the column group (lane bits 4, 3, 2).
+  uint32_t cm[kW], rm[kW / 2];
+  {
+    uint32_t mag[4][kW];
 #pragma unroll
-  for (int j = 0; j < kW; ++j)
-    cm[j] = P::max_bits(P::max_bits(x[0][j] & P::kMag, x[1][j] & P::kMag),
-                        P::max_bits(x[2][j] & P::kMag, x[3][j] & P::kMag));
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int j = 0; j < kW; ++j) mag[i][j] = x[i][j] & P::kMag;
+    }
+#pragma unroll
+    for (int j = 0; j < kW; ++j) cm[j] = P::max_bits(P::max_bits(mag[0][j], mag[1][j]), P::max_bits(mag[2][j], mag[3][j]));
+    if constexpr (ROW && P::kWide) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        uint32_t m = 0u;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = max(m, mag[i][j]);
+        rm[i] = m;
+      }
+    } else if constexpr (ROW) {
+      uint32_t h[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) h[i] = __vmaxu2(__vmaxu2(mag[i][0], mag[i][1]), __vmaxu2(mag[i][2], mag[i][3]));
+      // Rows 2k and 2k + 1 in the halves of one word: the max of each row's two halves.
+#pragma unroll
+      for (int k = 0; k < 2; ++k)
+        rm[k] = __vmaxu2(__byte_perm(h[2 * k], h[2 * k + 1], 0x5410), __byte_perm(h[2 * k], h[2 * k + 1], 0x7632));
+    }
+  }
   mx_scatter_max<P, kW>(cm, 16, l & 16);
   mx_scatter_max<P, kW / 2>(cm, 8, l & 8);
   uint32_t col_bits;
@@ -777,27 +802,11 @@ __device__ __forceinline__ void mx_patch_phase(const TileArgs& a, unsigned char*
   const uint32_t e_lo = (l & 16) ? other : ec, e_hi = (l & 16) ? ec : other;  // columns 0..3, 4..7
   uint32_t er = 0u, rcode = 0u;
   if constexpr (ROW) {
-    // Row maxima over the 8 columns, then across the 4 lanes of the row group (lane bits 0, 1).
-    uint32_t rm[kW / 2];
+    // The row maxima across the 4 lanes of the row group (lane bits 0, 1).
     if constexpr (P::kWide) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        uint32_t m = 0u;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) m = max(m, x[i][j] & P::kMag);
-        rm[i] = m;
-      }
       mx_scatter_max<P, 4>(rm, 1, l & 1);
       mx_scatter_max<P, 2>(rm, 2, l & 2);
     } else {
-      uint32_t h[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        h[i] = __vmaxu2(__vmaxu2(x[i][0] & P::kMag, x[i][1] & P::kMag), __vmaxu2(x[i][2] & P::kMag, x[i][3] & P::kMag));
-      // Rows 2k and 2k + 1 in the halves of one word: the max of each row's two halves.
-#pragma unroll
-      for (int k = 0; k < 2; ++k)
-        rm[k] = __vmaxu2(__byte_perm(h[2 * k], h[2 * k + 1], 0x5410), __byte_perm(h[2 * k], h[2 * k + 1], 0x7632));
       mx_scatter_max<P, 2>(rm, 1, l & 1);
       rm[0] = mx_scatter_half(rm[0], 2, l & 2);
     }
