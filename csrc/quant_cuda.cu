@@ -587,13 +587,6 @@ struct MxRowOut {
   __device__ static int chunk(int r, int c) { return c ^ ((r >> 1) & 3); }
 };
 
-// The hybrid cast's staged outputs, in the stage of the tile they come from once every thread
-// has read it: the CTA then needs no staging memory of its own, and four fit on an SM.
-struct HybridOut {
-  NvOut nv;
-  MxRowOut mx;
-};
-
 // One thread's MXFP8 rowwise outputs of a tile: 16 code bytes of each of two 32-blocks and their
 // scale codes.
 struct MxRowCodes {
@@ -917,14 +910,14 @@ using TileStage = Stage<T, NV ? kRows : kMxRows, NV ? kCols : kMxCols>;
 template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE>
 __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileArgs a, uint32_t tiles, uint32_t tiles_k) {
   extern __shared__ __align__(16) unsigned char stages[];
-  __shared__ std::conditional_t<NV && !MXR, NvOut, char> nv_out;  // the hybrid cast: HybridOut
+  __shared__ std::conditional_t<NV, NvOut, char> nv_out;
   __shared__ uint32_t mx_rs[MXC && MXR ? kMxRows : 1];
+  __shared__ std::conditional_t<NV && MXR, MxRowOut, char> mx_rows;
   __shared__ float enc_of[NV ? 256 : 1];
   __shared__ Fo6Byte fo6_bytes[FO6 ? 256 : 1];
   __shared__ float fo6_cols[2][FO6 ? 8 : 1][FO6 ? kThreads : 1];
   using S = TileStage<T, NV>;
   static_assert(NV || MXC, "MXFP8 rowwise alone runs in the rows kernel");
-  static_assert(sizeof(HybridOut) <= S::kBytes, "the hybrid cast's outputs fit in the tile's stage");
   const T* x = static_cast<const T*>(a.x);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
   NvShared nv{NvScale{}, enc_of, 0u, 0u, fo6_bytes, &fo6_cols[0][0][threadIdx.x], &fo6_cols[1][0][threadIdx.x]};
@@ -982,14 +975,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
       run_max = __vmaxu2(run_max, rht_amax_phase(tile));
     } else if constexpr (MXR) {  // the hybrid cast, columnwise (run_tiles checks)
       const NvColCodes c = nv_col_codes<T, FO6>(a, f, tile, nv, m0, k0);
-      const MxRowCodes r = mx_row_codes<T>(a, tile);
-      HybridOut& out = *reinterpret_cast<HybridOut*>(tile);
-      __syncthreads();  // every thread has read the tile: its stage takes the staged outputs
-      nv_col_stage(out.nv, c);
-      mx_row_stage(out.mx, r);
+      mx_row_stage(mx_rows, mx_row_codes<T>(a, tile));
+      nv_col_stage(nv_out, c);
       __syncthreads();
-      store_staged(a, out.nv, k0, m0, a.K, a.M);
-      mx_row_store(a, out.mx, m0, k0);
+      store_staged(a, nv_out, k0, m0, a.K, a.M);
+      mx_row_store(a, mx_rows, m0, k0);
     } else if constexpr (NV) {
       if (f.col) {
         nv_col_stage(nv_out, nv_col_codes<T, FO6>(a, f, tile, nv, m0, k0));
