@@ -72,7 +72,7 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // a * b in 64 bits from 32-bit factors (one wide multiply): the offsets of the tile kernels, whose
-// positions are 32-bit (launch_tiles bounds the dimensions).
+// positions are 32-bit (set_tile_input bounds the dimensions, launch_tiles the tile count).
 __device__ __forceinline__ uint64_t wide(uint32_t a, uint32_t b) { return static_cast<uint64_t>(a) * b; }
 
 template <typename S, typename T>
@@ -91,7 +91,8 @@ __device__ __forceinline__ void load_tile(const T* x, uint32_t M, uint32_t K, ui
   uint64_t src = wide(m0 + r0, K) + col;  // an offset: the pointer is formed only in range
   if (m0 + S::kRows <= M && k0 + S::kCols <= K) {  // a whole tile (uniform): no test per chunk
 #pragma unroll
-    for (int l = 0; l < S::kChunks / kThreads; ++l) cp_async16(dst + l * kRowStep * S::kRowBytes, x + (src + l * step), true);
+    for (int l = 0; l < S::kChunks / kThreads; ++l)
+      cp_async16(dst + l * kRowStep * S::kRowBytes, x + (src + l * step), true);
     return;
   }
   const int left = static_cast<int>(M - m0) - r0;  // M > m0
@@ -182,7 +183,7 @@ inline int nv_mode(const NvFlags& f) {
 
 struct TileArgs {
   const void* x;
-  uint32_t M, K;  // at most 2**31 - 1 each (launch_tiles)
+  uint32_t M, K;  // at most 2**31 - 1 each (set_tile_input)
   // NVFP4
   const float* amax;
   NvFlags nv;
@@ -308,7 +309,8 @@ __device__ __forceinline__ void store_staged(const TileArgs& a, const NvOut& out
       uint8_t* dst = a.nv_s + (wide(row, C / 16) + c0 / 16);
       const uint2 g = *reinterpret_cast<const uint2*>(out.s + 8 * NvOut::group(rr));
       const bool swapped = (rr >> 5) & 1;
-      const uint64_t bytes = swapped ? (static_cast<uint64_t>(g.x) << 32) | g.y : (static_cast<uint64_t>(g.y) << 32) | g.x;
+      const uint64_t bytes = swapped ? (static_cast<uint64_t>(g.x) << 32) | g.y
+                                     : (static_cast<uint64_t>(g.y) << 32) | g.x;
       store_scale_bytes(dst, bytes, nb);
     }
   }
@@ -755,7 +757,8 @@ __device__ __forceinline__ void mx_patch_phase(const TileArgs& a, unsigned char*
       for (int j = 0; j < kW; ++j) mag[i][j] = x[i][j] & P::kMag;
     }
 #pragma unroll
-    for (int j = 0; j < kW; ++j) cm[j] = P::max_bits(P::max_bits(mag[0][j], mag[1][j]), P::max_bits(mag[2][j], mag[3][j]));
+    for (int j = 0; j < kW; ++j)
+      cm[j] = P::max_bits(P::max_bits(mag[0][j], mag[1][j]), P::max_bits(mag[2][j], mag[3][j]));
     if constexpr (ROW && P::kWide) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -908,7 +911,8 @@ template <typename T, bool NV>
 using TileStage = Stage<T, NV ? kRows : kMxRows, NV ? kCols : kMxCols>;
 
 template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE>
-__global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileArgs a, uint32_t tiles, uint32_t tiles_k) {
+__global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>)
+    tile_kernel(TileArgs a, uint32_t tiles, uint32_t tiles_k) {
   extern __shared__ __align__(16) unsigned char stages[];
   __shared__ std::conditional_t<NV, NvOut, char> nv_out;
   __shared__ uint32_t mx_rs[MXC && MXR ? kMxRows : 1];
@@ -946,7 +950,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>) tile_kernel(TileAr
   // The tile coordinates advance by the grid without dividing (a division per tile and thread
   // cost about 5 instructions per element): `cur` is the tile quantized, `ahead` the one
   // refilled, kStages - 1 steps later. Tile counts, positions and their sums stay below 2**32
-  // (launch_tiles), so all of them are 32-bit; byte offsets are formed by wide().
+  // (set_tile_input, launch_tiles), so all of them are 32-bit; byte offsets are formed by wide().
   const TileStep by{step / tiles_k, step % tiles_k, tiles_k};
   TileWalk ahead(blockIdx.x, tiles_k);
 #pragma unroll
@@ -1020,7 +1024,7 @@ void launch_tiles(const TileArgs& a) {
   const int64_t tiles_k = (static_cast<int64_t>(a.K) + S::kCols - 1) / S::kCols;
   const int64_t tiles = ((static_cast<int64_t>(a.M) + S::kRows - 1) / S::kRows) * tiles_k;
   // The kernel walks tiles in 32 bits: t + (kStages - 1) * grid must stay below 2**32.
-  TORCH_CHECK(tiles < (int64_t{1} << 30), "qtensor: the CUDA tile quantizer takes at most 2**30 tiles of ",
+  TORCH_CHECK(tiles < (int64_t{1} << 30), "qtensor: the CUDA tile quantizer takes fewer than 2**30 tiles of ",
               num(S::kRows), "x", num(S::kCols), " elements; got an input of ", num(a.M), "x", num(a.K),
               ". Quantize it in row chunks.");
   const int64_t grid = std::min<int64_t>(tiles, resident[dev]);
@@ -1054,8 +1058,9 @@ void launch_nv_mode(const TileArgs& a, bool mxr) {
 // positions).
 void set_tile_input(const at::Tensor& x2, TileArgs& a) {
   constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
-  TORCH_CHECK(x2.size(0) <= kMax && x2.size(1) <= kMax, "qtensor: the CUDA tile quantizer takes at most 2**31 - 1 ",
-              "rows and columns; got a [", num(x2.size(0)), ", ", num(x2.size(1)), "] input. Quantize it in row chunks.");
+  TORCH_CHECK(x2.size(0) <= kMax && x2.size(1) <= kMax,
+              "qtensor: the CUDA tile quantizer takes at most 2**31 - 1 rows and columns; got a [",
+              num(x2.size(0)), ", ", num(x2.size(1)), "] input. Quantize it in row chunks.");
   a.x = x2.data_ptr();
   a.M = static_cast<uint32_t>(x2.size(0));
   a.K = static_cast<uint32_t>(x2.size(1));
