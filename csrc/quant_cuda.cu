@@ -977,18 +977,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>)
       mx_patch_phase<T, MXR>(a, tile, mx_rs, m0, k0);
     } else if constexpr (kAmax) {
       run_max = __vmaxu2(run_max, rht_amax_phase(tile));
-    } else if constexpr (MXR) {  // the hybrid cast, columnwise (run_tiles checks)
-      const NvColCodes c = nv_col_codes<T, FO6>(a, f, tile, nv, m0, k0);
-      mx_row_stage(mx_rows, mx_row_codes<T>(a, tile));
-      nv_col_stage(nv_out, c);
-      __syncthreads();
-      store_staged(a, nv_out, k0, m0, a.K, a.M);
-      mx_row_store(a, mx_rows, m0, k0);
     } else if constexpr (NV) {
-      if (f.col) {
-        nv_col_stage(nv_out, nv_col_codes<T, FO6>(a, f, tile, nv, m0, k0));
-        __syncthreads();
+      if (MXR || f.col) {  // the hybrid cast (MXR) is columnwise: run_tiles checks
+        const NvColCodes c = nv_col_codes<T, FO6>(a, f, tile, nv, m0, k0);
+        if constexpr (MXR) mx_row_stage(mx_rows, mx_row_codes<T>(a, tile));
+        nv_col_stage(nv_out, c);
+        __syncthreads();  // behind the staged NVFP4 columns and MXFP8 rows
         store_staged(a, nv_out, k0, m0, a.K, a.M);
+        if constexpr (MXR) mx_row_store(a, mx_rows, m0, k0);
       } else {
         nv_row_phase<T, FO6>(a, f, tile, nv, m0, k0);
       }
