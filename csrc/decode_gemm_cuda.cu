@@ -15,7 +15,7 @@
 // - Decode. A word of eight E2M1 codes becomes the four MMA registers that hold them, as bf16
 //   bits of value * 2**-126 (2**-14 in fp16), by rotations and masks: the layout stores each
 //   code bit where one of a register's few (rotation, mask) pieces picks it up, 9 instructions
-//   per word in bf16 (WORD_PIECES, [Note: decode layout]). One bf16x2 multiply by F then gives
+//   per word in bf16, 7 of them on the integer ALU pipe (WORD_PIECES, [Note: decode layout]). One bf16x2 multiply by F then gives
 //   value * scale. For NVFP4, F = s * 2**118 (bf16) or s * 2**7 (fp16), so the MMA multiplies
 //   (value * s) * 2**-8 (or 2**-7): exact, and exact again after the epilogue's multiply by
 //   2**8 (2**7), a power of two; the scale byte itself goes to bf16 bits the same way (its
@@ -120,21 +120,24 @@ __device__ __forceinline__ uint32_t rotr(uint32_t q, int n) { return __funnelshi
 // eight E2M1 codes, as bf16 (HALF: fp16) bits of value * 2**-126 (2**-14): the pieces of
 // WORD_PIECES in qtensor/formats/decode_layout.py, each a rotation and a mask. The bf16 masks
 // put the sign at bit 15 of a half and the exponent and mantissa bits at 8-6; fp16 wants them at
-// 11-9, a rotation of 3 more, so each fp16 register takes one piece more.
+// 11-9, a rotation of 3 more, so each fp16 register takes one piece more. The layout places the
+// bits so that three of the pieces are plain left shifts, which the compiler issues as integer
+// multiplies on the FMA pipe (IMAD.SHL): 7 of a bf16 word's 9 instructions run on the integer
+// ALU pipe, which issues a warp instruction every other cycle, instead of all 9.
 template <bool HALF>
 __device__ __forceinline__ void e2m1_regs(uint32_t q, uint32_t* a) {
   if constexpr (HALF) {
     constexpr uint32_t kSign = 0x80008000u, kMag = 0x0E000E00u;
     a[0] = (q & kSign) | (rotr(q, 29) & kMag);
     a[1] = (rotr(q, 4) & kSign) | (rotr(q, 1) & kMag);
-    a[2] = (rotr(q, 10) & kSign) | (rotr(q, 7) & kMag);
-    a[3] = (rotr(q, 14) & kSign) | (rotr(q, 3) & 0x08000800u) | (rotr(q, 11) & 0x06000600u);
+    a[2] = ((q << 6) & kSign) | ((q << 9) & kMag);
+    a[3] = ((q << 2) & kSign) | ((q >> 3) & 0x08000800u) | ((q << 5) & 0x06000600u);
   } else {
     constexpr uint32_t kPair = 0x81C081C0u;
     a[0] = q & kPair;
     a[1] = rotr(q, 4) & kPair;
-    a[2] = rotr(q, 10) & kPair;
-    a[3] = (rotr(q, 6) & 0x01000100u) | (rotr(q, 14) & 0x80C080C0u);
+    a[2] = (q << 6) & kPair;
+    a[3] = ((q >> 6) & 0x01000100u) | ((q << 2) & 0x80C080C0u);
   }
 }
 
@@ -142,7 +145,7 @@ __device__ __forceinline__ void e2m1_regs(uint32_t q, uint32_t* a) {
 // value * 2**-120: sign at bit 15 of a half, exponent and mantissa at bits 10-4.
 __device__ __forceinline__ void e4m3_regs(uint32_t w, uint32_t* a) {
   a[0] = w & 0x87F087F0u;
-  a[1] = (rotr(w, 8) & 0x07700770u) | (rotr(w, 12) & 0x80808080u);
+  a[1] = (rotr(w, 8) & 0x07700770u) | ((w << 4) & 0x80808080u);
 }
 
 template <bool HALF>

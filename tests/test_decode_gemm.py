@@ -97,14 +97,16 @@ def _rotr(q: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # The kernel's word decode, as written in csrc/decode_gemm_cuda.cu: per MMA register, the
-# (rotate-right, mask) pieces or-ed together, for bf16 and (E2M1 only) fp16 registers.
+# (rotate-right, mask) pieces or-ed together, for bf16 and (E2M1 only) fp16 registers. A shift
+# there, `q << s` or `q >> s`, is the rotation 32 - s or s here (the mask keeps only bits the
+# shift keeps).
 KERNEL_PIECES = {
-    ("e2m1", False): (((0, 0x81C081C0),), ((4, 0x81C081C0),), ((10, 0x81C081C0),),
-                      ((6, 0x01000100), (14, 0x80C080C0))),
+    ("e2m1", False): (((0, 0x81C081C0),), ((4, 0x81C081C0),), ((26, 0x81C081C0),),
+                      ((6, 0x01000100), (30, 0x80C080C0))),
     ("e2m1", True): (((0, 0x80008000), (29, 0x0E000E00)), ((4, 0x80008000), (1, 0x0E000E00)),
-                     ((10, 0x80008000), (7, 0x0E000E00)),
-                     ((14, 0x80008000), (3, 0x08000800), (11, 0x06000600))),
-    ("e4m3", False): (((0, 0x87F087F0),), ((8, 0x07700770), (12, 0x80808080))),
+                     ((26, 0x80008000), (23, 0x0E000E00)),
+                     ((30, 0x80008000), (3, 0x08000800), (27, 0x06000600))),
+    ("e4m3", False): (((0, 0x87F087F0),), ((8, 0x07700770), (28, 0x80808080))),
 }
 
 

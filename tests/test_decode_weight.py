@@ -101,7 +101,7 @@ def test_canonical_is_bitwise_the_packed_source(name):
 def test_repr_names_the_layout():
     packed, _ = _models(CONFIGS["nvfp4"])
     r = repr(packed[0].weight)
-    assert "packing=decode-v2" in r and "canonical=NVFP4Tensor" in r and "fmt=nvfp4" in r
+    assert "packing=decode-v3" in r and "canonical=NVFP4Tensor" in r and "fmt=nvfp4" in r
     assert "DecodeWeight" in repr(packed)
 
 

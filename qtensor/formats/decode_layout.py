@@ -20,8 +20,14 @@ select the bits of a bf16 pair holding each value times 2**-126 (E2M1: sign at b
 half, exponent and mantissa at bits 8-6) or 2**-120 (E4M3: sign 15, the rest at bits 10-4), so
 the rotations decide where each code bit is stored. Four rotated copies of one mask cannot tile
 a 32-bit word, so the last E2M1 register (the second E4M3 one) takes two pieces: 9
-instructions per 8 E2M1 codes, 5 per 4 E4M3 codes. csrc/decode_gemm_cuda.cu
-([Note: decode GEMM]) applies the same pieces.
+instructions per 8 E2M1 codes, 5 per 4 E4M3 codes. Among the placements with that count, these
+make three E2M1 pieces (one E4M3 piece) take only bits a left shift keeps (rotations 26 and 30
+are shifts left by 6 and 2, rotation 28 one by 4), and the kernel issues a left shift as an
+integer multiply on the FMA pipe: of the 9 (5) instructions, 7 (4) run on the integer ALU pipe,
+the decode's busiest. Left shifts alone cannot place every bit: the four registers need twelve
+code bits at bits 6-8 and only the word's bits 0-8 lie at or below them, so at least one piece
+is a right shift or a rotation.
+csrc/decode_gemm_cuda.cu ([Note: decode GEMM]) applies the same pieces.
 
 `pack` and `unpack` are exact inverses on every canonical tensor (tests/test_decode_gemm.py
 checks it bit for bit). The layout cannot hold an E4M3 NaN, as an MXFP8 code or an NVFP4 block
@@ -40,9 +46,9 @@ ROWS, SUPER_K = 64, 64  # padding of N (4 row tiles of 16, one CTA) and of K (on
 # pieces. E2M1 code bit b (mantissa, exponent low, exponent high, sign) lands at bit
 # E2M1_DEST[b] + 16h of its register, E4M3 bit b at E4M3_DEST[b] + 16h.
 WORD_PIECES = {
-    4: (((0, 0x81C081C0),), ((4, 0x81C081C0),), ((10, 0x81C081C0),),
-        ((6, 0x01000100), (14, 0x80C080C0))),
-    8: (((0, 0x87F087F0),), ((8, 0x07700770), (12, 0x80808080))),
+    4: (((0, 0x81C081C0),), ((4, 0x81C081C0),), ((26, 0x81C081C0),),
+        ((6, 0x01000100), (30, 0x80C080C0))),
+    8: (((0, 0x87F087F0),), ((8, 0x07700770), (28, 0x80808080))),
 }
 E2M1_DEST = (6, 7, 8, 15)
 E4M3_DEST = (4, 5, 6, 7, 8, 9, 10, 15)

@@ -31,7 +31,7 @@ from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.common import ROWWISE
 
 aten = torch.ops.aten
-LAYOUT = "decode-v2"  # the layout version: [Note: decode layout]
+LAYOUT = "decode-v3"  # the layout version: [Note: decode layout]
 
 
 class DecodeWeight(QuantizedTensor):
