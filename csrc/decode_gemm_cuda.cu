@@ -15,15 +15,16 @@
 // - Decode. A word of eight E2M1 codes becomes the four MMA registers that hold them, as bf16
 //   bits of value * 2**-126 (2**-14 in fp16), by rotations and masks: the layout stores each
 //   code bit where one of a register's few (rotation, mask) pieces picks it up, 9 instructions
-//   per word in bf16, 7 of them on the integer ALU pipe (WORD_PIECES, [Note: decode layout]). One bf16x2 multiply by F then gives
-//   value * scale. For NVFP4, F = s * 2**118 (bf16) or s * 2**7 (fp16), so the MMA multiplies
-//   (value * s) * 2**-8 (or 2**-7): exact, and exact again after the epilogue's multiply by
-//   2**8 (2**7), a power of two; the scale byte itself goes to bf16 bits the same way (its
-//   value times 2**-120) and two multiplies by 2**119 make F. For MXFP4 and MXFP8, F = 2**(code - 1) and
-//   2**(code - 7) fold both factors into one multiply while that power is a bf16 number (block
-//   scale codes up to 128 and 134); a super-tile holding a larger code takes two multiplies,
-//   chosen by a warp vote so that no lane diverges. A word of four E4M3 codes becomes two
-//   registers the same way (value * 2**-120), 5 instructions.
+//   per word in bf16, 7 of them on the integer ALU pipe (WORD_PIECES, [Note: decode layout]).
+//   One bf16x2 multiply by F then gives value * scale. For NVFP4, F = s * 2**118 (bf16) or s *
+//   2**7 (fp16), so the MMA multiplies (value * s) * 2**-8 (or 2**-7): exact, and exact again
+//   after the epilogue's multiply by 2**8 (2**7), a power of two; the scale byte itself goes to
+//   bf16 bits the same way (its value times 2**-120) and two multiplies by 2**119 make F. For
+//   MXFP4 and MXFP8, F = 2**(code - 1) and 2**(code - 7) fold both factors into one multiply
+//   while that power is a bf16 number (block scale codes up to 128 and 134); a super-tile
+//   holding a larger code takes two multiplies, chosen by a warp vote so that no lane diverges.
+//   A word of four E4M3 codes becomes two registers the same way (value * 2**-120), 5
+//   instructions, 4 of them on the ALU pipe.
 // - Products. Every weight value is exact in the MMA's type (at most 6 significant bits; MXFP8
 //   as exact as bf16 holds it, as in the Triton kernels), the products are exact in fp32 and
 //   the tensor cores accumulate in fp32: the result differs from the emulated reference
