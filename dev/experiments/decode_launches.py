@@ -2,6 +2,7 @@
 
     python dev/experiments/decode_launches.py fixed-cost [--n 8192] [--ks 1024,...] [--m 1]
     python dev/experiments/decode_launches.py splits [--shapes 28672x8192,8192x28672] [--ms 1,16]
+    python dev/experiments/decode_launches.py times [--shapes 8192x8192,...] [--ms 1,4,16,64]
     ncu --clock-control none -k regex:decode_gemm --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats --section SchedulerStats --section InstructionStats \\
         python dev/experiments/decode_launches.py profile [--shapes 28672x8192] [--ms 1,16]
@@ -14,6 +15,10 @@ ramp, the split-K reduction, the tail) and a streaming rate.
 
 splits: each format's kernel with the K split it chooses (every cluster resident at once) and
 with each forced split (one whose clusters do not all fit runs in more than one wave).
+
+times: each format's kernel as decode_mm launches it beside bf16 F.linear, one line per weight
+and M: the short table to compare builds with (dev/compare_builds.sh runs it in each build; the
+kernel's whole benchmark, with its checks and other rows, is bench_gemm.py --decode).
 
 profile: three launches of each format alone, for Nsight Compute (the first warms up). With
 ncu's `--section SourceCounters --page source --print-source sass --csv` instead of the sections
@@ -107,6 +112,22 @@ def splits(args) -> None:
                 print(f"| {n}x{k} | {m} | {fmt} | " + " | ".join(cells) + " |", flush=True)
 
 
+def times(args) -> None:
+    print(f"# {torch.cuda.get_device_name()}: decode GEMM us from a CUDA graph (x bf16 F.linear)")
+    for n, k in shapes(args.shapes):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        _, wb_next = rotating(lambda i: w.roll(i, 0).contiguous(), n * k * 2)
+        packed = rotating_packed(w)
+        for m in (int(v) for v in args.ms.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            base = graph_ms(lambda: F.linear(x, wb_next())) * 1e3
+            cells = [f"bf16 {base:.1f}"]
+            for fmt, (_, nxt) in packed.items():
+                us = graph_ms(lambda nxt=nxt, fmt=fmt: launch(x, nxt(), fmt, n, k)) * 1e3
+                cells.append(f"{fmt} {us:.1f} ({base / us:.2f}x)")
+            print(f"{n}x{k} M={m}: " + " | ".join(cells), flush=True)
+
+
 def profile(args) -> None:
     for n, k in shapes(args.shapes):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -131,11 +152,14 @@ def main() -> None:
     s.add_argument("--shapes", default="28672x8192,8192x28672")
     s.add_argument("--ms", default="1,16")
     s.add_argument("--splits", default="1,2,3,4,6")
+    t = sub.add_parser("times", help="each format beside bf16, a line per weight and M")
+    t.add_argument("--shapes", default="8192x8192,28672x8192,8192x28672")
+    t.add_argument("--ms", default="1,4,16,64")
     r = sub.add_parser("profile", help="launches alone, for Nsight Compute")
     r.add_argument("--shapes", default="28672x8192")
     r.add_argument("--ms", default="1,16")
     args = p.parse_args()
-    {"fixed-cost": fixed_cost, "splits": splits, "profile": profile}[args.what](args)
+    {"fixed-cost": fixed_cost, "splits": splits, "times": times, "profile": profile}[args.what](args)
 
 
 if __name__ == "__main__":
