@@ -25,6 +25,16 @@ of 2048 tokens, and the peak GPU memory. How it is measured:
   around the linear layers, as the compiled decode does); its GPU time per token is what the
   weight formats change. Its last column is the layers' linear layers alone (each module of
   layer 0 replayed from a CUDA graph, times the layers).
+- The loop table (--loop, or --loop-only) times greedy decoding without generate(): a static
+  KV cache, one eager prefill, then one-token steps `model(token, past_key_values=cache)` and
+  an argmax, the next step fed the last one's token on the device, with no host sync between
+  steps (the loop of gpt-fast and of torchao's generation benchmark). The step runs eager,
+  compiled (fullgraph, mode="reduce-overhead"), and compiled with Inductor's freezing, which
+  makes the weights constants of the graph: a compiled call then neither guards nor unwraps the
+  quantized weights (tensor subclasses), which on torch 2.11 costs about 11 us of host time a
+  weight and a step (dev/experiments/compiled_host.py). Tokens/s = batch x steps / the time of
+  `steps` steps, the median of three runs after three warm-up steps; bf16 is timed the same way
+  for each mode. The tokens of each compiled loop are compared with the eager loop's.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import inspect
 import os
 import statistics
 import sys
@@ -171,6 +182,105 @@ def linears_us(model, batch: int) -> float:
     return total * len(model.model.layers)
 
 
+LOOP_MODES = ("eager", "compiled", "frozen")
+
+
+class GreedyLoop:
+    """Greedy decoding of `ids` [batch, prompt] by one-token steps on a static KV cache of
+    prompt + `max_new` positions: the prefill (eager) at construction, then `run(n)` decodes n
+    more tokens. The step runs eager, compiled ("compiled": fullgraph, mode "reduce-overhead",
+    so CUDA graphs where the device has them) or compiled with Inductor's freezing ("frozen").
+    Each step is fed the last step's token on the device; the host waits for the device only at
+    the end of `run`. `tokens()` is what it decoded: the prefill's token, then every step's."""
+
+    def __init__(self, model, ids: torch.Tensor, mode: str, max_new: int):
+        from transformers import StaticCache
+
+        if mode not in LOOP_MODES:
+            raise ValueError(f"GreedyLoop: mode is one of {LOOP_MODES}; got {mode!r}.")
+        self.mode = mode
+        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + max_new + 1)
+        # transformers 5.x renames forward's `past_key_values` to `cache`: the one it has
+        name = "cache" if "cache" in inspect.signature(model.forward).parameters else \
+            "past_key_values"
+        kw = {name: cache, "use_cache": True, "logits_to_keep": 1}
+
+        def step(tok):
+            return model(tok, **kw).logits[:, -1:].argmax(-1)
+
+        self.step = step if mode == "eager" else \
+            torch.compile(step, fullgraph=True, mode="reduce-overhead")
+        self.sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+        with torch.no_grad():
+            self.out = [model(ids, **kw).logits[:, -1:].argmax(-1)]  # the prefill
+
+    def run(self, n: int) -> float:
+        """Decode n tokens; the seconds they took."""
+        import torch._inductor.config as inductor_config
+
+        tok = self.out[-1]
+        with torch.no_grad(), inductor_config.patch(freezing=self.mode == "frozen"):
+            self.sync()
+            start = time.perf_counter()
+            for _ in range(n):
+                # a clone: a CUDA graph's output is overwritten by its next replay
+                tok = self.step(tok).clone()
+                self.out.append(tok)
+            self.sync()
+        return time.perf_counter() - start
+
+    def tokens(self) -> torch.Tensor:
+        return torch.cat(self.out, dim=1)
+
+
+def greedy_loop(model, ids: torch.Tensor, steps: int, mode: str, warmup: int = 3,
+                repeats: int = 3) -> tuple[float, torch.Tensor]:
+    """A GreedyLoop's `warmup` steps (compilation, CUDA graph capture), then `repeats` runs of
+    `steps` steps: (the median seconds of a run, the tokens decoded)."""
+    loop = GreedyLoop(model, ids, mode, warmup + repeats * steps)
+    loop.run(warmup)
+    seconds = statistics.median(loop.run(steps) for _ in range(repeats))
+    return seconds, loop.tokens()
+
+
+def loop_table(args) -> None:
+    emit(f"\n### Greedy decoding by one-token steps, without generate(), {args.layers} layers, "
+         f"{args.steps} timed steps\n")
+    emit("| config | batch | eager tok/s | vs bf16 | compiled tok/s | vs bf16 | frozen tok/s "
+         "| vs bf16 | tokens agree (compiled, frozen) |")
+    emit("|---|---|---|---|---|---|---|---|---|")
+    base: dict[tuple[int, str], float] = {}
+    for name in ["bf16"] + [c for c in args.configs.split(",") if c]:
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+        model = quantize(build_model(args.layers), name)
+        device = model.lm_head.weight.device
+        for batch in (int(b) for b in args.batches.split(",")):
+            ids = torch.randint(0, model.config.vocab_size, (batch, 32), device=device,
+                                generator=torch.Generator(device).manual_seed(2))
+            cells, tokens = [], {}
+            for mode in LOOP_MODES:
+                torch._dynamo.reset()
+                try:
+                    seconds, tokens[mode] = greedy_loop(model, ids, args.steps, mode)
+                except Exception as e:  # reported in the table, the sweep goes on
+                    cells += [f"{type(e).__name__}: {str(e)[:60]}", ""]
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    continue
+                tok_s = batch * args.steps / seconds
+                if name == "bf16":
+                    base[(batch, mode)] = tok_s
+                ratio = tok_s / base[(batch, mode)] if (batch, mode) in base else None
+                cells += [f"{tok_s:.0f}", f"{ratio:.2f}x" if ratio else ""]
+            agree = ", ".join(str(torch.equal(tokens[m], tokens["eager"])) if m in tokens and
+                              "eager" in tokens else "-" for m in LOOP_MODES[1:])
+            emit(f"| {name} | {batch} | {' | '.join(cells)} | {agree} |")
+        del model
+        torch.cuda.empty_cache()
+
+
 def step_table(args) -> None:
     emit(f"\n### One decode step from a CUDA graph (no generate() loop), {args.layers} layers\n")
     emit("| config | batch | eager step us | vs bf16 | compiled step us | tok/s | vs bf16 "
@@ -215,6 +325,10 @@ def main() -> None:
                    help="configs also measured compiled (each compile takes a minute)")
     p.add_argument("--step", action="store_true", help="also time one CUDA-graphed decode step")
     p.add_argument("--step-only", action="store_true", help="only the step table")
+    p.add_argument("--loop", action="store_true",
+                   help="also time greedy decoding by one-token steps, without generate()")
+    p.add_argument("--loop-only", action="store_true", help="only the loop table")
+    p.add_argument("--batches", default="1,8", help="batch sizes of the loop table")
     args = p.parse_args()
     import transformers
     from torch._dynamo.utils import counters
@@ -224,8 +338,11 @@ def main() -> None:
          f"transformers {transformers.__version__}")
     emit(f"Llama hidden 4096, intermediate 14336, {args.layers} layers, 32/8 heads, vocab "
          f"32000, bf16 lm_head; prompt 32 tokens; {args.steps} timed decode steps\n")
-    if args.step_only:
-        step_table(args)
+    if args.step_only or args.loop_only:
+        if args.step_only:
+            step_table(args)
+        if args.loop_only:
+            loop_table(args)
         names = []
     else:
         names = ["bf16_first", "bf16"] + [c for c in args.configs.split(",") if c]
@@ -285,6 +402,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.step and not args.step_only:
         step_table(args)
+    if args.loop and not args.loop_only:
+        loop_table(args)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(ROWS) + "\n")

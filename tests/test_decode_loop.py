@@ -1,0 +1,81 @@
+"""The greedy decoding loop of benchmarks/bench_decode.py (one-token steps on a static KV cache,
+without generate()), on the CPU: its tokens are generate()'s greedy tokens, eager and compiled
+with Inductor's freezing, for bf16 and for weights in the decode layout. The GPU run times it;
+this checks that what it times is greedy decoding."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_decode  # noqa: E402
+
+torch.set_num_threads(1)  # the runner's 2 cores are shared; Inductor's C++ build uses them
+PROMPT, WARMUP, STEPS, REPEATS = 6, 1, 2, 2
+
+
+def tiny_llama(quantized: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import qtensor
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    # fp32: the loop and generate() reach attention through different masks, whose roundings
+    # could part two bf16 logits that nearly tie.
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None  # generate() must not stop or ban end tokens
+    if quantized:
+        qtensor.quantize_(model, qtensor.NVFP4WeightOnlyConfig(layout="decode"),
+                          filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and n != "lm_head")
+        assert isinstance(model.model.layers[0].mlp.up_proj.weight, qtensor.DecodeWeight)
+    return model
+
+
+def generate_tokens(model, ids, new_tokens: int) -> torch.Tensor:
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False,
+                             cache_implementation="static", pad_token_id=0, disable_compile=True)
+    return out[:, ids.shape[1]:]
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(0, 128, (2, PROMPT), generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "nvfp4_decode_layout"])
+def test_eager_loop_is_generate(quantized, prompt):
+    model = tiny_llama(quantized)
+    seconds, tokens = bench_decode.greedy_loop(model, prompt, STEPS, "eager", warmup=WARMUP,
+                                               repeats=REPEATS)
+    new = 1 + WARMUP + REPEATS * STEPS  # the prefill's token, then one a step
+    assert tokens.shape == (2, new) and seconds > 0
+    assert torch.equal(tokens, generate_tokens(model, prompt, new))
+
+
+def test_frozen_loop_is_eager():
+    """Compiled with freezing (the weights, DecodeWeight included, become graph constants), the
+    loop decodes the eager loop's tokens; the compiled step is one graph (fullgraph)."""
+    model = tiny_llama(quantized=True)
+    prompt = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    _, eager = bench_decode.greedy_loop(model, prompt, STEPS, "eager", warmup=WARMUP,
+                                        repeats=REPEATS)
+    _, frozen = bench_decode.greedy_loop(model, prompt, STEPS, "frozen", warmup=WARMUP,
+                                         repeats=REPEATS)
+    torch._dynamo.reset()
+    assert torch.equal(frozen, eager)
+
+
+def test_loop_mode_is_checked(prompt):
+    with pytest.raises(ValueError, match="mode is one of"):
+        bench_decode.greedy_loop(None, prompt, 1, "graphed")
