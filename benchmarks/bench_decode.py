@@ -32,7 +32,7 @@ of 2048 tokens, and the peak GPU memory. How it is measured:
   compiled (fullgraph, mode="reduce-overhead"), and compiled with Inductor's freezing, which
   makes the weights constants of the graph: a compiled call then neither guards nor unwraps the
   quantized weights (tensor subclasses), which on torch 2.11 costs about 11 us of host time a
-  weight and a step (dev/experiments/compiled_host.py). Tokens/s = batch x steps / the time of
+  weight and a step on the development machine's CPU (dev/experiments/compiled_host.py). Tokens/s = batch x steps / the time of
   `steps` steps, the median of three runs after three warm-up steps; bf16 is timed the same way
   for each mode. The tokens of each compiled loop are compared with the eager loop's.
 """

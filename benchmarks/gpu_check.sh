@@ -70,11 +70,12 @@ if [ "${QTENSOR_GPU_ONLY:-}" != decode ]; then
 fi
 
 # The weight-only decode GEMM (docs/decode.md): its CUDA tests, its kernel against bf16 cuBLAS
-# with the K-split sweep, and (decode stanza) the compiled end-to-end decode.
+# with the K-split sweep, and (decode stanza) the compiled end-to-end decode, by generate() and
+# by the greedy loop without it.
 step decode_tests python3 -m pytest -m cuda -q -ra tests/test_decode_gemm.py tests/test_decode_weight.py
 step bench_gemm_decode python3 benchmarks/bench_gemm.py --decode --sweep --out "$LOG/bench_gemm_decode.md"
 if [ "${QTENSOR_GPU_ONLY:-}" = decode ]; then
-  step bench_decode python3 benchmarks/bench_decode.py --out "$LOG/bench_decode.md"
+  step bench_decode python3 benchmarks/bench_decode.py --loop --out "$LOG/bench_decode.md"
   echo "== gpu_check (decode stanza only): logs in $LOG"
   printf '%s\n' "${SUMMARY[@]}"
   [ -f "$LOG/bench_gemm_decode.md" ] && cat "$LOG/bench_gemm_decode.md"

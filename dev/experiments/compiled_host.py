@@ -1,6 +1,7 @@
 """What a quantized weight costs the host in each call of a compiled decode step, on the CPU.
 
     python dev/experiments/compiled_host.py [--layers 4] [--steps 60] [--repeats 7]
+    python dev/experiments/compiled_host.py --generate-freezing
 
 A small Llama (hidden 64, 7 linear layers a decoder layer) decodes by one-token steps
 (`GreedyLoop` of benchmarks/bench_decode.py), the step compiled by Inductor (fullgraph), for
@@ -18,6 +19,10 @@ tensor-subclass inputs, the launch of each op. It prints the median step time of
   the kernel) less a direct call of the same stub kernel: what the op's Python path adds to
   each linear layer of a compiled step without CUDA graphs (a CUDA-graph replay does not run
   it).
+
+--generate-freezing: whether transformers' generate() decodes with its compiled forward under
+Inductor's freezing, on a small fp32 Llama with plain weights (bench_decode.py's generate()
+rows cannot use freezing if not).
 
 Results, with date and torch version, in benchmarks/RESULTS.md ("the host side of a compiled
 decode step") and docs/decode.md ("Status").
@@ -72,13 +77,46 @@ def build(layers: int, config):
     return model
 
 
+def generate_freezing() -> None:
+    import torch._inductor.config as inductor_config
+    from transformers.generation import CompileConfig
+
+    model = build(2, None).float()
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
+    compile_config = CompileConfig(fullgraph=True)
+    compile_config._compile_all_devices = True  # transformers compiles on GPUs only otherwise
+
+    def generate(**kw):
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                                  cache_implementation="static", **kw)
+
+    eager = generate(disable_compile=True)
+    with inductor_config.patch(freezing=True):
+        for call in ("first", "second"):  # each generate() call makes a new static cache
+            try:
+                same = torch.equal(generate(compile_config=compile_config), eager)
+                print(f"generate() compiled with freezing, {call} call: tokens equal eager's: "
+                      f"{same}")
+            except Exception as e:  # the finding itself
+                where = str(e).splitlines()[0].split(", ")[-1]  # the message, not the file
+                print(f"generate() compiled with freezing, {call} call: {type(e).__name__}: "
+                      f"{where[-120:]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--generate-freezing", action="store_true",
+                   help="only check generate() compiled with freezing")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.generate_freezing:
+        generate_freezing()
+        return
     stub_decode_kernel()
     weights = 7 * args.layers
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
