@@ -12,6 +12,10 @@ graph trees also say when they record again and why.
 With --freezing, Inductor compiles with its freezing option: in inference the parameters, the
 quantized weights included, become constants of the compiled graph instead of its inputs.
 
+With --loop it profiles greedy decoding by one-token steps without generate() instead
+(`GreedyLoop` of bench_decode.py: compiled with mode "reduce-overhead", or with freezing too
+under --freezing; --eager for the eager loop).
+
 With --host it profiles the host instead: cProfile around one generate() call, the Python
 functions by their own time per new token, and by their cumulative time (where the host time
 of a token goes between the compiled calls, the guards and the CUDA graph replays).
@@ -30,23 +34,24 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_decode import build_model, decode_ms_per_token, generate, quantize  # noqa: E402
+from bench_decode import (GreedyLoop, build_model, decode_ms_per_token, generate,  # noqa: E402
+                          quantize)
 
 
-def host_profile(model, ids, name: str, tokens: int, compiled: bool, top: int) -> None:
-    """cProfile of one generate() call of `tokens` new tokens, per token."""
+def host_profile(decode, name: str, tokens: int, top: int) -> None:
+    """cProfile of decode() (`tokens` new tokens), per token."""
     import cProfile
     import pstats
 
     prof = cProfile.Profile()
     prof.enable()
-    generate(model, ids, tokens, compiled)
+    decode()
     torch.cuda.synchronize()
     prof.disable()
     stats = pstats.Stats(prof)
     rows = list(stats.stats.items())  # (file, line, function): (cc, calls, own, cumulative, _)
     total = sum(v[2] for _, v in rows)
-    print(f"\n### {name}: host profile of generate(), {tokens} new tokens: "
+    print(f"\n### {name}: host profile of its decoding, {tokens} new tokens: "
           f"{total / tokens * 1e6:.0f} us of Python-visible time per token")
     for title, col in (("own time", 2), ("cumulative time", 3)):
         print(f"| function ({title}) | calls / token | us / token |")
@@ -57,31 +62,45 @@ def host_profile(model, ids, name: str, tokens: int, compiled: bool, top: int) -
 
 
 def profile_config(name: str, layers: int, tokens: int, compiled: bool, top: int,
-                   host: bool = False) -> None:
+                   host: bool = False, loop: str | None = None) -> None:
+    """Profile `name`'s decoding: generate(), or with `loop` a GreedyLoop of that mode."""
     torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()
     model = quantize(build_model(layers), name)
-    ids = torch.randint(0, 32000, (1, 32), device="cuda",
-                        generator=torch.Generator("cuda").manual_seed(2))
-    ms, _ = decode_ms_per_token(model, ids, compiled, 32)  # also the warm-up
-    generate(model, ids, tokens, compiled)
-    torch.cuda.synchronize()
-    print(f"\n{name}: {ms * 1e3:.0f} us/token wall (generate(), "
-          f"{'compiled' if compiled else 'eager'})")
+    device = model.lm_head.weight.device
+    ids = torch.randint(0, model.config.vocab_size, (1, 32), device=device,
+                        generator=torch.Generator(device).manual_seed(2))
+    if loop is None:
+        ms, _ = decode_ms_per_token(model, ids, compiled, 32)  # also the warm-up
+        generate(model, ids, tokens, compiled)
+        torch.cuda.synchronize()
+        how = f"generate(), {'compiled' if compiled else 'eager'}"
+
+        def decode():
+            generate(model, ids, tokens, compiled)
+    else:
+        runs = 3 + 32 + 3 * tokens
+        greedy = GreedyLoop(model, ids, loop, runs)
+        greedy.run(3)  # compiles, captures
+        ms = greedy.run(32) / 32 * 1e3
+        how = f"greedy loop, {loop}"
+
+        def decode():
+            greedy.run(tokens)
+    print(f"\n{name}: {ms * 1e3:.0f} us/token wall ({how})")
     if host:
-        host_profile(model, ids, name, tokens, compiled, top)
+        host_profile(decode, name, tokens, top)
         del model
         return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        generate(model, ids, tokens, compiled)
+        decode()
         torch.cuda.synchronize()
     events = prof.key_averages()
     gpu = sorted((e for e in events if e.device_type == DeviceType.CUDA),
                  key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in gpu)
-    mode = "compiled" if compiled else "eager"
-    print(f"\n### {name}, {mode}: {ms * 1e3:.0f} us/token wall (generate(), 32 tokens); "
+    print(f"\n### {name}, {how}: {ms * 1e3:.0f} us/token wall (32 tokens); "
           f"profiled {tokens} new tokens: GPU busy {total / tokens:.0f} us/token")
     print("| kernel | calls | us total / token | us each |")
     print("|---|---|---|---|")
@@ -103,6 +122,8 @@ def main() -> None:
     p.add_argument("--eager", action="store_true", help="profile eager decoding instead")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--host", action="store_true", help="profile the host (cProfile) instead")
+    p.add_argument("--loop", action="store_true",
+                   help="profile greedy decoding by one-token steps instead of generate()")
     p.add_argument("--freezing", action="store_true",
                    help="compile with Inductor's freezing (the weights become graph constants)")
     args = p.parse_args()
@@ -110,7 +131,11 @@ def main() -> None:
 
     inductor_config.freezing = args.freezing
     for name in args.configs.split(","):
-        profile_config(name, args.layers, args.tokens, not args.eager, args.top, args.host)
+        loop = None
+        if args.loop:
+            loop = "eager" if args.eager else ("frozen" if args.freezing else "compiled")
+        profile_config(name, args.layers, args.tokens, not args.eager, args.top, args.host,
+                       loop)
 
 
 if __name__ == "__main__":
