@@ -58,6 +58,7 @@ ROWS: list[str] = []
 CONFIGS = {
     "nvfp4_weight_only": lambda: qtensor.NVFP4WeightOnlyConfig(),
     "mxfp8_weight_only": lambda: qtensor.MXFP8WeightOnlyConfig(),
+    "mxfp4_weight_only": lambda: qtensor.MXFP4WeightOnlyConfig(),
     "nvfp4_dynamic": lambda: qtensor.NVFP4DynamicActivationNVFP4WeightConfig(),
     "mxfp8_dynamic": lambda: qtensor.MXFP8DynamicActivationMXFP8WeightConfig(),
 }
