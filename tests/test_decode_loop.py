@@ -1,10 +1,13 @@
 """The greedy decoding loop of benchmarks/bench_decode.py (one-token steps on a static KV cache,
 without generate()), on the CPU: its tokens are generate()'s greedy tokens, eager and compiled
-with Inductor's freezing, for bf16 and for weights in the decode layout. The GPU run times it;
-this checks that what it times is greedy decoding."""
+with Inductor's freezing, for bf16 and for weights in the decode layout; frozen, it runs one
+graph whose constants are the weights' packed bytes. The GPU run times it; this checks that
+what it times is greedy decoding, with the weights it claims."""
 
 from __future__ import annotations
 
+import math
+import re
 import sys
 from pathlib import Path
 
@@ -17,16 +20,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_decode  # noqa: E402
 
+import qtensor  # noqa: E402
+
 torch.set_num_threads(1)  # the runner's 2 cores are shared; Inductor's C++ build uses them
 PROMPT, WARMUP, STEPS, REPEATS = 6, 1, 2, 2
+VOCAB = 96  # the embedding and lm_head [96, 64] differ in size from every quantized weight
 
 
 def tiny_llama(quantized: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import qtensor
-
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
                       tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -50,7 +54,7 @@ def generate_tokens(model, ids, new_tokens: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def prompt():
-    return torch.randint(0, 128, (2, PROMPT), generator=torch.Generator().manual_seed(2))
+    return torch.randint(0, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(2))
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "nvfp4_decode_layout"])
@@ -63,22 +67,37 @@ def test_eager_loop_is_generate(quantized, prompt):
     assert torch.equal(tokens, generate_tokens(model, prompt, new))
 
 
+FROZEN = re.compile(r"_frozen_param\d+ = rand_strided\(\(([\d, ]*)\),.*dtype=torch\.(\w+)\)")
+
+
 def test_frozen_loop_is_eager():
-    """Compiled with freezing (the weights, DecodeWeight included, become graph constants), the
-    loop decodes the eager loop's tokens, and every step runs the one graph compiled at the
-    first: a step that compiled again (a position as a Python int, say) would cost seconds."""
+    """Compiled with freezing, the loop decodes the eager loop's tokens; every step runs the one
+    graph compiled at the first (a step that compiled again, a position as a Python int say,
+    would cost seconds); and the graph's constants hold the weights' packed bytes, no weight
+    dequantized: freezing folds what depends on constants alone, and the decode op is opaque."""
+    from torch._inductor.utils import run_and_get_code
+
     model = tiny_llama(quantized=True)
-    prompt = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(3))
     torch._dynamo.reset()
     _, eager = bench_decode.greedy_loop(model, prompt, STEPS, "eager", warmup=WARMUP,
                                         repeats=REPEATS)
     counters.clear()
-    _, frozen = bench_decode.greedy_loop(model, prompt, STEPS, "frozen", warmup=WARMUP,
-                                         repeats=REPEATS)
+    (_, frozen), code = run_and_get_code(
+        bench_decode.greedy_loop, model, prompt, STEPS, "frozen", warmup=WARMUP,
+        repeats=REPEATS)
     graphs = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     assert torch.equal(frozen, eager)
     assert graphs == 1
+    constants = [(math.prod(int(d) for d in shape.split(",") if d.strip()), dtype)
+                 for shape, dtype in FROZEN.findall("\n".join(code))]
+    packed = [m.weight for m in model.modules()
+              if isinstance(getattr(m, "weight", None), qtensor.DecodeWeight)]
+    assert len(packed) == 14
+    assert sum(dtype == "uint8" for _, dtype in constants) == 2 * len(packed)  # codes, scales
+    sizes = {w.numel() for w in packed}  # N x K: what a dequantized weight would hold
+    assert not [c for c in constants if c[0] in sizes and c[1] != "uint8"]
 
 
 def test_loop_mode_is_checked(prompt):
