@@ -25,16 +25,17 @@ of 2048 tokens, and the peak GPU memory. How it is measured:
   around the linear layers, as the compiled decode does); its GPU time per token is what the
   weight formats change. Its last column is the layers' linear layers alone (each module of
   layer 0 replayed from a CUDA graph, times the layers).
-- The loop table (--loop, or --loop-only) times greedy decoding without generate(): a static
-  KV cache, one eager prefill, then one-token steps `model(token, past_key_values=cache)` and
-  an argmax, the next step fed the last one's token on the device, with no host sync between
-  steps (the loop of gpt-fast and of torchao's generation benchmark). The step runs eager,
-  compiled (fullgraph, mode="reduce-overhead"), and compiled with Inductor's freezing, which
-  makes the weights constants of the graph: a compiled call then neither guards nor unwraps the
-  quantized weights (tensor subclasses), which on torch 2.11 costs about 11 us of host time a
-  weight and a step on the development machine's CPU (dev/experiments/compiled_host.py). Tokens/s = batch x steps / the time of
-  `steps` steps, the median of three runs after three warm-up steps; bf16 is timed the same way
-  for each mode. The tokens of each compiled loop are compared with the eager loop's.
+- The loop table (--loop, or --loop-only; --batches picks its batch sizes) times greedy
+  decoding without generate(): a static KV cache, one eager prefill, then one-token steps
+  (the model's forward on the cache) and an argmax, each step fed the last one's token on the
+  device, with no host sync between steps (the loop of gpt-fast and of torchao's generation
+  benchmark). The step runs eager, compiled (fullgraph, mode="reduce-overhead"), and compiled
+  with Inductor's freezing, which makes the weights constants of the graph: a compiled call
+  then neither guards nor unwraps the quantized weights (tensor subclasses), which on torch
+  2.11 costs about 11 us of host time a weight and a step on the development machine's CPU
+  (dev/experiments/compiled_host.py). Tokens/s = batch x steps / the time of `steps` steps,
+  the median of three runs after three warm-up steps; bf16 is timed the same way for each
+  mode. The tokens of each compiled loop are compared with the eager loop's.
 """
 
 from __future__ import annotations

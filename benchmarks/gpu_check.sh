@@ -75,7 +75,7 @@ fi
 step decode_tests python3 -m pytest -m cuda -q -ra tests/test_decode_gemm.py tests/test_decode_weight.py
 step bench_gemm_decode python3 benchmarks/bench_gemm.py --decode --sweep --out "$LOG/bench_gemm_decode.md"
 if [ "${QTENSOR_GPU_ONLY:-}" = decode ]; then
-  step bench_decode python3 benchmarks/bench_decode.py --loop --out "$LOG/bench_decode.md"
+  step bench_decode python3 benchmarks/bench_decode.py --loop --batches 1 --out "$LOG/bench_decode.md"
   echo "== gpu_check (decode stanza only): logs in $LOG"
   printf '%s\n' "${SUMMARY[@]}"
   [ -f "$LOG/bench_gemm_decode.md" ] && cat "$LOG/bench_gemm_decode.md"
