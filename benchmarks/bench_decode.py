@@ -90,6 +90,15 @@ def quantize(model, name: str):
                              n != "lm_head")
 
 
+def fresh_model(layers: int, name: str):
+    """The model of config `name`, built once the previous one's compiled code and memory are
+    released (the caller drops its model first)."""
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return quantize(build_model(layers), name)
+
+
 def generate(model, ids, new_tokens: int, compiled: bool):
     from transformers.generation import CompileConfig
 
@@ -253,10 +262,7 @@ def loop_table(args) -> None:
     emit("|---|---|---|---|---|---|---|---|---|")
     base: dict[tuple[int, str], float] = {}
     for name in ["bf16"] + [c for c in args.configs.split(",") if c]:
-        torch._dynamo.reset()
-        gc.collect()
-        torch.cuda.empty_cache()
-        model = quantize(build_model(args.layers), name)
+        model = fresh_model(args.layers, name)
         device = model.lm_head.weight.device
         for batch in (int(b) for b in args.batches.split(",")):
             ids = torch.randint(0, model.config.vocab_size, (batch, 32), device=device,
@@ -290,10 +296,7 @@ def step_table(args) -> None:
     emit("|---|---|---|---|---|---|---|---|---|")
     base: dict[tuple[int, str], float] = {}
     for name in ["bf16"] + [c for c in args.configs.split(",") if c]:
-        torch._dynamo.reset()
-        gc.collect()
-        torch.cuda.empty_cache()
-        model = quantize(build_model(args.layers), name)
+        model = fresh_model(args.layers, name)
         for batch in (1, 8):
             try:
                 steps = step_us(model, batch)
