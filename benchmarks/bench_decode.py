@@ -3,13 +3,18 @@ config, greedy decoding with a static KV cache, bf16 against each qtensor config
 
 Run on one GPU (benchmarks/gpu_check.sh calls it):
     python benchmarks/bench_decode.py [--out LOGDIR/bench_decode.md] [--compiled CONFIGS]
-For each config and batch size (1 and 8): decode tokens/s eager and compiled, the prefill time
-of 2048 tokens, and the peak GPU memory. How it is measured:
+        [--frozen CONFIGS] [--loop | --loop-only] [--step | --step-only]
+For each config and batch size (1 and 8): decode tokens/s eager, compiled and compiled with
+freezing, the prefill time of 2048 tokens, and the peak GPU memory. How it is measured:
 - generate() with cache_implementation="static" and do_sample=False. transformers compiles the
   forward by itself when the cache is static; "eager" passes disable_compile=True so that eager
   means eager, "compiled" passes CompileConfig(fullgraph=True, mode="reduce-overhead") (CUDA
   graphs). The compiled rows report the graphs compiled, the graph breaks seen and the times
-  Inductor skipped CUDA graphs (then the "compiled" row runs without them).
+  Inductor skipped CUDA graphs (then the "compiled" row runs without them). "frozen" compiles
+  the same way under Inductor's freezing (the weights become constants of the graph, so a
+  call neither guards nor unwraps them), generate() given one StaticCache for all its calls
+  (reset before each): with a new cache each call, a frozen graph, which keeps the cache it
+  was compiled with, fails at the second call.
 - Decode time per token is the difference of two generate() calls (16 and 16 + N new tokens)
   over N, which cancels the prefill and the setup; tokens/s = batch / time per token. Each
   measurement follows a warm-up call (compilation, CUDA graph capture).
@@ -17,8 +22,8 @@ of 2048 tokens, and the peak GPU memory. How it is measured:
 - The prefill is one forward of [1, 2048] tokens without cache (eager, median of 3).
 - Peak memory is the most allocated during the config's runs above what was allocated before
   its model was built (weights, KV cache, workspaces, CUDA graph pools).
-- Every quantized config's first greedy tokens are compared with eager's own: compiled and
-  eager run the same kernels, so they must agree.
+- Every config's first greedy tokens, compiled and frozen, are compared with eager's own:
+  for a quantized config they run the same kernels, so they must agree.
 - The step table (--step) times one decode step without generate()'s host loop: the forward of
   one token per sequence (without a KV cache), captured in a CUDA graph and replayed, once as
   eager kernels and once compiled by Inductor (which fuses the norms, rotary and residual adds
@@ -99,11 +104,26 @@ def fresh_model(layers: int, name: str):
     return quantize(build_model(layers), name)
 
 
-def generate(model, ids, new_tokens: int, compiled: bool):
+def cache_kwarg(model) -> str:
+    """The forward's (and generate()'s) name for the KV cache: later transformers 5.x releases
+    rename `past_key_values` to `cache`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else \
+        "past_key_values"
+
+
+def generate(model, ids, new_tokens: int, compiled: bool, cache=None):
+    """generate() of `new_tokens` greedy tokens on a static KV cache: a new one each call, or
+    `cache` (a StaticCache the caller keeps; reset here), which compiling with Inductor's
+    freezing needs (a frozen graph keeps the cache it was compiled with)."""
     from transformers.generation import CompileConfig
 
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-              cache_implementation="static", pad_token_id=0)
+              pad_token_id=0)
+    if cache is None:
+        kw["cache_implementation"] = "static"
+    else:
+        cache.reset()
+        kw[cache_kwarg(model)] = cache
     if compiled:
         kw["compile_config"] = CompileConfig(fullgraph=True, mode="reduce-overhead")
     else:
@@ -120,14 +140,33 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def decode_ms_per_token(model, ids, compiled: bool, steps: int) -> tuple[float, torch.Tensor]:
+def kept_cache(model, ids, new_tokens: int):
+    """A StaticCache for generate() calls of up to `new_tokens` after the prompt `ids`, kept
+    for all of them: what a graph compiled with freezing needs."""
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
+
+
+def decode_ms_per_token(model, ids, compiled: bool, steps: int,
+                        cache=None) -> tuple[float, torch.Tensor]:
+    """ms a decoded token by generate(), eager or compiled; given `cache` (a kept_cache of at
+    least 16 + steps tokens), compiled with Inductor's freezing on it. And the longer call's
+    tokens."""
+    import torch._inductor.config as inductor_config
+
     short, long_ = 16, 16 + steps
-    out = generate(model, ids, long_, compiled)  # warm-up: compile and capture both lengths
-    generate(model, ids, short, compiled)
-    t_long = statistics.median(timed(lambda: generate(model, ids, long_, compiled))
-                               for _ in range(3))
-    t_short = statistics.median(timed(lambda: generate(model, ids, short, compiled))
-                                for _ in range(3))
+    frozen = cache is not None
+    compiled = compiled or frozen
+
+    def run(n):
+        return generate(model, ids, n, compiled, cache)
+
+    with inductor_config.patch(freezing=frozen):
+        out = run(long_)  # warm-up: compile and capture both lengths
+        run(short)
+        t_long = statistics.median(timed(lambda: run(long_)) for _ in range(3))
+        t_short = statistics.median(timed(lambda: run(short)) for _ in range(3))
     return (t_long - t_short) / steps * 1e3, out
 
 
@@ -211,10 +250,7 @@ class GreedyLoop:
             raise ValueError(f"GreedyLoop: mode is one of {LOOP_MODES}; got {mode!r}.")
         self.mode = mode
         cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + max_new + 1)
-        # transformers 5.x renames forward's `past_key_values` to `cache`: the one it has
-        name = "cache" if "cache" in inspect.signature(model.forward).parameters else \
-            "past_key_values"
-        kw = {name: cache, "use_cache": True, "logits_to_keep": 1}
+        kw = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
 
         def step(tok):
             return model(tok, **kw).logits[:, -1:].argmax(-1)
@@ -328,6 +364,9 @@ def main() -> None:
     p.add_argument("--configs", default=",".join(CONFIGS), help="quantized configs to run")
     p.add_argument("--compiled", default=",".join(["bf16"] + list(CONFIGS)),
                    help="configs also measured compiled (each compile takes a minute)")
+    p.add_argument("--frozen", default="bf16,nvfp4_weight_only,mxfp8_weight_only,mxfp4_weight_only",
+                   help="configs also measured compiled with Inductor's freezing, generate() "
+                        "given one static cache for all its calls")
     p.add_argument("--step", action="store_true", help="also time one CUDA-graphed decode step")
     p.add_argument("--step-only", action="store_true", help="only the step table")
     p.add_argument("--loop", action="store_true",
@@ -353,10 +392,11 @@ def main() -> None:
         names = ["bf16_first", "bf16"] + [c for c in args.configs.split(",") if c]
     if names:
         emit("| config | batch | eager tok/s | vs bf16 | compiled tok/s | vs bf16 "
-             "| graphs, breaks, cudagraph skips "
-             "| prefill 2048 ms | peak GiB | tokens agree |")
-        emit("|---|---|---|---|---|---|---|---|---|---|")
+             "| graphs, breaks, cudagraph skips | frozen tok/s | vs bf16 "
+             "| prefill 2048 ms | peak GiB | tokens agree (compiled, frozen) |")
+        emit("|---|---|---|---|---|---|---|---|---|---|---|---|")
     compiled_set = set(args.compiled.split(",")) if args.compiled else set()
+    frozen_set = set(args.frozen.split(",")) if args.frozen else set()
     base: dict[tuple[int, str], float] = {}
     for name in names:
         torch._dynamo.reset()
@@ -376,19 +416,26 @@ def main() -> None:
             except Exception as e:  # reported in the table, the sweep goes on
                 row["eager_err"] = f"{type(e).__name__}: {str(e)[:60]}"
                 eager_out = None
-            if ("bf16" if name.startswith("bf16") else name) in compiled_set:
+            agree = {}
+            for mode, chosen in (("compiled", compiled_set), ("frozen", frozen_set)):
+                if ("bf16" if name.startswith("bf16") else name) not in chosen:
+                    continue
+                torch._dynamo.reset()
                 counters.clear()
                 try:
-                    ms, comp_out = decode_ms_per_token(model, ids, True, args.steps)
-                    row["compiled"] = batch / ms * 1e3
-                    row["graphs"] = (f"{counters['stats']['unique_graphs']}, "
-                                     f"{sum(counters['graph_break'].values())}, "
-                                     f"{counters['inductor']['cudagraph_skips']}")
+                    cache = kept_cache(model, ids, 16 + args.steps) if mode == "frozen" \
+                        else None
+                    ms, comp_out = decode_ms_per_token(model, ids, True, args.steps, cache)
+                    row[mode] = batch / ms * 1e3
+                    if mode == "compiled":
+                        row["graphs"] = (f"{counters['stats']['unique_graphs']}, "
+                                         f"{sum(counters['graph_break'].values())}, "
+                                         f"{counters['inductor']['cudagraph_skips']}")
                     if eager_out is not None:
-                        row["agree"] = bool(torch.equal(comp_out[:, :48], eager_out[:, :48]))
-                except Exception as e:
-                    row["compiled_err"] = f"{type(e).__name__}: {str(e)[:60]}"
-            for mode in ("eager", "compiled"):
+                        agree[mode] = torch.equal(comp_out[:, :48], eager_out[:, :48])
+                except Exception as e:  # reported in the table, the sweep goes on
+                    row[mode + "_err"] = f"{type(e).__name__}: {str(e)[:60]}"
+            for mode in ("eager", "compiled", "frozen"):
                 if name == "bf16" and mode in row:
                     base[(batch, mode)] = row[mode]
 
@@ -400,9 +447,11 @@ def main() -> None:
 
             e, er = cell("eager")
             c, cr = cell("compiled")
+            f, fr = cell("frozen")
             peak = (torch.cuda.max_memory_allocated() - start_bytes) / 2**30
+            agrees = ", ".join(str(agree[m]) if m in agree else "-" for m in ("compiled", "frozen"))
             emit(f"| {name} | {batch} | {e} | {er} | {c} | {cr} | {row.get('graphs', '')} | "
-                 f"{pre:.1f} | {peak:.1f} | {row.get('agree', '')} |")
+                 f"{f} | {fr} | {pre:.1f} | {peak:.1f} | {agrees} |")
         del model
         torch.cuda.empty_cache()
     if args.step and not args.step_only:

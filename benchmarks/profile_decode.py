@@ -11,6 +11,8 @@ graph trees also say when they record again and why.
 
 With --freezing, Inductor compiles with its freezing option: in inference the parameters, the
 quantized weights included, become constants of the compiled graph instead of its inputs.
+generate() is then given one StaticCache for all its calls (a frozen graph keeps the cache it
+was compiled with).
 
 With --loop it profiles greedy decoding by one-token steps without generate() instead
 (`GreedyLoop` of bench_decode.py: compiled with mode "reduce-overhead", or with freezing too
@@ -35,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_decode import (GreedyLoop, build_model, decode_ms_per_token, generate,  # noqa: E402
-                          quantize)
+                          kept_cache, quantize)
 
 
 def host_profile(decode, name: str, tokens: int, top: int) -> None:
@@ -62,8 +64,10 @@ def host_profile(decode, name: str, tokens: int, top: int) -> None:
 
 
 def profile_config(name: str, layers: int, tokens: int, compiled: bool, top: int,
-                   host: bool = False, loop: str | None = None) -> None:
-    """Profile `name`'s decoding: generate(), or with `loop` a GreedyLoop of that mode."""
+                   host: bool = False, loop: str | None = None, frozen: bool = False) -> None:
+    """Profile `name`'s decoding: generate() (compiled with freezing where `frozen`), or with
+    `loop` a GreedyLoop of that mode."""
+
     torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()
@@ -72,13 +76,14 @@ def profile_config(name: str, layers: int, tokens: int, compiled: bool, top: int
     ids = torch.randint(0, model.config.vocab_size, (1, 32), device=device,
                         generator=torch.Generator(device).manual_seed(2))
     if loop is None:
-        ms, _ = decode_ms_per_token(model, ids, compiled, 32)  # also the warm-up
-        generate(model, ids, tokens, compiled)
+        cache = kept_cache(model, ids, max(16 + 32, tokens)) if frozen else None
+        ms, _ = decode_ms_per_token(model, ids, compiled, 32, cache)  # also the warm-up
+        generate(model, ids, tokens, compiled, cache)
         torch.cuda.synchronize()
-        how = f"generate(), {'compiled' if compiled else 'eager'}"
+        how = f"generate(), {'frozen' if frozen else 'compiled' if compiled else 'eager'}"
 
         def decode():
-            generate(model, ids, tokens, compiled)
+            generate(model, ids, tokens, compiled, cache)
     else:
         runs = 3 + 32 + 3 * tokens
         greedy = GreedyLoop(model, ids, loop, runs)
@@ -135,7 +140,7 @@ def main() -> None:
         if args.loop:
             loop = "eager" if args.eager else ("frozen" if args.freezing else "compiled")
         profile_config(name, args.layers, args.tokens, not args.eager, args.top, args.host,
-                       loop)
+                       loop, frozen=args.freezing and not args.eager)
 
 
 if __name__ == "__main__":

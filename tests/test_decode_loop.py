@@ -103,3 +103,31 @@ def test_frozen_loop_is_eager():
 def test_loop_mode_is_checked(prompt):
     with pytest.raises(ValueError, match="mode is one of"):
         bench_decode.greedy_loop(None, prompt, 1, "graphed")
+
+
+def test_generate_frozen_with_one_cache(prompt):
+    """generate() over a forward compiled with freezing decodes its eager tokens call after call
+    when it is given one StaticCache, reset between calls: what bench_decode.py's frozen column
+    does. (With a new cache each call, the frozen graph, which keeps the first cache, fails at
+    the second.)"""
+    import torch._inductor.config as inductor_config
+    from transformers import StaticCache
+
+    model = tiny_llama(quantized=True)
+    new = 4
+    eager = generate_tokens(model, prompt, new)
+    cache = StaticCache(config=model.config, max_cache_len=PROMPT + new + 1)
+    kw = {bench_decode.cache_kwarg(model): cache}
+    forward = model.forward
+    torch._dynamo.reset()
+    model.forward = torch.compile(forward, fullgraph=True)
+    try:
+        with inductor_config.patch(freezing=True), torch.no_grad():
+            for _ in range(2):
+                cache.reset()
+                out = model.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                                     disable_compile=True, **kw)
+                assert torch.equal(out[:, PROMPT:], eager)
+    finally:
+        model.forward = forward
+        torch._dynamo.reset()

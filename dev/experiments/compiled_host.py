@@ -21,8 +21,9 @@ tensor-subclass inputs, the launch of each op. It prints the median step time of
   it).
 
 --generate-freezing: whether transformers' generate() decodes with its compiled forward under
-Inductor's freezing, on a small fp32 Llama with plain weights (bench_decode.py's generate()
-rows cannot use freezing if not).
+Inductor's freezing, on a small fp32 Llama with plain weights, call after call: with a new
+static cache each call (cache_implementation="static"), and given one StaticCache reset
+between calls (what bench_decode.py's frozen column does).
 
 Results, with date and torch version, in benchmarks/RESULTS.md ("the host side of a compiled
 decode step") and docs/decode.md ("Status").
@@ -79,6 +80,7 @@ def build(layers: int, config):
 
 def generate_freezing() -> None:
     import torch._inductor.config as inductor_config
+    from transformers import StaticCache
     from transformers.generation import CompileConfig
 
     model = build(2, None).float()
@@ -87,22 +89,28 @@ def generate_freezing() -> None:
     compile_config = CompileConfig(fullgraph=True)
     compile_config._compile_all_devices = True  # transformers compiles on GPUs only otherwise
 
-    def generate(**kw):
+    def generate(cache=None, **kw):
+        if cache is None:
+            kw["cache_implementation"] = "static"
+        else:
+            cache.reset()
+            kw[bench_decode.cache_kwarg(model)] = cache
         with torch.no_grad():
-            return model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0,
-                                  cache_implementation="static", **kw)
+            return model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, **kw)
 
     eager = generate(disable_compile=True)
-    with inductor_config.patch(freezing=True):
-        for call in ("first", "second"):  # each generate() call makes a new static cache
-            try:
-                same = torch.equal(generate(compile_config=compile_config), eager)
-                print(f"generate() compiled with freezing, {call} call: tokens equal eager's: "
-                      f"{same}")
-            except Exception as e:  # the finding itself
-                where = str(e).splitlines()[0].split(", ")[-1]  # the message, not the file
-                print(f"generate() compiled with freezing, {call} call: {type(e).__name__}: "
-                      f"{where[-120:]}")
+    kept = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 13)
+    for how, cache in (("a new static cache each call", None), ("one StaticCache", kept)):
+        torch._dynamo.reset()
+        with inductor_config.patch(freezing=True):
+            for call in ("first", "second", "third"):
+                label = f"generate() compiled with freezing, {how}, {call} call"
+                try:
+                    same = torch.equal(generate(cache, compile_config=compile_config), eager)
+                    print(f"{label}: tokens equal eager's: {same}")
+                except Exception as e:  # the finding itself
+                    where = str(e).splitlines()[0].split(", ")[-1]  # the message, not the file
+                    print(f"{label}: {type(e).__name__}: {where[-120:]}")
 
 
 def main() -> None:
