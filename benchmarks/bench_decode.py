@@ -141,8 +141,8 @@ def timed(fn) -> float:
 
 
 def kept_cache(model, ids, new_tokens: int):
-    """A StaticCache for generate() calls of up to `new_tokens` after the prompt `ids`, kept
-    for all of them: what a graph compiled with freezing needs."""
+    """A StaticCache for `new_tokens` after the prompt `ids`, kept for every call of a compiled
+    step or generate(): a graph compiled with freezing keeps the cache it was compiled with."""
     from transformers import StaticCache
 
     return StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
@@ -244,13 +244,11 @@ class GreedyLoop:
     the end of `run`. `tokens()` is what it decoded: the prefill's token, then every step's."""
 
     def __init__(self, model, ids: torch.Tensor, mode: str, max_new: int):
-        from transformers import StaticCache
-
         if mode not in LOOP_MODES:
             raise ValueError(f"GreedyLoop: mode is one of {LOOP_MODES}; got {mode!r}.")
         self.mode = mode
-        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + max_new + 1)
-        kw = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
+        kw = {cache_kwarg(model): kept_cache(model, ids, max_new + 1), "use_cache": True,
+              "logits_to_keep": 1}
 
         def step(tok):
             return model(tok, **kw).logits[:, -1:].argmax(-1)
@@ -290,14 +288,25 @@ def greedy_loop(model, ids: torch.Tensor, steps: int, mode: str, warmup: int = 3
     return seconds, loop.tokens()
 
 
+def emit_table(title: str, columns: list[str]) -> None:
+    """A table's title and header rows."""
+    emit(f"\n### {title}\n")
+    emit("| " + " | ".join(columns) + " |")
+    emit("|" + "---|" * len(columns))
+
+
+def config_names(args) -> list[str]:
+    """bf16, then each config of --configs."""
+    return ["bf16"] + [c for c in args.configs.split(",") if c]
+
+
 def loop_table(args) -> None:
-    emit(f"\n### Greedy decoding by one-token steps, without generate(), {args.layers} layers, "
-         f"{args.steps} timed steps\n")
-    emit("| config | batch | eager tok/s | vs bf16 | compiled tok/s | vs bf16 | frozen tok/s "
-         "| vs bf16 | tokens agree (compiled, frozen) |")
-    emit("|---|---|---|---|---|---|---|---|---|")
+    emit_table(f"Greedy decoding by one-token steps, without generate(), {args.layers} layers, "
+               f"{args.steps} timed steps",
+               ["config", "batch", "eager tok/s", "vs bf16", "compiled tok/s", "vs bf16",
+                "frozen tok/s", "vs bf16", "tokens agree (compiled, frozen)"])
     base: dict[tuple[int, str], float] = {}
-    for name in ["bf16"] + [c for c in args.configs.split(",") if c]:
+    for name in config_names(args):
         model = fresh_model(args.layers, name)
         device = model.lm_head.weight.device
         for batch in (int(b) for b in args.batches.split(",")):
@@ -326,12 +335,11 @@ def loop_table(args) -> None:
 
 
 def step_table(args) -> None:
-    emit(f"\n### One decode step from a CUDA graph (no generate() loop), {args.layers} layers\n")
-    emit("| config | batch | eager step us | vs bf16 | compiled step us | tok/s | vs bf16 "
-         "| linears us | vs bf16 |")
-    emit("|---|---|---|---|---|---|---|---|---|")
+    emit_table(f"One decode step from a CUDA graph (no generate() loop), {args.layers} layers",
+               ["config", "batch", "eager step us", "vs bf16", "compiled step us", "tok/s",
+                "vs bf16", "linears us", "vs bf16"])
     base: dict[tuple[int, str], float] = {}
-    for name in ["bf16"] + [c for c in args.configs.split(",") if c]:
+    for name in config_names(args):
         model = fresh_model(args.layers, name)
         for batch in (1, 8):
             try:
@@ -389,7 +397,7 @@ def main() -> None:
             loop_table(args)
         names = []
     else:
-        names = ["bf16_first", "bf16"] + [c for c in args.configs.split(",") if c]
+        names = ["bf16_first"] + config_names(args)
     if names:
         emit("| config | batch | eager tok/s | vs bf16 | compiled tok/s | vs bf16 "
              "| graphs, breaks, cudagraph skips | frozen tok/s | vs bf16 "
