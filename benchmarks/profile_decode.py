@@ -26,7 +26,6 @@ of a token goes between the compiled calls, the guards and the CUDA graph replay
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 
@@ -36,8 +35,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_decode import (GreedyLoop, build_model, decode_ms_per_token, generate,  # noqa: E402
-                          kept_cache, quantize)
+import bench_decode  # noqa: E402
+from bench_decode import GreedyLoop, decode_ms_per_token, generate, kept_cache  # noqa: E402
 
 
 def host_profile(decode, name: str, tokens: int, top: int) -> None:
@@ -67,11 +66,7 @@ def profile_config(name: str, layers: int, tokens: int, compiled: bool, top: int
                    host: bool = False, loop: str | None = None, frozen: bool = False) -> None:
     """Profile `name`'s decoding: generate() (compiled with freezing where `frozen`), or with
     `loop` a GreedyLoop of that mode."""
-
-    torch._dynamo.reset()
-    gc.collect()
-    torch.cuda.empty_cache()
-    model = quantize(build_model(layers), name)
+    model = bench_decode.fresh_model(layers, name)
     device = model.lm_head.weight.device
     ids = torch.randint(0, model.config.vocab_size, (1, 32), device=device,
                         generator=torch.Generator(device).manual_seed(2))
@@ -85,8 +80,7 @@ def profile_config(name: str, layers: int, tokens: int, compiled: bool, top: int
         def decode():
             generate(model, ids, tokens, compiled, cache)
     else:
-        runs = 3 + 32 + 3 * tokens
-        greedy = GreedyLoop(model, ids, loop, runs)
+        greedy = GreedyLoop(model, ids, loop, 3 + 32 + tokens)  # warm-up, timing, profile
         greedy.run(3)  # compiles, captures
         ms = greedy.run(32) / 32 * 1e3
         how = f"greedy loop, {loop}"
