@@ -1,0 +1,185 @@
+"""FuseDecodeProducts ([Note: fused decode products], qtensor/ops/decode_fusion.py), on the CPU:
+the fused weight decodes to its sources' rows bit for bit (the reference product of an identity
+activation is the decoded weight itself), only constants of one activation, format, bound,
+output dtype and bias presence fuse, and a tiny Llama compiled with freezing and the pass runs
+4 decode products a layer instead of 7 and decodes the unfused loop's tokens."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_decode  # noqa: E402
+
+import qtensor  # noqa: E402
+from qtensor import DecodeWeight, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor  # noqa: E402
+from qtensor.ops.decode_fusion import FuseDecodeProducts, fuse_decode_products  # noqa: E402
+
+torch.set_num_threads(1)
+K = 96  # not a multiple of the layout's 64: the packed K is padded
+CLASSES = {"nvfp4": NVFP4Tensor, "mxfp4": MXFP4Tensor, "mxfp8": MXFP8Tensor}
+DECODE_MM = torch.ops.qtensor.decode_mm.default
+
+
+def weight(fmt: str, n: int, scale: float, seed: int, bound: int = 448) -> DecodeWeight:
+    w = torch.randn(n, K, generator=torch.Generator().manual_seed(seed)) * scale
+    kw = {"e4m3_bound": bound} if fmt == "nvfp4" else {}
+    return DecodeWeight.pack(CLASSES[fmt].from_hp(w, **kw))
+
+
+class Products(torch.nn.Module):
+    """x times each weight by qtensor::decode_mm, the weights (and biases) as buffers: traced,
+    they are get_attr nodes, as in a graph compiled with freezing."""
+
+    def __init__(self, weights, biases=None, out_dtype=torch.float32):
+        super().__init__()
+        self.meta = []
+        for i, w in enumerate(weights):
+            self.register_buffer(f"w{i}", w.codes)
+            self.register_buffer(f"s{i}", w.scales)
+            self.register_buffer(f"a{i}", w.amax)
+            bias = None if biases is None else biases[i]
+            self.register_buffer(f"b{i}", bias)
+            self.meta.append((w.fmt, w.shape[0], w.shape[1], w.bound, out_dtype))
+
+    def forward(self, x):
+        return tuple(DECODE_MM(x, getattr(self, f"w{i}"), getattr(self, f"s{i}"),
+                               getattr(self, f"a{i}"), getattr(self, f"b{i}"), *meta)
+                     for i, meta in enumerate(self.meta))
+
+
+def traced(module: Products, x: torch.Tensor) -> torch.fx.GraphModule:
+    gm = torch.fx.symbolic_trace(module)
+    (placeholder,) = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholder.meta["val"] = FakeTensorMode().from_tensor(x)
+    return gm
+
+
+def products(gm) -> int:
+    return sum(n.target is DECODE_MM for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
+def test_fused_products_are_the_sources_bit_for_bit(fmt):
+    """q, k and v shaped weights of different amaxes (NVFP4: a per-row amax), N not a multiple
+    of the layout's 64: the fused call's output columns are each product's, bit for bit, on
+    the identity (the decoded weights themselves) and on a random activation."""
+    weights = [weight(fmt, 80, 1.0, 0), weight(fmt, 24, 0.01, 1), weight(fmt, 24, 30.0, 2)]
+    biases = [torch.randn(w.shape[0], generator=torch.Generator().manual_seed(9 + i))
+              for i, w in enumerate(weights)]
+    x = torch.eye(K)
+    gm = traced(Products(weights, biases), x)
+    before = gm(x)
+    assert fuse_decode_products(gm.graph) == 1
+    gm.recompile()
+    assert products(gm) == 1
+    fused = next(n for n in gm.graph.nodes if n.target is DECODE_MM)
+    assert fused.args[6] == 128 and fused.meta["val"].shape == (K, 128)
+    amax = getattr(gm, fused.args[3].target) if fmt == "nvfp4" else None
+    if fmt == "nvfp4":
+        assert amax.shape == (128,)
+        assert torch.equal(amax, torch.cat([w.amax.expand(w.shape[0]) for w in weights]))
+    after = gm(x)
+    for b, a in zip(before, after):
+        assert torch.equal(a, b)
+    y = torch.randn(3, K, dtype=torch.bfloat16)
+    before_y = traced(Products(weights, biases, torch.bfloat16), y)(y)
+    fused_y = traced(Products(weights, biases, torch.bfloat16), y)
+    fuse_decode_products(fused_y.graph)
+    fused_y.recompile()
+    for a, b in zip(fused_y(y), before_y):
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=0)  # up to fp32 accumulation order
+
+
+def test_equal_nvfp4_amaxes_stay_one_scalar():
+    base = torch.randn(64, K, generator=torch.Generator().manual_seed(4))
+    base[0, 0] = 8.0  # both weights' amax
+    ws = [DecodeWeight.pack(NVFP4Tensor.from_hp(base)),
+          DecodeWeight.pack(NVFP4Tensor.from_hp(base[:32].flip(1).contiguous()))]
+    assert torch.equal(ws[0].amax, ws[1].amax)
+    gm = traced(Products(ws), torch.eye(K))
+    before = gm(torch.eye(K))
+    fuse_decode_products(gm.graph)
+    gm.recompile()
+    fused = next(n for n in gm.graph.nodes if n.target is DECODE_MM)
+    assert getattr(gm, fused.args[3].target).dim() == 0
+    assert all(torch.equal(a, b) for a, b in zip(gm(torch.eye(K)), before))
+
+
+def test_only_matching_constant_products_fuse():
+    """Different E4M3 bounds, formats or bias presence stay apart; graph inputs (no freezing)
+    are never fused; each group fuses on its own."""
+    x = torch.eye(K)
+    mixed = Products([weight("nvfp4", 16, 1.0, 0), weight("nvfp4", 16, 1.0, 1, bound=256),
+                      weight("mxfp8", 16, 1.0, 2), weight("nvfp4", 32, 2.0, 3),
+                      weight("mxfp8", 48, 1.0, 4)])
+    gm = traced(mixed, x)
+    before = gm(x)
+    assert fuse_decode_products(gm.graph) == 2  # nvfp4 / 448 (0, 3) and mxfp8 (2, 4)
+    gm.recompile()
+    assert products(gm) == 3
+    assert all(torch.equal(a, b) for a, b in zip(gm(x), before))
+    unused = {f"w{i}" for i in (0, 2, 3, 4)}  # the graph drops its references to fused sources
+    assert not unused & {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+
+    ws = [weight("mxfp4", 16, 1.0, 0), weight("mxfp4", 16, 1.0, 1)]
+    with_bias = traced(Products(ws, [torch.zeros(16), None]), x)
+    assert fuse_decode_products(with_bias.graph) == 0
+
+    def inputs(x, w0, s0, w1, s1):
+        return (DECODE_MM(x, w0, s0, None, None, "mxfp4", 16, K, 448, torch.float32),
+                DECODE_MM(x, w1, s1, None, None, "mxfp4", 16, K, 448, torch.float32))
+    gm = torch.fx.symbolic_trace(inputs)
+    assert fuse_decode_products(gm.graph) == 0 and products(gm) == 2
+
+
+def tiny_llama(config):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    qtensor.quantize_(model, config(layout="decode"),
+                      filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and n != "lm_head")
+    return model
+
+
+def test_frozen_llama_runs_four_products_a_layer():
+    """Compiled with freezing and the pass, a 2-layer Llama with NVFP4 weights (each its own
+    amax) runs q/k/v and gate/up as one product each: 8 decode_mm calls in the generated code
+    instead of 14, and the same greedy tokens as the eager loop."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    model = tiny_llama(qtensor.NVFP4WeightOnlyConfig)
+    layer = model.model.layers[0].self_attn
+    assert not torch.equal(layer.q_proj.weight.amax, layer.k_proj.weight.amax)
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(2))
+    eager = bench_decode.GreedyLoop(model, ids, "eager", 4)
+    eager.run(3)
+    torch._dynamo.reset()
+    counters.clear()
+    loop = bench_decode.GreedyLoop(model, ids, "frozen", 4)
+    with inductor_config.patch(post_grad_custom_post_pass=FuseDecodeProducts()):
+        _, code = run_and_get_code(loop.run, 3)
+    calls = sum(len(re.findall(r"qtensor\.decode_mm\.default\(", c)) for c in code)
+    assert calls == 8
+    assert counters["qtensor"]["fused_decode_groups"] == 4
+    assert counters["qtensor"]["fused_decode_products"] == 10
+    assert torch.equal(loop.tokens(), eager.tokens())
+
+
+def test_uuid_names_the_pass_and_layout():
+    a, b = FuseDecodeProducts().uuid(), FuseDecodeProducts().uuid()
+    assert a == b and isinstance(a, bytes) and len(a) == 32
