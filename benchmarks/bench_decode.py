@@ -38,7 +38,10 @@ freezing, the prefill time of 2048 tokens, and the peak GPU memory. How it is me
   with Inductor's freezing, which makes the weights constants of the graph: a compiled call
   then neither guards nor unwraps the quantized weights (tensor subclasses), which on torch
   2.11 costs about 11 us of host time a weight and a step on the development machine's CPU
-  (dev/experiments/compiled_host.py). Tokens/s = batch x steps / the time of `steps` steps,
+  (dev/experiments/compiled_host.py). "fused" is frozen with qtensor.FuseDecodeProducts as
+  well: the decode products that share their activation (q/k/v, gate/up) run as one launch
+  each, 4 a layer instead of 7 (bf16's "fused" is its "frozen": Inductor's freezing already
+  concatenates equal-shaped plain weights). Tokens/s = batch x steps / the time of `steps` steps,
   the median of three runs after three warm-up steps; bf16 is timed the same way for each
   mode. The tokens of each compiled loop are compared with the eager loop's.
 """
@@ -232,14 +235,16 @@ def linears_us(model, batch: int) -> float:
     return total * len(model.model.layers)
 
 
-LOOP_MODES = ("eager", "compiled", "frozen")
+LOOP_MODES = ("eager", "compiled", "frozen", "fused")
 
 
 class GreedyLoop:
     """Greedy decoding of `ids` [batch, prompt] by one-token steps on a static KV cache of
     prompt + `max_new` positions: the prefill (eager) at construction, then `run(n)` decodes n
     more tokens. The step runs eager, compiled ("compiled": fullgraph, mode "reduce-overhead",
-    so CUDA graphs where the device has them) or compiled with Inductor's freezing ("frozen").
+    so CUDA graphs where the device has them), compiled with Inductor's freezing ("frozen"),
+    or frozen with qtensor.FuseDecodeProducts as well ("fused": the decode products that share
+    their activation run as one, [Note: fused decode products])
     Each step is fed the last step's token on the device; the host waits for the device only at
     the end of `run`. `tokens()` is what it decoded: the prefill's token, then every step's."""
 
@@ -264,7 +269,9 @@ class GreedyLoop:
         import torch._inductor.config as inductor_config
 
         tok = self.out[-1]
-        with torch.no_grad(), inductor_config.patch(freezing=self.mode == "frozen"):
+        fuse = qtensor.FuseDecodeProducts() if self.mode == "fused" else None
+        with torch.no_grad(), inductor_config.patch(freezing=self.mode in ("frozen", "fused"),
+                                                    post_grad_custom_post_pass=fuse):
             self.sync()
             start = time.perf_counter()
             for _ in range(n):
@@ -304,7 +311,8 @@ def loop_table(args) -> None:
     emit_table(f"Greedy decoding by one-token steps, without generate(), {args.layers} layers, "
                f"{args.steps} timed steps",
                ["config", "batch", "eager tok/s", "vs bf16", "compiled tok/s", "vs bf16",
-                "frozen tok/s", "vs bf16", "tokens agree (compiled, frozen)"])
+                "frozen tok/s", "vs bf16", "fused tok/s", "vs bf16",
+                "tokens agree (compiled, frozen, fused)"])
     base: dict[tuple[int, str], float] = {}
     for name in config_names(args):
         model = fresh_model(args.layers, name)

@@ -22,7 +22,8 @@ _torch.serialization.add_safe_globals(
      FP8BlockSpec, MXFP4Spec]
 )
 
-_LAZY = {  # these import torchao or transformers, so they load on first use
+_LAZY = {  # these import torchao, transformers or Inductor, so they load on first use
+    "FuseDecodeProducts": "qtensor.ops.decode_fusion",
     "MXFP4WeightOnlyConfig": "qtensor.quantize",
     "MXFP8DynamicActivationMXFP8WeightConfig": "qtensor.quantize",
     "MXFP8WeightOnlyConfig": "qtensor.quantize",
@@ -45,6 +46,7 @@ __all__ = [
     "DecodeWeight",
     "FP8BlockSpec",
     "FP8BlockTensor",
+    "FuseDecodeProducts",
     "HybridTensor",
     "MXFP4Spec",
     "MXFP4Tensor",

@@ -156,10 +156,9 @@ def tiny_llama(config):
 
 
 def test_frozen_llama_runs_four_products_a_layer():
-    """Compiled with freezing and the pass, a 2-layer Llama with NVFP4 weights (each its own
+    """Compiled with freezing and the pass (bench_decode's "fused" loop), a 2-layer Llama with NVFP4 weights (each its own
     amax) runs q/k/v and gate/up as one product each: 8 decode_mm calls in the generated code
     instead of 14, and the same greedy tokens as the eager loop."""
-    import torch._inductor.config as inductor_config
     from torch._inductor.utils import run_and_get_code
 
     model = tiny_llama(qtensor.NVFP4WeightOnlyConfig)
@@ -170,9 +169,8 @@ def test_frozen_llama_runs_four_products_a_layer():
     eager.run(3)
     torch._dynamo.reset()
     counters.clear()
-    loop = bench_decode.GreedyLoop(model, ids, "frozen", 4)
-    with inductor_config.patch(post_grad_custom_post_pass=FuseDecodeProducts()):
-        _, code = run_and_get_code(loop.run, 3)
+    loop = bench_decode.GreedyLoop(model, ids, "fused", 4)  # freezing and FuseDecodeProducts
+    _, code = run_and_get_code(loop.run, 3)
     calls = sum(len(re.findall(r"qtensor\.decode_mm\.default\(", c)) for c in code)
     assert calls == 8
     assert counters["qtensor"]["fused_decode_groups"] == 4
