@@ -28,8 +28,9 @@ freezing, the prefill time of 2048 tokens, and the peak GPU memory. How it is me
   one token per sequence (without a KV cache), captured in a CUDA graph and replayed, once as
   eager kernels and once compiled by Inductor (which fuses the norms, rotary and residual adds
   around the linear layers, as the compiled decode does); its GPU time per token is what the
-  weight formats change. Its last column is the layers' linear layers alone (each module of
-  layer 0 replayed from a CUDA graph, times the layers).
+  weight formats change. A third time compiles it with freezing and qtensor.FuseDecodeProducts
+  ("fused": q/k/v and gate/up as one decode product each). Its last column is the layers'
+  linear layers alone (each module of layer 0 replayed from a CUDA graph, times the layers).
 - The loop table (--loop, or --loop-only; --batches picks its batch sizes) times greedy
   decoding without generate(): a static KV cache, one eager prefill, then one-token steps
   (the model's forward on the cache) and an argmax, each step fed the last one's token on the
@@ -207,16 +208,24 @@ def graph_us(fn, reps: int = 50) -> float:
 def step_us(model, batch: int) -> dict[str, float | str]:
     """GPU time of one token per sequence through the model (no KV cache: attention over that
     token only, which at decode lengths of a few hundred is a small part of a step), as eager
-    kernels and compiled by Inductor (default mode: the CUDA graph is this function's), each
-    replayed from a CUDA graph; a way that cannot be captured gives its error instead."""
+    kernels, compiled by Inductor (default mode: the CUDA graph is this function's), and
+    compiled with freezing and qtensor.FuseDecodeProducts ("fused"), each replayed from a CUDA
+    graph; a way that cannot be captured gives its error instead."""
+    import torch._inductor.config as inductor_config
+
     tok = torch.randint(0, 32000, (batch, 1), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(3))
     out: dict[str, float | str] = {}
+    plain = {}
+    fused = {"freezing": True, "post_grad_custom_post_pass": qtensor.FuseDecodeProducts()}
     with torch.no_grad():
-        for how, fwd in (("eager", model.forward),
-                         ("compiled", torch.compile(model.forward, fullgraph=True))):
+        for how, fwd, patch in (("eager", model.forward, plain),
+                                ("compiled", torch.compile(model.forward, fullgraph=True), plain),
+                                ("fused", torch.compile(model.forward, fullgraph=True), fused)):
+            torch._dynamo.reset()
             try:
-                out[how] = graph_us(lambda fwd=fwd: fwd(input_ids=tok, use_cache=False))
+                with inductor_config.patch(**patch):  # compiled at graph_us's first call
+                    out[how] = graph_us(lambda fwd=fwd: fwd(input_ids=tok, use_cache=False))
             except Exception as e:  # a capture that syncs: reported in the table
                 out[how] = f"{type(e).__name__}: {str(e)[:60]}"
                 torch.cuda.synchronize()
@@ -244,7 +253,7 @@ class GreedyLoop:
     more tokens. The step runs eager, compiled ("compiled": fullgraph, mode "reduce-overhead",
     so CUDA graphs where the device has them), compiled with Inductor's freezing ("frozen"),
     or frozen with qtensor.FuseDecodeProducts as well ("fused": the decode products that share
-    their activation run as one, [Note: fused decode products])
+    their activation run as one, [Note: fused decode products]).
     Each step is fed the last step's token on the device; the host waits for the device only at
     the end of `run`. `tokens()` is what it decoded: the prefill's token, then every step's."""
 
@@ -345,7 +354,7 @@ def loop_table(args) -> None:
 def step_table(args) -> None:
     emit_table(f"One decode step from a CUDA graph (no generate() loop), {args.layers} layers",
                ["config", "batch", "eager step us", "vs bf16", "compiled step us", "tok/s",
-                "vs bf16", "linears us", "vs bf16"])
+                "vs bf16", "fused step us", "vs bf16", "linears us", "vs bf16"])
     base: dict[tuple[int, str], float] = {}
     for name in config_names(args):
         model = fresh_model(args.layers, name)
@@ -354,7 +363,7 @@ def step_table(args) -> None:
                 steps = step_us(model, batch)
                 steps["linears"] = linears_us(model, batch)
             except Exception as e:  # reported in the table, the sweep goes on
-                emit(f"| {name} | {batch} | {type(e).__name__}: {str(e)[:80]} | | | | | | |")
+                emit(f"| {name} | {batch} | {type(e).__name__}: {str(e)[:80]} | | | | | | | | |")
                 continue
             cells = {}
             for how, us in steps.items():
@@ -367,7 +376,8 @@ def step_table(args) -> None:
             comp = steps["compiled"]
             tok_s = f"{batch / comp * 1e6:.0f}" if isinstance(comp, float) else ""
             emit(f"| {name} | {batch} | {' | '.join(cells['eager'])} | {cells['compiled'][0]} | "
-                 f"{tok_s} | {cells['compiled'][1]} | {' | '.join(cells['linears'])} |")
+                 f"{tok_s} | {cells['compiled'][1]} | {' | '.join(cells['fused'])} | "
+                 f"{' | '.join(cells['linears'])} |")
         del model
         torch.cuda.empty_cache()
 
