@@ -22,6 +22,7 @@ import bench_decode  # noqa: E402
 
 import qtensor  # noqa: E402
 from qtensor import DecodeWeight, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor  # noqa: E402
+from qtensor.backends import has_kernel  # noqa: E402
 from qtensor.ops.decode_fusion import FuseDecodeProducts, fuse_decode_products  # noqa: E402
 
 torch.set_num_threads(1)
@@ -142,14 +143,14 @@ def test_only_matching_constant_products_fuse():
     assert fuse_decode_products(gm.graph) == 0 and products(gm) == 2
 
 
-def tiny_llama(config):
+def tiny_llama(config, device="cpu", dtype=torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
                       tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
     qtensor.quantize_(model, config(layout="decode"),
                       filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and n != "lm_head")
     return model
@@ -176,6 +177,56 @@ def test_frozen_llama_runs_four_products_a_layer():
     assert counters["qtensor"]["fused_decode_groups"] == 4
     assert counters["qtensor"]["fused_decode_products"] == 10
     assert torch.equal(loop.tokens(), eager.tokens())
+
+
+needs_kernel = pytest.mark.skipif(
+    not (torch.cuda.is_available() and has_kernel("decode_gemm", "CUDA")),
+    reason="needs a GPU and the CUDA decode kernel")
+
+
+@pytest.mark.cuda
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
+def test_fused_kernel_products_are_the_sources(fmt):
+    """The decode kernel on a fused weight (NVFP4: a per-row amax): one-hot activation rows
+    (each output one decoded weight entry, nothing summed) give each source's columns bit for
+    bit; bf16 activations of 1 and 16 rows agree within fp32 summation over K."""
+    weights = [weight(fmt, 80, 1.0, 0), weight(fmt, 24, 0.01, 1), weight(fmt, 24, 30.0, 2)]
+    module = Products(weights).to("cuda")
+    eye = torch.eye(K, dtype=torch.bfloat16, device="cuda")
+    fused = traced(module, eye[:64])
+    assert fuse_decode_products(fused.graph) == 1
+    fused.recompile()
+    plain = traced(module, eye[:64])
+    for rows in (eye[:64], eye[32:]):  # 64 rows: one launch of the kernel each
+        for a, b in zip(fused(rows), plain(rows)):
+            assert torch.equal(a, b)
+    # |W| transposed, [K, N]: rows 0-63 from the first one-hot block, 64-95 from the second
+    w_abs = torch.cat([torch.cat([a[:64], b[32:]]) for a, b in zip(plain(eye[:64]),
+                                                                   plain(eye[32:]))], 1).abs()
+    for m in (1, 16):
+        x = torch.randn(m, K, dtype=torch.bfloat16, device="cuda")
+        bound = 2 * K * 2**-24 * (x.float().abs() @ w_abs)
+        got = torch.cat(fused(x), 1)
+        want = torch.cat(plain(x), 1)
+        assert bool(((got - want).abs() <= bound).all())
+
+
+@pytest.mark.cuda
+@needs_kernel
+def test_fused_llama_on_the_kernel_decodes_the_frozen_tokens():
+    """bf16 activations through the decode kernel: the fused frozen loop decodes the frozen
+    loop's tokens (K = 64 is one super-tile, so each output sums in the same order)."""
+    model = tiny_llama(qtensor.NVFP4WeightOnlyConfig, "cuda", torch.bfloat16)
+    assert isinstance(model.model.layers[0].self_attn.q_proj.weight, DecodeWeight)
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(2)).cuda()
+    tokens = {}
+    for mode in ("frozen", "fused"):
+        torch._dynamo.reset()
+        loop = bench_decode.GreedyLoop(model, ids, mode, 4)
+        loop.run(3)
+        tokens[mode] = loop.tokens()
+    assert torch.equal(tokens["fused"], tokens["frozen"])
 
 
 def test_uuid_names_the_pass_and_layout():

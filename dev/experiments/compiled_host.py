@@ -15,6 +15,10 @@ tensor-subclass inputs, the launch of each op. It prints the median step time of
   unwrapping into inner tensors at every call. Freezing makes the weights constants of the
   graph, so neither runs; the op calls are the same in both. A CUDA-graphed step (mode
   "reduce-overhead") still pays this per call: guards and unwrapping run before the replay.
+- per product fused: (frozen - fused) / products fused away, "fused" being frozen with
+  qtensor.FuseDecodeProducts ([Note: fused decode products]: q/k/v and gate/up as one product
+  each, 4 a layer instead of 7): what one product fewer saves the host of a step without CUDA
+  graphs (on a GPU, a launch's fixed cost as well, which this cannot show).
 - op call: one call of torch.ops.qtensor.decode_mm (its autograd wrapper, the redispatch to
   the kernel) less a direct call of the same stub kernel: what the op's Python path adds to
   each linear layer of a compiled step without CUDA graphs (a CUDA-graph replay does not run
@@ -129,7 +133,7 @@ def main() -> None:
     weights = 7 * args.layers
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
     models = {name: build(args.layers, config) for name, config in CONFIGS.items()}
-    keys = [(name, mode) for name in CONFIGS for mode in ("compiled", "frozen")]
+    keys = [(name, mode) for name in CONFIGS for mode in ("compiled", "frozen", "fused")]
     # Each compiled step alone in Dynamo's cache (the loops share the step's code object, and a
     # call would first test the guards of the others' graphs). Two passes in opposite orders,
     # so that a shared machine's slow spell falls on all; the fastest run of each.
@@ -144,13 +148,16 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.layers} layers ({weights} quantized weights), "
           f"the decode op stubbed; us a step, the fastest of 2 x {args.repeats} runs of "
           f"{args.steps} steps")
-    print("| weights | compiled | frozen | per weight, input |")
-    print("|---|---|---|---|")
+    print("| weights | compiled | frozen | fused | per weight, input | per product fused |")
+    print("|---|---|---|---|---|---|")
     for name, config in CONFIGS.items():
-        inp = ""
+        inp = fused = ""
         if config is not None:
             inp = f"{(us[(name, 'compiled')] - us[(name, 'frozen')]) / weights:.1f}"
-        print(f"| {name} | {us[(name, 'compiled')]:.0f} | {us[(name, 'frozen')]:.0f} | {inp} |")
+            # q/k/v and gate/up: 3 of a layer's 7 products fused away
+            fused = f"{(us[(name, 'frozen')] - us[(name, 'fused')]) / (3 * args.layers):.1f}"
+        print(f"| {name} | {us[(name, 'compiled')]:.0f} | {us[(name, 'frozen')]:.0f} | "
+              f"{us[(name, 'fused')]:.0f} | {inp} | {fused} |")
     x = torch.zeros(1, 64, dtype=torch.bfloat16)
     w, s = torch.zeros(64, 32, dtype=torch.uint8), torch.zeros(64, 4, dtype=torch.uint8)
     op_args = (x, w, s, None, None, "mxfp8", 64, 64, 448, torch.bfloat16)
