@@ -3,7 +3,8 @@ config, greedy decoding with a static KV cache, bf16 against each qtensor config
 
 Run on one GPU (benchmarks/gpu_check.sh calls it):
     python benchmarks/bench_decode.py [--out LOGDIR/bench_decode.md] [--compiled CONFIGS]
-        [--frozen CONFIGS] [--loop | --loop-only] [--step | --step-only]
+        [--frozen CONFIGS] [--loop | --loop-only] [--step | --step-only] [--batches B]
+        [--modes MODES]
 For each config and batch size (1 and 8): decode tokens/s eager, compiled and compiled with
 freezing, the prefill time of 2048 tokens, and the peak GPU memory. How it is measured:
 - generate() with cache_implementation="static" and do_sample=False. transformers compiles the
@@ -31,20 +32,21 @@ freezing, the prefill time of 2048 tokens, and the peak GPU memory. How it is me
   weight formats change. A third time compiles it with freezing and qtensor.FuseDecodeProducts
   ("fused": q/k/v and gate/up as one decode product each). Its last column is the layers'
   linear layers alone (each module of layer 0 replayed from a CUDA graph, times the layers).
-- The loop table (--loop, or --loop-only; --batches picks its batch sizes) times greedy
-  decoding without generate(): a static KV cache, one eager prefill, then one-token steps
-  (the model's forward on the cache) and an argmax, each step fed the last one's token on the
-  device, with no host sync between steps (the loop of gpt-fast and of torchao's generation
-  benchmark). The step runs eager, compiled (fullgraph, mode="reduce-overhead"), and compiled
-  with Inductor's freezing, which makes the weights constants of the graph: a compiled call
-  then neither guards nor unwraps the quantized weights (tensor subclasses), which on torch
-  2.11 costs about 11 us of host time a weight and a step on the development machine's CPU
-  (dev/experiments/compiled_host.py). "fused" is frozen with qtensor.FuseDecodeProducts as
-  well: the decode products that share their activation (q/k/v, gate/up) run as one launch
-  each, 4 a layer instead of 7 (bf16's "fused" is its "frozen": Inductor's freezing already
-  concatenates equal-shaped plain weights). Tokens/s = batch x steps / the time of `steps` steps,
-  the median of three runs after three warm-up steps; bf16 is timed the same way for each
-  mode. The tokens of each compiled loop are compared with the eager loop's.
+- The loop table (--loop, or --loop-only; --batches and --modes pick its batch sizes and
+  modes) times greedy decoding without generate(): a static KV cache, one eager prefill,
+  then one-token steps (the model's forward on the cache) and an argmax, each step fed the
+  last one's token on the device, with no host sync between steps (the loop of gpt-fast and
+  of torchao's generation benchmark). The step runs eager, compiled (fullgraph,
+  mode="reduce-overhead"), compiled with Inductor's freezing, which makes the weights
+  constants of the graph: a compiled call then neither guards nor unwraps the quantized
+  weights (tensor subclasses), which on torch 2.11 costs about 11 us of host time a weight
+  and a step on the development machine's CPU (dev/experiments/compiled_host.py), and
+  "fused": frozen with qtensor.FuseDecodeProducts as well, so that the decode products that
+  share their activation (q/k/v, gate/up) run as one launch each, 4 a layer instead of 7
+  (bf16's "fused" is its "frozen": Inductor's freezing already concatenates plain weights of
+  equal shapes). Tokens/s = batch x steps / the time of `steps` steps, the median of three
+  runs after three warm-up steps; bf16 is timed the same way for each mode. The tokens of
+  each compiled loop are compared with the eager loop's.
 """
 
 from __future__ import annotations
@@ -316,12 +318,22 @@ def config_names(args) -> list[str]:
     return ["bf16"] + [c for c in args.configs.split(",") if c]
 
 
+def loop_modes(text: str) -> tuple[str, ...]:
+    """The loop table's modes from --modes: eager first (the tokens' reference), then the
+    others named, in LOOP_MODES's order."""
+    named = {m for m in text.split(",") if m}
+    unknown = named - set(LOOP_MODES)
+    if unknown:
+        raise SystemExit(f"--modes takes {', '.join(LOOP_MODES)}; got {', '.join(sorted(unknown))}")
+    return tuple(m for m in LOOP_MODES if m == "eager" or m in named)
+
+
 def loop_table(args) -> None:
+    modes = loop_modes(args.modes)
+    columns = [c for m in modes for c in (f"{m} tok/s", "vs bf16")]
     emit_table(f"Greedy decoding by one-token steps, without generate(), {args.layers} layers, "
                f"{args.steps} timed steps",
-               ["config", "batch", "eager tok/s", "vs bf16", "compiled tok/s", "vs bf16",
-                "frozen tok/s", "vs bf16", "fused tok/s", "vs bf16",
-                "tokens agree (compiled, frozen, fused)"])
+               ["config", "batch", *columns, f"tokens agree ({', '.join(modes[1:])})"])
     base: dict[tuple[int, str], float] = {}
     for name in config_names(args):
         model = fresh_model(args.layers, name)
@@ -330,7 +342,7 @@ def loop_table(args) -> None:
             ids = torch.randint(0, model.config.vocab_size, (batch, 32), device=device,
                                 generator=torch.Generator(device).manual_seed(2))
             cells, tokens = [], {}
-            for mode in LOOP_MODES:
+            for mode in modes:
                 torch._dynamo.reset()
                 try:
                     seconds, tokens[mode] = greedy_loop(model, ids, args.steps, mode)
@@ -345,7 +357,7 @@ def loop_table(args) -> None:
                 ratio = tok_s / base[(batch, mode)] if (batch, mode) in base else None
                 cells += [f"{tok_s:.0f}", f"{ratio:.2f}x" if ratio else ""]
             agree = ", ".join(str(torch.equal(tokens[m], tokens["eager"])) if m in tokens and
-                              "eager" in tokens else "-" for m in LOOP_MODES[1:])
+                              "eager" in tokens else "-" for m in modes[1:])
             emit(f"| {name} | {batch} | {' | '.join(cells)} | {agree} |")
         del model
         torch.cuda.empty_cache()
@@ -399,6 +411,8 @@ def main() -> None:
                    help="also time greedy decoding by one-token steps, without generate()")
     p.add_argument("--loop-only", action="store_true", help="only the loop table")
     p.add_argument("--batches", default="1,8", help="batch sizes of the loop table")
+    p.add_argument("--modes", default=",".join(LOOP_MODES),
+                   help="the loop table's modes besides eager (compiled, frozen, fused)")
     args = p.parse_args()
     import transformers
     from torch._dynamo.utils import counters

@@ -105,6 +105,16 @@ def test_loop_mode_is_checked(prompt):
         bench_decode.greedy_loop(None, prompt, 1, "graphed")
 
 
+def test_loop_table_modes():
+    """--modes: eager always (the tokens' reference) and first, the rest in the table's order;
+    an unknown mode stops the run before any model is built."""
+    assert bench_decode.loop_modes("fused,compiled") == ("eager", "compiled", "fused")
+    assert bench_decode.loop_modes("") == ("eager",)
+    assert bench_decode.loop_modes(",".join(bench_decode.LOOP_MODES)) == bench_decode.LOOP_MODES
+    with pytest.raises(SystemExit, match="--modes takes eager, compiled, frozen, fused; got fast"):
+        bench_decode.loop_modes("frozen,fast")
+
+
 def test_generate_frozen_with_one_cache(prompt):
     """generate() over a forward compiled with freezing decodes its eager tokens call after call
     when it is given one StaticCache, reset between calls: what bench_decode.py's frozen column
