@@ -82,6 +82,8 @@ def _groups(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
                 or node.kwargs:
             continue
         a = dict(zip(_ARGS, node.args))
+        if not isinstance(a["x"], torch.fx.Node) or "val" not in a["x"].meta:
+            continue  # no fake value to derive the fused output's from
         try:
             w, _, _, bias = (_constant(gm, a[name]) for name in ("w", "s", "amax", "bias"))
         except KeyError:
