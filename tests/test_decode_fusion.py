@@ -229,6 +229,6 @@ def test_fused_llama_on_the_kernel_decodes_the_frozen_tokens():
     assert torch.equal(tokens["fused"], tokens["frozen"])
 
 
-def test_uuid_names_the_pass_and_layout():
+def test_uuid_is_stable_bytes():
     a, b = FuseDecodeProducts().uuid(), FuseDecodeProducts().uuid()
     assert a == b and isinstance(a, bytes) and len(a) == 32

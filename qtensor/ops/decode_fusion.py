@@ -53,11 +53,10 @@ class FuseDecodeProducts(CustomGraphPass):
         fuse_decode_products(graph)
 
     def uuid(self) -> bytes:
-        # Inductor's FX graph cache keys compiled code by this: the pass's own source and the
-        # layout version it packs.
-        from qtensor.tensors.decode import LAYOUT
-
-        text = inspect.getsource(inspect.getmodule(FuseDecodeProducts)) + LAYOUT
+        # Inductor's FX graph cache keys compiled code by this: the pass's own source and that
+        # of the layout it packs.
+        text = inspect.getsource(inspect.getmodule(FuseDecodeProducts)) + \
+            inspect.getsource(decode_layout)
         return hashlib.sha256(text.encode()).digest()
 
 
