@@ -143,31 +143,42 @@ def test_only_matching_constant_products_fuse():
     assert fuse_decode_products(gm.graph) == 0 and products(gm) == 2
 
 
-def tiny_llama(config, device="cpu", dtype=torch.float32):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama(config, device="cpu", dtype=torch.float32, family="llama"):
+    """A 2-layer decoder with weights in the decode layout: Llama, or Qwen2, whose q, k and v
+    projections have biases (initialized large enough that greedy tokens vary)."""
+    import transformers
 
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                      tie_word_embeddings=False)
+    kind = {"llama": "Llama", "qwen2": "Qwen2"}[family]
+    cfg = getattr(transformers, f"{kind}Config")(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        tie_word_embeddings=False, initializer_range=0.3 if family == "qwen2" else 0.02)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    model = getattr(transformers, f"{kind}ForCausalLM")(cfg).to(device=device, dtype=dtype).eval()
+    if family == "qwen2":
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
     qtensor.quantize_(model, config(layout="decode"),
                       filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and n != "lm_head")
     return model
 
 
-def test_frozen_llama_runs_four_products_a_layer():
-    """Compiled with freezing and the pass (bench_decode's "fused" loop), a 2-layer Llama with NVFP4 weights (each its own
-    amax) runs q/k/v and gate/up as one product each: 8 decode_mm calls in the generated code
-    instead of 14, and the same greedy tokens as the eager loop."""
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_frozen_decoder_runs_four_products_a_layer(family):
+    """Compiled with freezing and the pass (bench_decode's "fused" loop), a 2-layer decoder with
+    NVFP4 weights (each its own amax; Qwen2: with q/k/v biases) runs q/k/v and gate/up as one
+    product each: 8 decode_mm calls in the generated code instead of 14, and the same greedy
+    tokens as the eager loop."""
     from torch._inductor.utils import run_and_get_code
 
-    model = tiny_llama(qtensor.NVFP4WeightOnlyConfig)
+    model = tiny_llama(qtensor.NVFP4WeightOnlyConfig, family=family)
     layer = model.model.layers[0].self_attn
     assert not torch.equal(layer.q_proj.weight.amax, layer.k_proj.weight.amax)
     ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(2))
     eager = bench_decode.GreedyLoop(model, ids, "eager", 4)
     eager.run(3)
+    assert len(set(eager.tokens().flatten().tolist())) > 3  # the tokens say something
     torch._dynamo.reset()
     counters.clear()
     loop = bench_decode.GreedyLoop(model, ids, "fused", 4)  # freezing and FuseDecodeProducts
