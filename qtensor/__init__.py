@@ -12,7 +12,8 @@ from qtensor.formats.fp8_block import FP8BlockSpec
 from qtensor import gemm as _gemm  # noqa: F401  registers the GEMM handlers and F.linear
 from qtensor.gemm import quantized_mm
 from qtensor.tensors import (DecodeWeight, FP8BlockTensor, HybridTensor, MXFP4Tensor, MXFP8Tensor,
-                             NVFP4Tensor, QuantizedTensor, to_decode_layout)
+                             NVFP4Tensor, QuantizedTensor, share_decode_storage,
+                             to_decode_layout)
 
 from qtensor.version import __version__  # noqa: E402
 
@@ -67,6 +68,7 @@ __all__ = [
     "quantized_mm",
     "save_file",
     "save_pretrained",
+    "share_decode_storage",
     "to_decode_layout",
 ]
 

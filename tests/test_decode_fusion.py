@@ -23,7 +23,9 @@ import bench_decode  # noqa: E402
 import qtensor  # noqa: E402
 from qtensor import DecodeWeight, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor  # noqa: E402
 from qtensor.backends import has_kernel  # noqa: E402
-from qtensor.ops.decode_fusion import FuseDecodeProducts, fuse_decode_products  # noqa: E402
+from qtensor.ops import decode_fusion  # noqa: E402
+from qtensor.ops.decode_fusion import (FuseDecodeProducts, fuse_decode_products,  # noqa: E402
+                                       fused_weight)
 
 torch.set_num_threads(1)
 K = 96  # not a multiple of the layout's 64: the packed K is padded
@@ -143,14 +145,91 @@ def test_only_matching_constant_products_fuse():
     assert fuse_decode_products(gm.graph) == 0 and products(gm) == 2
 
 
-def tiny_llama(config, device="cpu", dtype=torch.float32, family="llama"):
+def test_fused_weight_is_a_view_of_shared_bytes():
+    """Parts lying back to back in one storage, every part but the last of whole 64-row tiles:
+    the fused bytes are a view of that storage, equal to the bytes packed from the canonical
+    concatenation. A part with a padded tile before another is packed again instead."""
+    for fmt in ("nvfp4", "mxfp4", "mxfp8"):
+        weights = [weight(fmt, 128, 1.0, 0), weight(fmt, 64, 0.01, 1), weight(fmt, 40, 3.0, 2)]
+        copied = fused_weight(fmt, K, [(w.codes, w.scales, w.amax, None, w.shape[0])
+                                       for w in weights])
+        codes = torch.cat([w.codes for w in weights])
+        scales = torch.cat([w.scales for w in weights])
+        parts, c0, s0 = [], 0, 0
+        for w in weights:
+            nc, ns = w.codes.numel(), w.scales.numel()
+            parts.append((codes[c0:c0 + nc], scales[s0:s0 + ns], w.amax, None, w.shape[0]))
+            c0, s0 = c0 + nc, s0 + ns
+        viewed = fused_weight(fmt, K, parts)
+        assert viewed[0].data_ptr() == codes.data_ptr()
+        assert viewed[1].data_ptr() == scales.data_ptr()
+        for a, b in zip(viewed, copied):
+            assert (a is None and b is None) or torch.equal(a, b)
+        padded = [parts[2], parts[0]]  # 40 rows, padded to 64, before another part
+        assert fused_weight(fmt, K, padded)[0].data_ptr() != codes.data_ptr()
+
+
+def test_share_decode_storage_keeps_the_bytes_and_fuses_without_copies():
+    """share_decode_storage puts each layer's q/k/v/o and gate/up bytes back to back; the
+    canonical weights and the eager outputs do not change, and the fused frozen loop reads the
+    module's own bytes (no fused constant of new memory) and decodes the eager tokens."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = tiny_llama(qtensor.MXFP8WeightOnlyConfig, hidden=128)
+    before = {n: p.canonical() for n, p in model.named_parameters() if isinstance(p, DecodeWeight)}
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert qtensor.share_decode_storage(model) == 2 * (4 + 2)
+    attn = model.model.layers[1].self_attn
+    q, k = attn.q_proj.weight, attn.k_proj.weight
+    assert q.codes.untyped_storage().data_ptr() == k.codes.untyped_storage().data_ptr()
+    assert k.codes.storage_offset() == q.codes.numel()
+    for n, p in model.named_parameters():
+        if isinstance(p, DecodeWeight):
+            c, b = p.canonical(), before[n]
+            assert torch.equal(c.qdata.view(torch.uint8), b.qdata.view(torch.uint8))
+            assert torch.equal(c.scale.view(torch.uint8), b.scale.view(torch.uint8))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, logits)
+    assert qtensor.share_decode_storage(model) == 2 * (4 + 2)  # again: a new buffer, same bytes
+
+    eager = bench_decode.GreedyLoop(model, ids, "eager", 4)
+    eager.run(3)
+    torch._dynamo.reset()
+    counters.clear()
+    news = []
+    real_register = decode_fusion._register
+
+    def register(gm, graph, before, tensor, fake_mode):
+        news.append(tensor)
+        return real_register(gm, graph, before, tensor, fake_mode)
+
+    decode_fusion._register = register
+    try:
+        loop = bench_decode.GreedyLoop(model, ids, "fused", 4)
+        run_and_get_code(loop.run, 3)
+    finally:
+        decode_fusion._register = real_register
+    assert counters["qtensor"]["fused_decode_groups"] == 4
+    module_storages = {p.codes.untyped_storage().data_ptr() for p in model.parameters()
+                       if isinstance(p, DecodeWeight)}
+    module_storages |= {p.scales.untyped_storage().data_ptr() for p in model.parameters()
+                        if isinstance(p, DecodeWeight)}
+    fused_bytes = [t for t in news if t.dtype == torch.uint8]
+    assert len(fused_bytes) == 8  # codes and scales of 4 fused weights
+    assert all(t.untyped_storage().data_ptr() in module_storages for t in fused_bytes)
+    assert torch.equal(loop.tokens(), eager.tokens())
+
+
+def tiny_llama(config, device="cpu", dtype=torch.float32, family="llama", hidden=64):
     """A 2-layer decoder with weights in the decode layout: Llama, or Qwen2, whose q, k and v
     projections have biases (initialized large enough that greedy tokens vary)."""
     import transformers
 
     kind = {"llama": "Llama", "qwen2": "Qwen2"}[family]
     cfg = getattr(transformers, f"{kind}Config")(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=96, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
         tie_word_embeddings=False, initializer_range=0.3 if family == "qwen2" else 0.02)
     torch.manual_seed(0)

@@ -93,12 +93,34 @@ def _groups(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
     return [nodes for nodes in groups.values() if len(nodes) > 1]
 
 
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One tensor over the bytes of `tensors` where they lie back to back, in order, in one
+    storage (as `share_decode_storage` puts them), else None."""
+    first = tensors[0]
+    storage, end = first.untyped_storage(), first.storage_offset()
+    for t in tensors:
+        if t.dim() != 1 or t.stride(0) != 1 or t.storage_offset() != end or \
+                t.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+        end += t.numel()
+    return first.new_empty(0).set_(storage, first.storage_offset(), (end - first.storage_offset(),))
+
+
 def fused_weight(fmt: str, k: int, parts: list[tuple]) -> tuple:
     """(codes, scales, amax, bias) of the decode-layout weight whose rows are those of `parts`,
-    each (codes, scales, amax, bias, n) of one decode-layout weight [n, K], in order."""
-    data, scale = zip(*(decode_mm.unpack(fmt, w, s, n, k) for w, s, _, _, n in parts))
+    each (codes, scales, amax, bias, n) of one decode-layout weight [n, K], in order.
+
+    The layout stores row tiles one after another, so where every part but the last has whole
+    tiles of ROWS rows (no padding inside) the fused bytes are the parts' bytes in order: a view
+    where they already lie so in one storage, no new memory. Otherwise the parts' canonical
+    bytes are concatenated and packed again."""
     total = sum(p[4] for p in parts)
-    codes, scales = decode_layout.pack(fmt, torch.cat(data), torch.cat(scale), total, k)
+    codes = scales = None
+    if all(p[4] % decode_layout.ROWS == 0 for p in parts[:-1]):
+        codes, scales = _joined([p[0] for p in parts]), _joined([p[1] for p in parts])
+    if codes is None or scales is None:
+        data, scale = zip(*(decode_mm.unpack(fmt, w, s, n, k) for w, s, _, _, n in parts))
+        codes, scales = decode_layout.pack(fmt, torch.cat(data), torch.cat(scale), total, k)
     amaxes = [p[2] for p in parts]
     amax = None
     if fmt == "nvfp4":

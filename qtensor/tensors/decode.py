@@ -145,6 +145,40 @@ def _copy_(func, args, kwargs):
     return dst
 
 
+def share_decode_storage(model: torch.nn.Module) -> int:
+    """Put the packed bytes of sibling weights in the decode layout back to back: for each
+    module, the weights of its direct children (the attention's q, k, v and o projections, an
+    MLP's gate and up) of one format, K and device, in the order the children were registered,
+    move into one codes buffer and one scales buffer, each weight a view of its part. The bytes
+    do not change. The products of one activation with such neighbours then fuse without a copy
+    ([Note: fused decode products] in qtensor/ops/decode_fusion.py). Call it once, after
+    quantizing and before compiling (a compiled graph keeps the tensors it was compiled with).
+    Returns the number of weights moved."""
+    moved = 0
+    for parent in model.modules():
+        groups: dict[tuple, list[torch.nn.Module]] = {}
+        for child in parent.children():
+            w = getattr(child, "weight", None)
+            if isinstance(w, DecodeWeight):
+                groups.setdefault((w.fmt, w.shape[1], w.device), []).append(child)
+        for children in groups.values():
+            if len(children) < 2:
+                continue
+            weights = [c.weight for c in children]
+            with torch.no_grad():
+                codes = torch.cat([w.codes for w in weights])
+                scales = torch.cat([w.scales for w in weights])
+            start_c = start_s = 0
+            for child, w in zip(children, weights):
+                nc, ns = w.codes.numel(), w.scales.numel()
+                view = w.replace(codes=codes[start_c:start_c + nc],
+                                 scales=scales[start_s:start_s + ns])
+                child.weight = torch.nn.Parameter(view, requires_grad=False)
+                start_c, start_s = start_c + nc, start_s + ns
+            moved += len(children)
+    return moved
+
+
 def _state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
     """A packed module's state_dict holds the canonical weight."""
     key = prefix + "weight"
