@@ -94,11 +94,15 @@ def build_model(layers: int):
 
 
 def quantize(model, name: str):
+    """The model with `name`'s weights, as a user would set it up for decoding: sibling weights
+    in the decode layout share one buffer (qtensor.share_decode_storage), so that the "fused"
+    mode's products are views of the model's bytes."""
     if name.startswith("bf16"):
         return model
-    return qtensor.quantize_(model, CONFIGS[name](),
-                             filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and
-                             n != "lm_head")
+    qtensor.quantize_(model, CONFIGS[name](),
+                      filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and n != "lm_head")
+    qtensor.share_decode_storage(model)
+    return model
 
 
 def fresh_model(layers: int, name: str):

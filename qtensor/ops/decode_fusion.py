@@ -20,8 +20,11 @@ a weight whose rows are theirs in order, followed by a column slice per original
   its source (docs/formats.md, "row-scaled"), so each output column is the same product as
   before, exact up to fp32 accumulation order;
 - biases, where every product has one, are concatenated.
-The fused weights are new constants of the compiled graph: their bytes are held in addition to
-the module's own weights, which the graph no longer references.
+The decode layout stores a weight's row tiles one after another, so where the sources' bytes
+already lie back to back in one storage (`qtensor.share_decode_storage` puts sibling weights
+so) and every source but the last has whole tiles of 64 rows, the fused codes and scales are a
+view of that storage: the fusion costs no memory. Otherwise they are new constants of the
+compiled graph, held in addition to the module's own weights.
 
 Without freezing the weights are graph inputs and nothing is fused (concatenating them would
 copy them on every call). The count of fused groups and of the products they replace is in
