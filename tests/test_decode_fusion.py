@@ -193,6 +193,9 @@ def test_share_decode_storage_keeps_the_bytes_and_fuses_without_copies():
     with torch.no_grad():
         assert torch.equal(model(ids).logits, logits)
     assert qtensor.share_decode_storage(model) == 2 * (4 + 2)  # again: a new buffer, same bytes
+    assert qtensor.share_decode_storage(torch.nn.Linear(4, 4)) == 0  # nothing packed: no-op
+    with pytest.raises(TypeError, match="takes a model .* got dict"):
+        qtensor.share_decode_storage(dict(model.named_parameters()))
 
     eager = bench_decode.GreedyLoop(model, ids, "eager", 4)
     eager.run(3)

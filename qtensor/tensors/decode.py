@@ -152,8 +152,12 @@ def share_decode_storage(model: torch.nn.Module) -> int:
     move into one codes buffer and one scales buffer, each weight a view of its part. The bytes
     do not change. The products of one activation with such neighbours then fuse without a copy
     ([Note: fused decode products] in qtensor/ops/decode_fusion.py). Call it once, after
-    quantizing and before compiling (a compiled graph keeps the tensors it was compiled with).
-    Returns the number of weights moved."""
+    quantizing and before compiling (a compiled graph keeps the tensors it was compiled with);
+    moving the model to another device gives each weight its own bytes again. Returns the
+    number of weights moved."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"share_decode_storage takes a model (an nn.Module) whose linear layers "
+                        f"hold DecodeWeight weights; got {type(model).__name__}.")
     moved = 0
     for parent in model.modules():
         groups: dict[tuple, list[torch.nn.Module]] = {}
