@@ -39,6 +39,18 @@ def weight(fmt: str, n: int, scale: float, seed: int, bound: int = 448) -> Decod
     return DecodeWeight.pack(CLASSES[fmt].from_hp(w, **kw))
 
 
+def back_to_back(weights: list[DecodeWeight]) -> list[DecodeWeight]:
+    """The weights with their bytes moved into one buffer by share_decode_storage."""
+    class Holder(torch.nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.weight = torch.nn.Parameter(w, requires_grad=False)
+
+    holders = torch.nn.ModuleList(Holder(w) for w in weights)
+    assert qtensor.share_decode_storage(holders) == len(weights)
+    return [h.weight for h in holders]
+
+
 class Products(torch.nn.Module):
     """x times each weight by qtensor::decode_mm, the weights (and biases) as buffers: traced,
     they are get_attr nodes, as in a graph compiled with freezing."""
@@ -153,20 +165,15 @@ def test_fused_weight_is_a_view_of_shared_bytes():
         weights = [weight(fmt, 128, 1.0, 0), weight(fmt, 64, 0.01, 1), weight(fmt, 40, 3.0, 2)]
         copied = fused_weight(fmt, K, [(w.codes, w.scales, w.amax, None, w.shape[0])
                                        for w in weights])
-        codes = torch.cat([w.codes for w in weights])
-        scales = torch.cat([w.scales for w in weights])
-        parts, c0, s0 = [], 0, 0
-        for w in weights:
-            nc, ns = w.codes.numel(), w.scales.numel()
-            parts.append((codes[c0:c0 + nc], scales[s0:s0 + ns], w.amax, None, w.shape[0]))
-            c0, s0 = c0 + nc, s0 + ns
+        shared = back_to_back(weights)
+        parts = [(w.codes, w.scales, w.amax, None, w.shape[0]) for w in shared]
         viewed = fused_weight(fmt, K, parts)
-        assert viewed[0].data_ptr() == codes.data_ptr()
-        assert viewed[1].data_ptr() == scales.data_ptr()
+        assert viewed[0].data_ptr() == shared[0].codes.data_ptr()
+        assert viewed[1].data_ptr() == shared[0].scales.data_ptr()
         for a, b in zip(viewed, copied):
             assert (a is None and b is None) or torch.equal(a, b)
         padded = [parts[2], parts[0]]  # 40 rows, padded to 64, before another part
-        assert fused_weight(fmt, K, padded)[0].data_ptr() != codes.data_ptr()
+        assert fused_weight(fmt, K, padded)[0].data_ptr() != shared[0].codes.data_ptr()
 
 
 def test_share_decode_storage_keeps_the_bytes_and_fuses_without_copies():
@@ -280,16 +287,25 @@ needs_kernel = pytest.mark.skipif(
 @pytest.mark.cuda
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
-def test_fused_kernel_products_are_the_sources(fmt):
-    """The decode kernel on a fused weight (NVFP4: a per-row amax): one-hot activation rows
-    (each output one decoded weight entry, nothing summed) give each source's columns bit for
-    bit; bf16 activations of 1 and 16 rows agree within fp32 summation over K."""
-    weights = [weight(fmt, 80, 1.0, 0), weight(fmt, 24, 0.01, 1), weight(fmt, 24, 30.0, 2)]
-    module = Products(weights).to("cuda")
+@pytest.mark.parametrize("shared", [False, True], ids=["packed_again", "view"])
+def test_fused_kernel_products_are_the_sources(fmt, shared):
+    """The decode kernel on a fused weight (NVFP4: a per-row amax), packed again from N = 80,
+    24, 24 or a view of N = 128, 64, 40 back to back: one-hot activation rows (each output one
+    decoded weight entry, nothing summed) give each source's columns bit for bit; bf16
+    activations of 1 and 16 rows agree within fp32 summation over K."""
+    rows = (128, 64, 40) if shared else (80, 24, 24)
+    weights = [weight(fmt, n, scale, i).to("cuda")
+               for i, (n, scale) in enumerate(zip(rows, (1.0, 0.01, 30.0)))]
+    if shared:
+        weights = back_to_back(weights)
+    module = Products(weights)
     eye = torch.eye(K, dtype=torch.bfloat16, device="cuda")
     fused = traced(module, eye[:64])
     assert fuse_decode_products(fused.graph) == 1
     fused.recompile()
+    node = next(n for n in fused.graph.nodes if n.target is DECODE_MM)
+    codes = getattr(fused, node.args[1].target)
+    assert (codes.data_ptr() == weights[0].codes.data_ptr()) == shared
     plain = traced(module, eye[:64])
     for rows in (eye[:64], eye[32:]):  # 64 rows: one launch of the kernel each
         for a, b in zip(fused(rows), plain(rows)):
