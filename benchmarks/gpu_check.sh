@@ -72,7 +72,7 @@ fi
 # The weight-only decode GEMM (docs/decode.md): its CUDA tests, its kernel against bf16 cuBLAS
 # with the K-split sweep, and (decode stanza) the compiled end-to-end decode, by generate() and
 # by the greedy loop without it.
-step decode_tests python3 -m pytest -m cuda -q -ra tests/test_decode_gemm.py tests/test_decode_weight.py
+step decode_tests python3 -m pytest -m cuda -q -ra tests/test_decode_gemm.py tests/test_decode_weight.py tests/test_decode_fusion.py
 step bench_gemm_decode python3 benchmarks/bench_gemm.py --decode --sweep --out "$LOG/bench_gemm_decode.md"
 if [ "${QTENSOR_GPU_ONLY:-}" = decode ]; then
   step bench_decode python3 benchmarks/bench_decode.py --loop --batches 1 --out "$LOG/bench_decode.md"
@@ -83,7 +83,7 @@ if [ "${QTENSOR_GPU_ONLY:-}" = decode ]; then
   exit 0
 fi
 
-step tests python3 -m pytest -m cuda -q -ra --continue-on-collection-errors --ignore=tests/test_fsdp_gpu.py --ignore=tests/test_decode_gemm.py --ignore=tests/test_decode_weight.py ${QTENSOR_GPU_TESTS:-tests/}
+step tests python3 -m pytest -m cuda -q -ra --continue-on-collection-errors --ignore=tests/test_fsdp_gpu.py --ignore=tests/test_decode_gemm.py --ignore=tests/test_decode_weight.py --ignore=tests/test_decode_fusion.py ${QTENSOR_GPU_TESTS:-tests/}
 step demo_cuda python3 -m qtensor demo --device cuda
 step bench_quantize python3 benchmarks/bench_quantize.py --out "$LOG/bench_quantize.md"
 step bench_gemm python3 benchmarks/bench_gemm.py --out "$LOG/bench_gemm.md"
