@@ -48,9 +48,11 @@ _ARGS = ("x", "w", "s", "amax", "bias", "fmt", "n", "k", "bound", "out_dtype")
 
 
 class FuseDecodeProducts(CustomGraphPass):
-    """An Inductor post-grad pass ([Note: fused decode products]): give it to a compile with
-    freezing, e.g. `torch.compile(fn, options={"freezing": True,
-    "post_grad_custom_post_pass": FuseDecodeProducts()})`."""
+    """An Inductor post-grad pass ([Note: fused decode products]) for a compile with freezing:
+    set both where the compiled function first runs, e.g. `with
+    torch._inductor.config.patch(freezing=True, post_grad_custom_post_pass=FuseDecodeProducts())`
+    (Dynamo reads `freezing` while it traces, so `torch.compile(options=...)`, which reaches
+    Inductor alone, does not freeze)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         fuse_decode_products(graph)
