@@ -299,8 +299,10 @@ def decode_section(n: int, k: int, ms_list, splits_sweep: bool) -> None:
 
 def llama_section() -> None:
     """The decode GEMM at M = 1 on the linear shapes of a Llama layer (hidden 4096, 8 KV heads,
-    intermediate 14336), against bf16 F.linear, with the floor every CUDA-graphed launch pays:
-    a one-element kernel, and the decode kernel on one 64 x 64 tile."""
+    intermediate 14336), and on those of its products fused by qtensor.FuseDecodeProducts
+    (q/k/v, gate/up; a per-tensor amax here), against bf16 F.linear, with the floor every
+    CUDA-graphed launch pays: a one-element kernel, and the decode kernel on one 64 x 64
+    tile."""
     from qtensor.ops import decode_mm as dmm
 
     one = torch.zeros(1, device="cuda")
@@ -311,7 +313,8 @@ def llama_section() -> None:
     emit("|---|---|---|---|---|---|---|---|")
     for (n, k), use in (((64, 64), "one tile"), ((1024, 4096), "k_proj, v_proj"),
                         ((4096, 4096), "q_proj, o_proj"), ((14336, 4096), "gate, up"),
-                        ((4096, 14336), "down")):
+                        ((4096, 14336), "down"), ((6144, 4096), "q/k/v fused"),
+                        ((28672, 4096), "gate/up fused")):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         _, wb_next = rotating(lambda i: w.roll(i, 0).contiguous(), n * k * 2)
