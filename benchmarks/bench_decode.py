@@ -222,15 +222,12 @@ def step_us(model, batch: int) -> dict[str, float | str]:
     tok = torch.randint(0, 32000, (batch, 1), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(3))
     out: dict[str, float | str] = {}
-    plain = {}
-    fused = {"freezing": True, "post_grad_custom_post_pass": qtensor.FuseDecodeProducts()}
     with torch.no_grad():
-        for how, fwd, patch in (("eager", model.forward, plain),
-                                ("compiled", torch.compile(model.forward, fullgraph=True), plain),
-                                ("fused", torch.compile(model.forward, fullgraph=True), fused)):
+        for how in ("eager", "compiled", "fused"):
+            fwd = model.forward if how == "eager" else torch.compile(model.forward, fullgraph=True)
             torch._dynamo.reset()
             try:
-                with inductor_config.patch(**patch):  # compiled at graph_us's first call
+                with inductor_config.patch(**inductor_patch(how)):  # compiled at the first call
                     out[how] = graph_us(lambda fwd=fwd: fwd(input_ids=tok, use_cache=False))
             except Exception as e:  # a capture that syncs: reported in the table
                 out[how] = f"{type(e).__name__}: {str(e)[:60]}"
@@ -251,6 +248,14 @@ def linears_us(model, batch: int) -> float:
 
 
 LOOP_MODES = ("eager", "compiled", "frozen", "fused")
+
+
+def inductor_patch(mode: str) -> dict:
+    """The Inductor settings of a compiled mode: freezing for "frozen" and "fused", and
+    FuseDecodeProducts as the post-grad pass for "fused" (set where the step first runs:
+    Dynamo reads `freezing` while it traces)."""
+    return {"freezing": mode in ("frozen", "fused"),
+            "post_grad_custom_post_pass": qtensor.FuseDecodeProducts() if mode == "fused" else None}
 
 
 class GreedyLoop:
@@ -284,9 +289,7 @@ class GreedyLoop:
         import torch._inductor.config as inductor_config
 
         tok = self.out[-1]
-        fuse = qtensor.FuseDecodeProducts() if self.mode == "fused" else None
-        with torch.no_grad(), inductor_config.patch(freezing=self.mode in ("frozen", "fused"),
-                                                    post_grad_custom_post_pass=fuse):
+        with torch.no_grad(), inductor_config.patch(**inductor_patch(self.mode)):
             self.sync()
             start = time.perf_counter()
             for _ in range(n):
