@@ -31,6 +31,9 @@ torch.set_num_threads(1)
 K = 96  # not a multiple of the layout's 64: the packed K is padded
 CLASSES = {"nvfp4": NVFP4Tensor, "mxfp4": MXFP4Tensor, "mxfp8": MXFP8Tensor}
 DECODE_MM = torch.ops.qtensor.decode_mm.default
+DENSE_MM = {fmt: getattr(torch.ops.qtensor, f"{fmt}_mm").default for fmt in CLASSES}
+DYNAMIC = (qtensor.NVFP4DynamicActivationNVFP4WeightConfig,
+           qtensor.MXFP8DynamicActivationMXFP8WeightConfig)
 
 
 def weight(fmt: str, n: int, scale: float, seed: int, bound: int = 448) -> DecodeWeight:
@@ -232,9 +235,167 @@ def test_share_decode_storage_keeps_the_bytes_and_fuses_without_copies():
     assert torch.equal(loop.tokens(), eager.tokens())
 
 
+class Dense(torch.nn.Module):
+    """An activation times each canonical weight by the format's dense op (qtensor::nvfp4_mm,
+    mxfp8_mm, mxfp4_mm), the weights' bytes (and biases) as buffers, as in a frozen graph. The
+    activation is high precision (a_scale None) or quantized (its bytes are graph inputs)."""
+
+    def __init__(self, fmt, weights, biases=None, out_dtype=torch.float32):
+        super().__init__()
+        self.fmt, self.out_dtype, self.count = fmt, out_dtype, len(weights)
+        for i, w in enumerate(weights):
+            self.register_buffer(f"w{i}", w.qdata)
+            self.register_buffer(f"s{i}", w.scale)
+            self.register_buffer(f"a{i}", w.amax if fmt == "nvfp4" else None)
+            self.register_buffer(f"b{i}", None if biases is None else biases[i])
+
+    def forward(self, a, a_scale, a_amax):
+        out = []
+        for i in range(self.count):
+            w, s, am, b = (getattr(self, f"{c}{i}") for c in "wsab")
+            if self.fmt == "nvfp4":
+                out.append(DENSE_MM["nvfp4"](a, a_scale, a_amax, w, s, am, 448, 448, b,
+                                             self.out_dtype))
+            else:
+                out.append(DENSE_MM[self.fmt](a, a_scale, w, s, b, self.out_dtype))
+        return tuple(out)
+
+
+def traced_dense(module: Dense, activation) -> torch.fx.GraphModule:
+    """Traced with the activation's data, scale and amax (None where absent) as inputs."""
+    gm = torch.fx.symbolic_trace(module)
+    fake = FakeTensorMode()
+    for node, value in zip([n for n in gm.graph.nodes if n.op == "placeholder"], activation):
+        node.meta["val"] = None if value is None else fake.from_tensor(value)
+    return gm
+
+
+def canonical(fmt: str, n: int, scale: float, seed: int):
+    w = torch.randn(n, K, generator=torch.Generator().manual_seed(seed)) * scale
+    return CLASSES[fmt].from_hp(w)
+
+
+def activation(fmt: str, x: torch.Tensor, quantized: bool) -> tuple:
+    """(data, scale, amax) of the left operand: x itself, or its bytes quantized to fmt."""
+    if not quantized:
+        return x, None, None
+    q = CLASSES[fmt].from_hp(x)
+    return q.qdata, q.scale, q.amax if fmt == "nvfp4" else None
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["weight_only", "dynamic"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
+def test_fused_canonical_products_are_the_sources_bit_for_bit(fmt, quantized):
+    """Canonical weights of q, k and v shapes and different amaxes (NVFP4: a per-row amax),
+    with biases, times a high-precision or a quantized activation (its bytes shared by the
+    three products): one dense op, whose output columns are each product's bit for bit on
+    one-hot rows (each output one decoded weight entry) and up to fp32 summation order on a
+    random activation."""
+    weights = [canonical(fmt, 80, 1.0, 0), canonical(fmt, 24, 0.01, 1),
+               canonical(fmt, 24, 30.0, 2)]
+    biases = [torch.randn(w.shape[0], generator=torch.Generator().manual_seed(9 + i))
+              for i, w in enumerate(weights)]
+    op = DENSE_MM[fmt]
+    for x in (torch.eye(K), torch.randn(5, K, generator=torch.Generator().manual_seed(3))):
+        act = activation(fmt, x, quantized)
+        gm = traced_dense(Dense(fmt, weights, biases), act)
+        before = gm(*act)
+        counters.clear()
+        assert fuse_decode_products(gm.graph) == 1
+        assert counters["qtensor"]["fused_decode_products"] == 3
+        gm.recompile()
+        (node,) = [n for n in gm.graph.nodes if n.target is op]
+        assert node.meta["val"].shape == (x.shape[0], 128)
+        if fmt == "nvfp4":
+            amax = getattr(gm, node.args[5].target)
+            assert torch.equal(amax, torch.cat([w.amax.expand(w.shape[0]) for w in weights]))
+        for a, b in zip(gm(*act), before):
+            if x.shape[0] == K:
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_only_matching_canonical_products_fuse():
+    """Canonical products of one activation fuse only with the same bias presence; a weight
+    that is a graph input (no freezing) or high precision never does."""
+    x = torch.eye(K)
+    nv = [canonical("nvfp4", 16, 1.0, 0), canonical("nvfp4", 32, 1.0, 1)]
+    gm = traced_dense(Dense("nvfp4", nv, [torch.zeros(16), None]), (x, None, None))
+    assert fuse_decode_products(gm.graph) == 0
+
+    def mixed(a, w0, s0):
+        mx = DENSE_MM["mxfp8"]
+        return (mx(a, None, w0, s0, None, torch.float32),
+                mx(a, None, torch.ones(16, K), None, None, torch.float32))
+    gm = torch.fx.symbolic_trace(mixed)
+    assert fuse_decode_products(gm.graph) == 0
+
+
+def test_share_decode_storage_shares_canonical_rows():
+    """Sibling canonical weights (rowwise NVFP4, MXFP8, MXFP4) move into one buffer per field
+    with their bytes unchanged, and the fused weight of their products is a view of it."""
+    for fmt in ("nvfp4", "mxfp4", "mxfp8"):
+        weights = [canonical(fmt, 64, 1.0, 0), canonical(fmt, 32, 0.01, 1),
+                   canonical(fmt, 40, 3.0, 2)]
+        holders = torch.nn.ModuleList(torch.nn.Module() for _ in weights)
+        for h, w in zip(holders, weights):
+            h.weight = torch.nn.Parameter(w, requires_grad=False)
+        assert qtensor.share_decode_storage(holders) == 3
+        shared = [h.weight for h in holders]
+        for a, b in zip(shared, weights):
+            assert type(a) is type(b)
+            assert torch.equal(a.qdata.view(torch.uint8), b.qdata.view(torch.uint8))
+            assert torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
+        assert shared[1].qdata.untyped_storage().data_ptr() == \
+            shared[0].qdata.untyped_storage().data_ptr()
+        parts = [(w.qdata, w.scale, w.amax if fmt == "nvfp4" else None, None) for w in shared]
+        data, scale, _, _ = decode_fusion.fused_rows(parts)
+        assert data.data_ptr() == shared[0].qdata.data_ptr()
+        assert scale.data_ptr() == shared[0].scale.data_ptr()
+        copied = decode_fusion.fused_rows([(w.qdata, w.scale, None, None) for w in weights])
+        assert torch.equal(data.view(torch.uint8), copied[0].view(torch.uint8))
+        assert torch.equal(scale.view(torch.uint8), copied[1].view(torch.uint8))
+        odd = torch.nn.ModuleList(torch.nn.Module() for _ in range(2))
+        odd[0].weight = torch.nn.Parameter(canonical(fmt, 23, 1.0, 3), requires_grad=False)
+        odd[1].weight = torch.nn.Parameter(canonical(fmt, 16, 1.0, 4), requires_grad=False)
+        assert qtensor.share_decode_storage(odd) == 0  # the second part would start unaligned
+        transposed = torch.nn.Module()  # columnwise storage is not rows of the weight: left
+        transposed.a = torch.nn.Module()
+        transposed.b = torch.nn.Module()
+        transposed.a.weight = torch.nn.Parameter(weights[0].t(), requires_grad=False)
+        transposed.b.weight = torch.nn.Parameter(weights[0].t(), requires_grad=False)
+        assert qtensor.share_decode_storage(transposed) == 0
+
+
+@pytest.mark.parametrize("config", DYNAMIC, ids=["nvfp4_dynamic", "mxfp8_dynamic"])
+def test_frozen_dynamic_decoder_fuses_its_products(config):
+    """A 2-layer Llama with dynamic-activation weights, compiled with freezing and the pass:
+    q/k/v and gate/up become one dense product each (8 in the generated code instead of 14),
+    reading the module's own bytes after share_decode_storage, and the loop decodes the eager
+    loop's tokens."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = tiny_llama(config)
+    fmt = type(model.model.layers[0].self_attn.q_proj.weight).gemm_format
+    assert qtensor.share_decode_storage(model) == 2 * (4 + 2)
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(2))
+    eager = bench_decode.GreedyLoop(model, ids, "eager", 4)
+    eager.run(3)
+    torch._dynamo.reset()
+    counters.clear()
+    loop = bench_decode.GreedyLoop(model, ids, "fused", 4)
+    _, code = run_and_get_code(loop.run, 3)
+    calls = sum(len(re.findall(rf"qtensor\.{fmt}_mm\.default\(", c)) for c in code)
+    assert calls == 8
+    assert counters["qtensor"]["fused_decode_groups"] == 4
+    assert torch.equal(loop.tokens(), eager.tokens())
+
+
 def tiny_llama(config, device="cpu", dtype=torch.float32, family="llama", hidden=64):
-    """A 2-layer decoder with weights in the decode layout: Llama, or Qwen2, whose q, k and v
-    projections have biases (initialized large enough that greedy tokens vary)."""
+    """A 2-layer decoder with weights in the decode layout (canonical weights for a config of
+    DYNAMIC): Llama, or Qwen2, whose q, k and v projections have biases (initialized large
+    enough that greedy tokens vary)."""
     import transformers
 
     kind = {"llama": "Llama", "qwen2": "Qwen2"}[family]
@@ -248,7 +409,8 @@ def tiny_llama(config, device="cpu", dtype=torch.float32, family="llama", hidden
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
-    qtensor.quantize_(model, config(layout="decode"),
+    made = config() if config in DYNAMIC else config(layout="decode")
+    qtensor.quantize_(model, made,
                       filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and n != "lm_head")
     return model
 

@@ -8,5 +8,6 @@ the tensor classes (products of quantized tensors are the GEMM layer's, qtensor/
   kernels (the reference, the Triton kernels of qtensor/kernels), fakes and autograd.
 - `gemm_operands`: the operands as those ops take them, their argument checks and the epilogue.
 - `decode_mm`: qtensor::decode_mm, a weight in the decode layout times an activation;
-  `decode_fusion`: the Inductor pass that makes the decode_mm calls of one activation one call.
+  `decode_fusion`: the Inductor pass that makes the quantized products (decode_mm and the
+  dense ops of canonical weights) of one activation one call.
 """

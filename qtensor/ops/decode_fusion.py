@@ -1,4 +1,4 @@
-"""One launch for the products of one activation with several frozen decode-layout weights.
+"""One launch for the products of one activation with several frozen quantized weights.
 
 [Note: fused decode products]
 A decoder layer multiplies one activation by several weights: the attention's q, k and v
@@ -7,24 +7,31 @@ the decode GEMM that streams its weight once and pays the launch's fixed cost on
 on the H200 against cuBLAS's 2.4, benchmarks/RESULTS.md, "a fixed cost and a streaming rate");
 the k and v weights of a GQA model are small enough that the fixed cost is most of their time.
 Inductor's freezing concatenates the weights of such plain `mm`s when their shapes are equal;
-the quantized products are opaque `qtensor::decode_mm` calls, which it leaves alone.
+the quantized products are opaque qtensor ops, which it leaves alone.
 
 `FuseDecodeProducts` is an Inductor post-grad pass that does it for them. In a graph compiled
-with freezing (the weights are constants, `get_attr` nodes), the `decode_mm` calls that share
-their activation node, format, K, E4M3 bound, output dtype and bias presence become one call on
-a weight whose rows are theirs in order, followed by a column slice per original product:
-- the fused weight's canonical bytes are the sources' canonical bytes concatenated along N, and
-  its decode layout is packed from them (`decode_layout.pack`), so any N packs;
+with freezing (the weights are constants, `get_attr` nodes), the products that share their
+activation and scalars (format, K, E4M3 bounds, output dtype) and their bias presence become one
+call on a weight whose rows are theirs in order, followed by a column slice per original
+product. It takes `qtensor::decode_mm` (weights in the decode layout) and the dense ops of
+canonical weights [N, K*] (`qtensor::nvfp4_mm`, `mxfp8_mm`, `mxfp4_mm`), whose activation is
+high precision (weight-only) or quantized bytes that every product of the group reads (dynamic
+activation: the compiled graph quantizes the activation once for all of them, its identical
+quantizations merged):
+- the fused weight's canonical bytes are the sources' canonical bytes concatenated along N
+  (docs/formats.md: every row carries its own block scales, so rows concatenate); a decode
+  layout is packed from them (`decode_layout.pack`), so any N packs;
 - NVFP4's amax is the sources' one where they all have the same (bit for bit), else a per-row
   amax [N] that gives each row its source's amax: every row decodes to the same values as in
   its source (docs/formats.md, "row-scaled"), so each output column is the same product as
   before, exact up to fp32 accumulation order;
 - biases, where every product has one, are concatenated.
-The decode layout stores a weight's row tiles one after another, so where the sources' bytes
-already lie back to back in one storage (`qtensor.share_decode_storage` puts sibling weights
-so) and every source but the last has whole tiles of 64 rows, the fused codes and scales are a
-view of that storage: the fusion costs no memory. Otherwise they are new constants of the
-compiled graph, held in addition to the module's own weights.
+Where the sources' bytes already lie back to back in one storage (`qtensor.share_decode_storage`
+puts sibling weights so), the fused bytes are a view of that storage and the fusion costs no
+memory: canonical rows always concatenate so; the decode layout stores whole row tiles one after
+another, so there every source but the last must have whole tiles of 64 rows. Otherwise the
+fused bytes are new constants of the compiled graph, held in addition to the module's own
+weights.
 
 Without freezing the weights are graph inputs and nothing is fused (concatenating them would
 copy them on every call). The count of fused groups and of the products they replace is in
@@ -36,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -44,7 +52,37 @@ from qtensor.formats import decode_layout
 from qtensor.ops import decode_mm
 
 aten = torch.ops.aten
-_ARGS = ("x", "w", "s", "amax", "bias", "fmt", "n", "k", "bound", "out_dtype")
+
+
+@dataclass(frozen=True)
+class _Product:
+    """Where an op's arguments are: `shared`, the positions every product of a group has in
+    common (the activation side, the scalars); the weight's data, scale, amax and bias
+    positions (amax None: the format has none); `n`, the position of the weight's row count
+    (None: the row count is the data's first dimension, a canonical weight [N, K*])."""
+
+    shared: tuple[int, ...]
+    data: int
+    scale: int
+    amax: int | None
+    bias: int
+    n: int | None = None
+
+
+def _products() -> dict:
+    qt = torch.ops.qtensor
+    canonical_mx = _Product(shared=(0, 1, 5), data=2, scale=3, amax=None, bias=4)
+    return {
+        # decode_mm(x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
+        qt.decode_mm.default: _Product(shared=(0, 5, 7, 8, 9), data=1, scale=2, amax=3, bias=4,
+                                       n=6),
+        # nvfp4_mm(a, a_scale, a_amax, b, b_scale, b_amax, a_bound, b_bound, bias, out_dtype)
+        qt.nvfp4_mm.default: _Product(shared=(0, 1, 2, 6, 7, 9), data=3, scale=4, amax=5,
+                                      bias=8),
+        # mxfp8_mm / mxfp4_mm(a, a_scale, b, b_scale, bias, out_dtype)
+        qt.mxfp8_mm.default: canonical_mx,
+        qt.mxfp4_mm.default: canonical_mx,
+    }
 
 
 class FuseDecodeProducts(CustomGraphPass):
@@ -77,38 +115,72 @@ def _constant(gm: torch.fx.GraphModule, node) -> torch.Tensor | None:
     return value
 
 
+def _fake(node) -> bool:
+    """Whether an argument is a plain value or a node with a fake value (the fused output's
+    shape is derived from them)."""
+    return not isinstance(node, torch.fx.Node) or "val" in node.meta
+
+
 def _groups(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
-    """The decode_mm calls that can be fused, in groups of two or more, in graph order."""
+    """The products that can be fused, in groups of two or more, in graph order."""
     gm = graph.owning_module
+    table = _products()
     groups: dict[tuple, list[torch.fx.Node]] = defaultdict(list)
     for node in graph.nodes:
-        if node.op != "call_function" or node.target is not torch.ops.qtensor.decode_mm.default \
-                or node.kwargs:
+        spec = table.get(node.target) if node.op == "call_function" else None
+        if spec is None or node.kwargs:
             continue
-        a = dict(zip(_ARGS, node.args))
-        if not isinstance(a["x"], torch.fx.Node) or "val" not in a["x"].meta:
+        shared = tuple(node.args[i] for i in spec.shared)
+        if not all(_fake(a) for a in shared):
             continue  # no fake value to derive the fused output's from
+        amax_arg = None if spec.amax is None else node.args[spec.amax]
         try:
-            w, _, _, bias = (_constant(gm, a[name]) for name in ("w", "s", "amax", "bias"))
+            data, scale, amax, bias = (_constant(gm, a) for a in (
+                node.args[spec.data], node.args[spec.scale], amax_arg, node.args[spec.bias]))
         except KeyError:
             continue  # a weight that is not a constant (no freezing): left as it is
-        key = (a["x"], a["fmt"], a["k"], a["bound"], a["out_dtype"], w.device,
-               None if bias is None else bias.dtype)
+        if scale is None or data.dim() != scale.dim() or (spec.n is None and data.dim() != 2):
+            continue  # a high-precision or batched right operand: not a weight's rows
+        if amax is not None and amax.dim() > 1:
+            continue
+        key = (node.target, shared, data.device, data.dtype, data.shape[1:], scale.dtype,
+               scale.shape[1:], amax is None, None if bias is None else bias.dtype)
         groups[key].append(node)
     return [nodes for nodes in groups.values() if len(nodes) > 1]
 
 
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """One tensor over the bytes of `tensors` where they lie back to back, in order, in one
-    storage (as `share_decode_storage` puts them), else None."""
+    """One tensor over the rows of `tensors` (contiguous, of one trailing shape) where they lie
+    back to back, in order, in one storage (as `share_decode_storage` puts them), else None."""
     first = tensors[0]
-    storage, end = first.untyped_storage(), first.storage_offset()
+    storage, end, rows = first.untyped_storage(), first.storage_offset(), 0
     for t in tensors:
-        if t.dim() != 1 or t.stride(0) != 1 or t.storage_offset() != end or \
+        if not t.is_contiguous() or t.dim() == 0 or t.shape[1:] != first.shape[1:] or \
+                t.storage_offset() != end or \
                 t.untyped_storage().data_ptr() != storage.data_ptr():
             return None
-        end += t.numel()
-    return first.new_empty(0).set_(storage, first.storage_offset(), (end - first.storage_offset(),))
+        end, rows = end + t.numel(), rows + t.shape[0]
+    return first.new_empty(0).set_(storage, first.storage_offset(),
+                                   (rows, *first.shape[1:]))
+
+
+def _rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors concatenated along their rows: a view where they lie back to back."""
+    joined = _joined(tensors)
+    return torch.cat(tensors) if joined is None else joined
+
+
+def _fused_amax(amaxes: list, ns: list[int]):
+    """NVFP4's amax of the fused weight: the sources' one where they all have the same (bit for
+    bit), else a per-row amax giving each row its source's; None where they have none."""
+    first = amaxes[0]
+    if first is None:
+        return None
+    if all(a.dim() == 0 and torch.equal(a.view(torch.int32), first.view(torch.int32))
+           for a in amaxes):
+        return first.clone()
+    return torch.cat([a.reshape(1).expand(n) if a.dim() == 0 else a
+                      for a, n in zip(amaxes, ns)]).contiguous()
 
 
 def fused_weight(fmt: str, k: int, parts: list[tuple]) -> tuple:
@@ -126,19 +198,20 @@ def fused_weight(fmt: str, k: int, parts: list[tuple]) -> tuple:
     if codes is None or scales is None:
         data, scale = zip(*(decode_mm.unpack(fmt, w, s, n, k) for w, s, _, _, n in parts))
         codes, scales = decode_layout.pack(fmt, torch.cat(data), torch.cat(scale), total, k)
-    amaxes = [p[2] for p in parts]
-    amax = None
-    if fmt == "nvfp4":
-        first = amaxes[0]
-        if all(a.dim() == 0 and torch.equal(a.view(torch.int32), first.view(torch.int32))
-               for a in amaxes):
-            amax = first.clone()
-        else:
-            amax = torch.cat([a.reshape(1).expand(p[4]) if a.dim() == 0 else a
-                              for a, p in zip(amaxes, parts)]).contiguous()
+    amax = _fused_amax([p[2] for p in parts], [p[4] for p in parts]) if fmt == "nvfp4" else None
     biases = [p[3] for p in parts]
-    bias = None if biases[0] is None else torch.cat(biases)
-    return codes, scales, amax, bias
+    return codes, scales, amax, None if biases[0] is None else torch.cat(biases)
+
+
+def fused_rows(parts: list[tuple]) -> tuple:
+    """(data, scale, amax, bias) of the canonical weight whose rows are those of `parts`, each
+    (data, scale, amax, bias) of one weight [n, K*] as the GEMM ops take it (docs/formats.md:
+    every row carries its own block scales, so rows concatenate): a view where the parts' bytes
+    lie back to back in one storage, else a copy."""
+    data, scale, amax, bias = zip(*parts)
+    ns = [d.shape[0] for d in data]
+    return (_rows(list(data)), _rows(list(scale)), _fused_amax(list(amax), ns),
+            None if bias[0] is None else torch.cat(bias))
 
 
 def _register(gm: torch.fx.GraphModule, graph: torch.fx.Graph, before, tensor, fake_mode):
@@ -151,7 +224,7 @@ def _register(gm: torch.fx.GraphModule, graph: torch.fx.Graph, before, tensor, f
     gm.register_buffer(name, tensor)
     with graph.inserting_before(before):
         node = graph.get_attr(name)
-    node.meta["val"] = fake_mode.from_tensor(tensor)
+    node.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True)
     return node
 
 
@@ -165,40 +238,50 @@ def _drop_constant(gm: torch.fx.GraphModule, graph: torch.fx.Graph, node) -> Non
 
 
 def fuse_decode_products(graph: torch.fx.Graph) -> int:
-    """Fuse the graph's groups of decode_mm calls ([Note: fused decode products]) in place;
-    the number of groups fused."""
+    """Fuse the graph's groups of products of one activation ([Note: fused decode products])
+    in place; the number of groups fused."""
     gm = graph.owning_module
     if gm is None:
         return 0
+    table = _products()
     fused = 0
     for nodes in _groups(graph):
-        a = dict(zip(_ARGS, nodes[0].args))
-        x = a["x"]
-        fake_mode = x.meta["val"].fake_mode
-        parts = [(_constant(gm, n.args[1]), _constant(gm, n.args[2]), _constant(gm, n.args[3]),
-                  _constant(gm, n.args[4]), n.args[6]) for n in nodes]
-        codes, scales, amax, bias = fused_weight(a["fmt"], a["k"], parts)
-        total = sum(p[4] for p in parts)
         first = nodes[0]
-        consts = [None if t is None else _register(gm, graph, first, t, fake_mode)
-                  for t in (codes, scales, amax, bias)]
+        spec = table[first.target]
+        places = (spec.data, spec.scale, spec.amax, spec.bias)
+        parts = [tuple(None if i is None else _constant(gm, n.args[i]) for i in places)
+                 for n in nodes]
+        if spec.n is None:
+            ns = [p[0].shape[0] for p in parts]
+            weight = fused_rows(parts)
+        else:
+            ns = [n.args[spec.n] for n in nodes]
+            fmt, k = first.args[5], first.args[7]
+            weight = fused_weight(fmt, k, [(*p, n) for p, n in zip(parts, ns)])
+        total = sum(ns)
+        fake_mode = next(a.meta["val"].fake_mode for a in first.args
+                         if isinstance(a, torch.fx.Node) and "val" in a.meta and
+                         isinstance(a.meta["val"], torch.Tensor))
+        args = list(first.args)
+        for i, t in zip(places, weight):
+            if i is not None:
+                args[i] = None if t is None else _register(gm, graph, first, t, fake_mode)
+        if spec.n is not None:
+            args[spec.n] = total
         with graph.inserting_before(first):
-            out = graph.call_function(torch.ops.qtensor.decode_mm.default,
-                                      (x, *consts, a["fmt"], total, a["k"], a["bound"],
-                                       a["out_dtype"]))
+            out = graph.call_function(first.target, tuple(args))
             with fake_mode:
-                out.meta["val"] = x.meta["val"].new_empty((x.meta["val"].shape[0], total),
-                                                          dtype=a["out_dtype"])
-            start = 0
-            for node in nodes:
-                n = node.args[6]
-                piece = graph.call_function(aten.slice.Tensor, (out, 1, start, start + n))
+                out.meta["val"] = first.target(*(
+                    a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args))
+            dim, start = out.meta["val"].dim() - 1, 0
+            for node, n in zip(nodes, ns):
+                piece = graph.call_function(aten.slice.Tensor, (out, dim, start, start + n))
                 with fake_mode:
-                    piece.meta["val"] = aten.slice.Tensor(out.meta["val"], 1, start, start + n)
+                    piece.meta["val"] = aten.slice.Tensor(out.meta["val"], dim, start, start + n)
                 node.replace_all_uses_with(piece)
                 start += n
         for node in nodes:
-            inputs = node.args[1:5]
+            inputs = [node.args[i] for i in places if i is not None]
             graph.erase_node(node)
             for c in inputs:
                 _drop_constant(gm, graph, c)

@@ -145,40 +145,67 @@ def _copy_(func, args, kwargs):
     return dst
 
 
+_ALIGN = 16  # bytes: every shared part starts where the buffer's own alignment allows vector loads
+
+
+def _row_fields(w) -> tuple[str, ...] | None:
+    """The names of the fields a weight's rows are stored in, each contiguous with one row of
+    the weight per first-dimension index, so that sibling weights' fields concatenate along
+    rows; None for a weight whose bytes are not so (no sharing)."""
+    if isinstance(w, DecodeWeight):
+        return ("codes", "scales")
+    if not isinstance(w, QuantizedTensor) or w.gemm_format is None or w.dim() != 2 or \
+            getattr(w, "axis", None) != ROWWISE:
+        return None
+    names = tuple(n for n in w.tensor_data_names
+                  if getattr(w, n) is not None and getattr(w, n).dim() > 0)
+    if all(getattr(w, n).dim() <= 2 and getattr(w, n).shape[0] == w.shape[0] and
+           getattr(w, n).is_contiguous() for n in names):
+        return names
+    return None
+
+
 def share_decode_storage(model: torch.nn.Module) -> int:
-    """Put the packed bytes of sibling weights in the decode layout back to back: for each
-    module, the weights of its direct children (the attention's q, k, v and o projections, an
-    MLP's gate and up) of one format, K and device, in the order the children were registered,
-    move into one codes buffer and one scales buffer, each weight a view of its part. The bytes
-    do not change. The products of one activation with such neighbours then fuse without a copy
-    ([Note: fused decode products] in qtensor/ops/decode_fusion.py). Call it once, after
+    """Put the bytes of sibling quantized weights back to back: for each module, the weights of
+    its direct children (the attention's q, k, v and o projections, an MLP's gate and up) of
+    one class, K, device and dtypes, in the order the children were registered, move into one
+    buffer per field (the codes and scales of a DecodeWeight; the data and block scales of a
+    rowwise NVFP4, MXFP8 or MXFP4 weight), each weight a view of its part. The bytes do not
+    change. The products of one activation with such neighbours then fuse without a copy
+    ([Note: fused decode products] in qtensor/ops/decode_fusion.py). Weights whose parts
+    would not all start on 16 bytes (small or odd K) are left as they are. Call it once, after
     quantizing and before compiling (a compiled graph keeps the tensors it was compiled with);
     moving the model to another device gives each weight its own bytes again. Returns the
     number of weights moved."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"share_decode_storage takes a model (an nn.Module) whose linear layers "
-                        f"hold DecodeWeight weights; got {type(model).__name__}.")
+                        f"hold quantized weights; got {type(model).__name__}.")
     moved = 0
     for parent in model.modules():
         groups: dict[tuple, list[torch.nn.Module]] = {}
         for child in parent.children():
             w = getattr(child, "weight", None)
-            if isinstance(w, DecodeWeight):
-                groups.setdefault((w.fmt, w.shape[1], w.device), []).append(child)
-        for children in groups.values():
-            if len(children) < 2:
+            names = _row_fields(w)
+            if names is None:
                 continue
+            key = (type(w), getattr(w, "fmt", None), w.shape[1], w.device, names,
+                   tuple((getattr(w, n).dtype, getattr(w, n).shape[1:]) for n in names))
+            groups.setdefault(key, []).append(child)
+        for (_, _, _, _, names, _), children in groups.items():
             weights = [c.weight for c in children]
+            if len(children) < 2 or not all(
+                    getattr(w, n).nbytes % _ALIGN == 0 for w in weights[:-1] for n in names):
+                continue  # a part would start off the 16-byte alignment kernels load at
             with torch.no_grad():
-                codes = torch.cat([w.codes for w in weights])
-                scales = torch.cat([w.scales for w in weights])
-            start_c = start_s = 0
+                joined = {n: torch.cat([getattr(w, n) for w in weights]) for n in names}
+            start = dict.fromkeys(names, 0)
             for child, w in zip(children, weights):
-                nc, ns = w.codes.numel(), w.scales.numel()
-                view = w.replace(codes=codes[start_c:start_c + nc],
-                                 scales=scales[start_s:start_s + ns])
-                child.weight = torch.nn.Parameter(view, requires_grad=False)
-                start_c, start_s = start_c + nc, start_s + ns
+                views = {}
+                for n in names:
+                    rows = getattr(w, n).shape[0]
+                    views[n] = joined[n][start[n]:start[n] + rows]
+                    start[n] += rows
+                child.weight = torch.nn.Parameter(w.replace(**views), requires_grad=False)
             moved += len(children)
     return moved
 
