@@ -41,8 +41,8 @@ freezing, the prefill time of 2048 tokens, and the peak GPU memory. How it is me
   constants of the graph: a compiled call then neither guards nor unwraps the quantized
   weights (tensor subclasses), which on torch 2.11 costs about 11 us of host time a weight
   and a step on the development machine's CPU (dev/experiments/compiled_host.py), and
-  "fused": frozen with qtensor.FuseDecodeProducts as well, so that the decode products that
-  share their activation (q/k/v, gate/up) run as one launch each, 4 a layer instead of 7
+  "fused": frozen with qtensor.FuseDecodeProducts as well, so that the quantized products
+  that share their activation (q/k/v, gate/up) run as one launch each, 4 a layer instead of 7
   (bf16's "fused" is its "frozen": Inductor's freezing already concatenates plain weights of
   equal shapes). Tokens/s = batch x steps / the time of `steps` steps, the median of three
   runs after three warm-up steps; bf16 is timed the same way for each mode. The tokens of
@@ -94,9 +94,9 @@ def build_model(layers: int):
 
 
 def quantize(model, name: str):
-    """The model with `name`'s weights, as a user would set it up for decoding: sibling weights
-    in the decode layout share one buffer (qtensor.share_decode_storage), so that the "fused"
-    mode's products are views of the model's bytes."""
+    """The model with `name`'s weights, as a user would set it up for decoding: sibling
+    quantized weights share one buffer per field (qtensor.share_decode_storage), so that the
+    "fused" mode's products are views of the model's bytes."""
     if name.startswith("bf16"):
         return model
     qtensor.quantize_(model, CONFIGS[name](),
