@@ -500,6 +500,34 @@ def test_fused_llama_on_the_kernel_decodes_the_frozen_tokens():
     assert torch.equal(tokens["fused"], tokens["frozen"])
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("quantized", [False, True], ids=["weight_only", "dynamic"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_fused_canonical_products_on_the_gpu(fmt, quantized):
+    """The dense ops' CUDA kernels on a fused canonical weight (NVFP4: a per-row amax) of
+    N = 80, 24, 24 with biases: one-hot activation rows give each source's columns bit for bit,
+    and bf16 rows of 1 and 16 tokens agree within fp32 summation over K."""
+    weights = [canonical(fmt, n, scale, i).to("cuda")
+               for i, (n, scale) in enumerate(zip((80, 24, 24), (1.0, 0.01, 30.0)))]
+    biases = [torch.randn(w.shape[0], device="cuda") for w in weights]
+    module = Dense(fmt, weights, biases, torch.bfloat16)
+    eye = torch.eye(K, dtype=torch.bfloat16, device="cuda")
+    checks = [(activation(fmt, eye, quantized), True)] + [
+        (activation(fmt, torch.randn(m, K, dtype=torch.bfloat16, device="cuda"), quantized),
+         False) for m in (1, 16)]
+    for act, exact in checks:
+        plain = traced_dense(module, act)
+        fused = traced_dense(module, act)
+        assert fuse_decode_products(fused.graph) == 1
+        fused.recompile()
+        for a, b in zip(fused(*act), plain(*act)):
+            if exact:
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, rtol=2**-7, atol=2**-7 * b.abs().max().item())
+
+
 def test_uuid_is_stable_bytes():
     a, b = FuseDecodeProducts().uuid(), FuseDecodeProducts().uuid()
     assert a == b and isinstance(a, bytes) and len(a) == 32
