@@ -117,36 +117,45 @@ struct DecodeArgs {
 
 __device__ __forceinline__ uint32_t rotr(uint32_t q, int n) { return __funnelshift_r(q, q, n); }
 
+// A piece that takes only bits a left shift by n keeps: `(q << n) & mask`, which the compiler
+// issues as an integer multiply on the FMA pipe (IMAD.SHL); with FMA false the same bits by a
+// funnel shift on the integer ALU pipe (the same value, another register allocation).
+template <bool FMA>
+__device__ __forceinline__ uint32_t shl_piece(uint32_t q, int n, uint32_t mask) {
+  return (FMA ? q << n : rotr(q, 32 - n)) & mask;
+}
+
 // The four A registers of one MMA (o = 2p + r: row g + 8r, K slots 2p + h) from its word of
 // eight E2M1 codes, as bf16 (HALF: fp16) bits of value * 2**-126 (2**-14): the pieces of
 // WORD_PIECES in qtensor/formats/decode_layout.py, each a rotation and a mask. The bf16 masks
 // put the sign at bit 15 of a half and the exponent and mantissa bits at 8-6; fp16 wants them at
 // 11-9, a rotation of 3 more, so each fp16 register takes one piece more. The layout places the
-// bits so that three of the pieces are plain left shifts, which the compiler issues as integer
-// multiplies on the FMA pipe (IMAD.SHL): 7 of a bf16 word's 9 instructions run on the integer
-// ALU pipe, which issues a warp instruction every other cycle, instead of all 9.
-template <bool HALF>
+// bits so that three of the pieces are plain left shifts (shl_piece): with FMA, 7 of a bf16
+// word's 9 instructions run on the integer ALU pipe, which issues a warp instruction every
+// other cycle, instead of all 9.
+template <bool HALF, bool FMA = true>
 __device__ __forceinline__ void e2m1_regs(uint32_t q, uint32_t* a) {
   if constexpr (HALF) {
     constexpr uint32_t kSign = 0x80008000u, kMag = 0x0E000E00u;
     a[0] = (q & kSign) | (rotr(q, 29) & kMag);
     a[1] = (rotr(q, 4) & kSign) | (rotr(q, 1) & kMag);
-    a[2] = ((q << 6) & kSign) | ((q << 9) & kMag);
-    a[3] = ((q << 2) & kSign) | ((q >> 3) & 0x08000800u) | ((q << 5) & 0x06000600u);
+    a[2] = shl_piece<FMA>(q, 6, kSign) | shl_piece<FMA>(q, 9, kMag);
+    a[3] = shl_piece<FMA>(q, 2, kSign) | ((q >> 3) & 0x08000800u) | shl_piece<FMA>(q, 5, 0x06000600u);
   } else {
     constexpr uint32_t kPair = 0x81C081C0u;
     a[0] = q & kPair;
     a[1] = rotr(q, 4) & kPair;
-    a[2] = (q << 6) & kPair;
-    a[3] = ((q >> 6) & 0x01000100u) | ((q << 2) & 0x80C080C0u);
+    a[2] = shl_piece<FMA>(q, 6, kPair);
+    a[3] = ((q >> 6) & 0x01000100u) | shl_piece<FMA>(q, 2, 0x80C080C0u);
   }
 }
 
 // The two A registers (rows g and g + 8) from a word of four E4M3 codes, as bf16 bits of
 // value * 2**-120: sign at bit 15 of a half, exponent and mantissa at bits 10-4.
+template <bool FMA = true>
 __device__ __forceinline__ void e4m3_regs(uint32_t w, uint32_t* a) {
   a[0] = w & 0x87F087F0u;
-  a[1] = (rotr(w, 8) & 0x07700770u) | ((w << 4) & 0x80808080u);
+  a[1] = (rotr(w, 8) & 0x07700770u) | shl_piece<FMA>(w, 4, 0x80808080u);
 }
 
 template <bool HALF>
@@ -172,7 +181,8 @@ __device__ __forceinline__ uint32_t prmt2(uint32_t v, uint32_t sel) {
 // Both halves of a pair from half `h` of v (0: low, 1: high).
 __device__ __forceinline__ uint32_t splat_half(uint32_t v, int h) {
   uint32_t d;
-  asm("prmt.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(v), "r"(h ? 0x3232 : 0x1010));
+  if (h) asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\nmov.b32 %0, {hi, hi};\n}\n" : "=r"(d) : "r"(v));
+  else asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\nmov.b32 %0, {lo, lo};\n}\n" : "=r"(d) : "r"(v));
   return d;
 }
 
@@ -446,17 +456,19 @@ struct Operands {
   }
 
   // The four A registers of subtile s of row tile r (rows g and g + 8, the lane's K slots),
-  // decoded and scaled: value * scale * 2**-8 (NVFP4 in bf16; [Note: decode GEMM]).
+  // decoded and scaled: value * scale * 2**-8 (NVFP4 in bf16; [Note: decode GEMM]). FMA: the
+  // decode's left shifts as multiplies (shl_piece).
+  template <bool FMA = true>
   __device__ __forceinline__ void weight_regs(const Factors<FMT, HALF>& fac, int r, int s,
                                               uint32_t* a) const {
     if constexpr (FMT == kMxfp8) {
       // Subtile s: words 2s (registers 0, 1) and 2s + 1 (registers 2, 3) of the lane's 32 bytes.
       const uint4 v = w[r][s >> 1];
-      e4m3_regs((s & 1) ? v.z : v.x, a);
-      e4m3_regs((s & 1) ? v.w : v.y, a + 2);
+      e4m3_regs<FMA>((s & 1) ? v.z : v.x, a);
+      e4m3_regs<FMA>((s & 1) ? v.w : v.y, a + 2);
     } else {
       const uint4 v = w[r][0];
-      e2m1_regs<HALF>(s == 0 ? v.x : s == 1 ? v.y : s == 2 ? v.z : v.w, a);
+      e2m1_regs<HALF, FMA>(s == 0 ? v.x : s == 1 ? v.y : s == 2 ? v.z : v.w, a);
     }
 #pragma unroll
     for (int o = 0; o < 4; ++o) a[o] = fac.apply(a[o], o & 1);
@@ -697,7 +709,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
 #pragma unroll
             for (int s = 0; s < 4; ++s)
 #pragma unroll
-              for (int r = 0; r < R; ++r) op.weight_regs(fac[r], r, s, wa[s][r]);
+              for (int r = 0; r < R; ++r) op.template weight_regs<false>(fac[r], r, s, wa[s][r]);
             // Those MMAs read the B tiles and, asynchronously, this warp's activation
             // registers: the compiler does not keep an A register from reuse until the MMA
             // completes (it reused them for the next loads), so the warp waits for its MMAs
