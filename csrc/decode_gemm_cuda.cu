@@ -188,7 +188,7 @@ __device__ __forceinline__ uint32_t splat_half(uint32_t v, int h) {
 
 // The multipliers of one super-tile for rows g (f[0]) and g + 8 (f[1]), from the two scale
 // bytes sc (row g low); for a super-tile the warp takes in two multiplies, f2 holds the second
-// pair and `two` is set.
+// pair and `two` is set (a warp vote: the same in every lane).
 template <int FMT, bool HALF>
 struct Factors {
   uint32_t f[2], f2[2];
@@ -224,10 +224,14 @@ struct Factors {
     f[0] = splat_half(p, 0);
     f[1] = splat_half(p, 1);
   }
+  // Scaled register bits of row g + 8r. TWO: some row tile of the warp takes the super-tile in
+  // two multiplies, this one if `two` (a predicated multiply); otherwise none does. The caller
+  // branches on that once a super-tile, so that the common path holds one multiply a register
+  // instead of two issued.
+  template <bool TWO>
   __device__ __forceinline__ uint32_t apply(uint32_t bits, int r) const {
     const uint32_t v = mul2<HALF>(bits, f[r]);
-    if constexpr (FMT == kNvfp4) return v;
-    else return two ? mul2<HALF>(v, f2[r]) : v;
+    return TWO && two ? mul2<HALF>(v, f2[r]) : v;
   }
 };
 
@@ -457,8 +461,8 @@ struct Operands {
 
   // The four A registers of subtile s of row tile r (rows g and g + 8, the lane's K slots),
   // decoded and scaled: value * scale * 2**-8 (NVFP4 in bf16; [Note: decode GEMM]). FMA: the
-  // decode's left shifts as multiplies (shl_piece).
-  template <bool FMA = true>
+  // decode's left shifts as multiplies (shl_piece); TWO: Factors::apply's.
+  template <bool FMA, bool TWO>
   __device__ __forceinline__ void weight_regs(const Factors<FMT, HALF>& fac, int r, int s,
                                               uint32_t* a) const {
     if constexpr (FMT == kMxfp8) {
@@ -471,7 +475,7 @@ struct Operands {
       e2m1_regs<HALF, FMA>(s == 0 ? v.x : s == 1 ? v.y : s == 2 ? v.z : v.w, a);
     }
 #pragma unroll
-    for (int o = 0; o < 4; ++o) a[o] = fac.apply(a[o], o & 1);
+    for (int o = 0; o < 4; ++o) a[o] = fac.template apply<TWO>(a[o], o & 1);
   }
 
   // The products into acc[r][subtile % chains][i]; with kHalves the activation's second half is
@@ -479,8 +483,21 @@ struct Operands {
   __device__ __forceinline__ void mma_into(float (*acc)[kChains<MT, R>][MT][4], uint32_t half1,
                                            const uint32_t* x_off) {
     Factors<FMT, HALF> fac[R];
+    bool two = false;
 #pragma unroll
-    for (int r = 0; r < R; ++r) fac[r].load(sc[r]);
+    for (int r = 0; r < R; ++r) {
+      fac[r].load(sc[r]);
+      two = two || fac[r].two;
+    }
+    // With 64 tokens the branch's second copy of the body costs registers (spills): the second
+    // multiply is predicated there instead.
+    if constexpr (FMT == kNvfp4 || MT == 8) mma_scaled<FMT != kNvfp4>(acc, half1, x_off, fac);
+    else if (two) mma_scaled<true>(acc, half1, x_off, fac);
+    else mma_scaled<false>(acc, half1, x_off, fac);
+  }
+  template <bool TWO>
+  __device__ __forceinline__ void mma_scaled(float (*acc)[kChains<MT, R>][MT][4], uint32_t half1,
+                                             const uint32_t* x_off, const Factors<FMT, HALF>* fac) {
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       if (kHalves && s == 2) {
@@ -490,7 +507,7 @@ struct Operands {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         uint32_t a[4];
-        weight_regs(fac[r], r, s, a);
+        weight_regs<true, TWO>(fac[r], r, s, a);
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
           const uint4 xv = x[i][kHalves ? 0 : s >> 1];
@@ -705,11 +722,14 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
             Factors<FMT, HALF> fac[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) fac[r].load(op.sc[r]);
+            // MX weights: the second multiply predicated, without a branch (which cost this
+            // tile's registers: spills).
             uint32_t wa[4][R][4];
 #pragma unroll
             for (int s = 0; s < 4; ++s)
 #pragma unroll
-              for (int r = 0; r < R; ++r) op.template weight_regs<false>(fac[r], r, s, wa[s][r]);
+              for (int r = 0; r < R; ++r)
+                op.template weight_regs<false, FMT != kNvfp4>(fac[r], r, s, wa[s][r]);
             // Those MMAs read the B tiles and, asynchronously, this warp's activation
             // registers: the compiler does not keep an A register from reuse until the MMA
             // completes (it reused them for the next loads), so the warp waits for its MMAs
