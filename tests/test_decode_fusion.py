@@ -36,10 +36,14 @@ DYNAMIC = (qtensor.NVFP4DynamicActivationNVFP4WeightConfig,
            qtensor.MXFP8DynamicActivationMXFP8WeightConfig)
 
 
-def weight(fmt: str, n: int, scale: float, seed: int, bound: int = 448) -> DecodeWeight:
+def canonical(fmt: str, n: int, scale: float, seed: int, bound: int = 448):
     w = torch.randn(n, K, generator=torch.Generator().manual_seed(seed)) * scale
     kw = {"e4m3_bound": bound} if fmt == "nvfp4" else {}
-    return DecodeWeight.pack(CLASSES[fmt].from_hp(w, **kw))
+    return CLASSES[fmt].from_hp(w, **kw)
+
+
+def weight(fmt: str, n: int, scale: float, seed: int, bound: int = 448) -> DecodeWeight:
+    return DecodeWeight.pack(canonical(fmt, n, scale, seed, bound))
 
 
 def back_to_back(weights: list[DecodeWeight]) -> list[DecodeWeight]:
@@ -268,11 +272,6 @@ def traced_dense(module: Dense, activation) -> torch.fx.GraphModule:
     for node, value in zip([n for n in gm.graph.nodes if n.op == "placeholder"], activation):
         node.meta["val"] = None if value is None else fake.from_tensor(value)
     return gm
-
-
-def canonical(fmt: str, n: int, scale: float, seed: int):
-    w = torch.randn(n, K, generator=torch.Generator().manual_seed(seed)) * scale
-    return CLASSES[fmt].from_hp(w)
 
 
 def activation(fmt: str, x: torch.Tensor, quantized: bool) -> tuple:

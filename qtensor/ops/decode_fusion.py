@@ -170,17 +170,19 @@ def _rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(tensors) if joined is None else joined
 
 
-def _fused_amax(amaxes: list, ns: list[int]):
-    """NVFP4's amax of the fused weight: the sources' one where they all have the same (bit for
-    bit), else a per-row amax giving each row its source's; None where they have none."""
+def _epilogue(amaxes: list, biases: list, ns: list[int]) -> tuple:
+    """(amax, bias) of the fused weight. NVFP4's amax is the sources' one where they all have
+    the same (bit for bit), else a per-row amax giving each row its source's; None where they
+    have none (MX). Biases, where the sources have them, are concatenated."""
+    bias = None if biases[0] is None else torch.cat(biases)
     first = amaxes[0]
     if first is None:
-        return None
+        return None, bias
     if all(a.dim() == 0 and torch.equal(a.view(torch.int32), first.view(torch.int32))
            for a in amaxes):
-        return first.clone()
+        return first.clone(), bias
     return torch.cat([a.reshape(1).expand(n) if a.dim() == 0 else a
-                      for a, n in zip(amaxes, ns)]).contiguous()
+                      for a, n in zip(amaxes, ns)]).contiguous(), bias
 
 
 def fused_weight(fmt: str, k: int, parts: list[tuple]) -> tuple:
@@ -198,9 +200,8 @@ def fused_weight(fmt: str, k: int, parts: list[tuple]) -> tuple:
     if codes is None or scales is None:
         data, scale = zip(*(decode_mm.unpack(fmt, w, s, n, k) for w, s, _, _, n in parts))
         codes, scales = decode_layout.pack(fmt, torch.cat(data), torch.cat(scale), total, k)
-    amax = _fused_amax([p[2] for p in parts], [p[4] for p in parts]) if fmt == "nvfp4" else None
-    biases = [p[3] for p in parts]
-    return codes, scales, amax, None if biases[0] is None else torch.cat(biases)
+    return codes, scales, *_epilogue([p[2] for p in parts], [p[3] for p in parts],
+                                     [p[4] for p in parts])
 
 
 def fused_rows(parts: list[tuple]) -> tuple:
@@ -208,10 +209,8 @@ def fused_rows(parts: list[tuple]) -> tuple:
     (data, scale, amax, bias) of one weight [n, K*] as the GEMM ops take it (docs/formats.md:
     every row carries its own block scales, so rows concatenate): a view where the parts' bytes
     lie back to back in one storage, else a copy."""
-    data, scale, amax, bias = zip(*parts)
-    ns = [d.shape[0] for d in data]
-    return (_rows(list(data)), _rows(list(scale)), _fused_amax(list(amax), ns),
-            None if bias[0] is None else torch.cat(bias))
+    data, scale, amax, bias = (list(field) for field in zip(*parts))
+    return _rows(data), _rows(scale), *_epilogue(amax, bias, [d.shape[0] for d in data])
 
 
 def _register(gm: torch.fx.GraphModule, graph: torch.fx.Graph, before, tensor, fake_mode):
