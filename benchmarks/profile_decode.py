@@ -16,7 +16,10 @@ was compiled with).
 
 With --loop it profiles greedy decoding by one-token steps without generate() instead
 (`GreedyLoop` of bench_decode.py: compiled with mode "reduce-overhead", or with freezing too
-under --freezing; --eager for the eager loop).
+under --freezing, or frozen with qtensor.FuseDecodeProducts under --fused; --eager for the eager
+loop). Each table ends with the GPU time per token split into the weights' products (the decode
+GEMM, cuBLAS and the dense quantized GEMM kernels) and everything else (attention, norms, the
+fused elementwise kernels): the rest is what a faster weight format cannot shorten.
 
 With --host it profiles the host instead: cProfile around one generate() call, the Python
 functions by their own time per new token, and by their cumulative time (where the host time
@@ -60,6 +63,16 @@ def host_profile(decode, name: str, tokens: int, top: int) -> None:
         for (file, line, fn), v in sorted(rows, key=lambda r: -r[1][col])[:top]:
             where = f"{os.path.basename(os.path.dirname(file))}/{os.path.basename(file)}:{line}"
             print(f"| {fn[:50]} {where} | {v[1] / tokens:.1f} | {v[col] / tokens * 1e6:.1f} |")
+
+
+# Kernel names of the weights' products: the decode GEMM, the dense quantized GEMMs (Triton,
+# named after their ops) and cuBLAS / CUTLASS GEMMs of bf16 weights (and the lm_head).
+_PRODUCT_KERNELS = ("decode_gemm", "gemm", "splitk", "sm90_xmma", "cutlass", "nvjet", "_mm_",
+                    "addmm")
+
+
+def is_product_kernel(name: str) -> bool:
+    return any(k in name for k in _PRODUCT_KERNELS)
 
 
 def profile_config(name: str, layers: int, tokens: int, compiled: bool, top: int,
@@ -106,6 +119,9 @@ def profile_config(name: str, layers: int, tokens: int, compiled: bool, top: int
     for e in gpu[:top]:
         print(f"| {e.key[:90]} | {e.count} | {e.self_device_time_total / tokens:.1f} | "
               f"{e.self_device_time_total / e.count:.1f} |")
+    products = sum(e.self_device_time_total for e in gpu if is_product_kernel(e.key))
+    print(f"\nper token: products of the weights {products / tokens:.0f} us, the rest "
+          f"{(total - products) / tokens:.0f} us (of {total / tokens:.0f} us GPU busy)")
     cpu = sorted((e for e in events if e.count >= tokens), key=lambda e: -e.cpu_time_total)
     print("\nhost events called at least once per token, by host time per token: "
           + ", ".join(f"{e.key[:60]} x{e.count} {e.cpu_time_total / tokens:.0f} us"
@@ -123,6 +139,8 @@ def main() -> None:
     p.add_argument("--host", action="store_true", help="profile the host (cProfile) instead")
     p.add_argument("--loop", action="store_true",
                    help="profile greedy decoding by one-token steps instead of generate()")
+    p.add_argument("--fused", action="store_true",
+                   help="with --loop: frozen with qtensor.FuseDecodeProducts")
     p.add_argument("--freezing", action="store_true",
                    help="compile with Inductor's freezing (the weights become graph constants)")
     args = p.parse_args()
@@ -132,7 +150,8 @@ def main() -> None:
     for name in args.configs.split(","):
         loop = None
         if args.loop:
-            loop = "eager" if args.eager else ("frozen" if args.freezing else "compiled")
+            loop = "eager" if args.eager else \
+                "fused" if args.fused else "frozen" if args.freezing else "compiled"
         profile_config(name, args.layers, args.tokens, not args.eager, args.top, args.host,
                        loop, frozen=args.freezing and not args.eager)
 
