@@ -76,7 +76,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
+#include <cuda.h>
 #include <cuda_fp16.h>
+#include <cudaTypedefs.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -111,6 +113,9 @@ struct DecodeArgs {
   float inv;               // r(1 / (6 B)) for NVFP4 (multiplied when has_inv)
   bool has_inv;
   int bar_offset;           // shared-memory bytes before the stages' mbarriers
+  // Tensor maps of w and s as [NT] rows of 8-byte elements, boxes of one stage's super-tiles of
+  // a CTA's row tiles (made by the launch, which knows the stage): one copy each a stage.
+  CUtensorMap w_map, s_map;
 };
 
 // ---- decode --------------------------------------------------------------------------------
@@ -377,6 +382,16 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
+// The box at (c0, c1) of a 2-D tensor map global -> shared, completing on `bar`; the box's
+// parts outside the tensor arrive as zeros, and its bytes count in full.
+__device__ __forceinline__ void tensor_copy(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void prefetch_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
 // A hint: `bytes` (a multiple of 16, 16-byte aligned) of global memory into L2. L2 is where every
 // SM's writes meet, so a line prefetched before another kernel writes it is updated by that
 // write: prefetching is safe before the previous kernel has finished.
@@ -533,7 +548,8 @@ struct Stage {
   static constexpr int kW = kTiles * U * V * 512;
   static constexpr int kS = kTiles * U * 64;
   static constexpr int kXRow = U * 128 + 16;
-  static constexpr int bytes(int m) { return kW + kS + m * kXRow; }
+  // Whole 128-byte units: each stage's weight and scales start where a tensor copy may land.
+  static constexpr int bytes(int m) { return (kW + kS + m * kXRow + 127) / 128 * 128; }
 };
 
 // U: super-tiles per stage (the weight bytes a stage holds are the same for every format).
@@ -562,7 +578,7 @@ constexpr int kMinCtas = WG ? 5 - R : MT == 8 ? 3 : MT == 1 ? (FMT == kMxfp8 ? 6
 // WG: the warpgroup tile (64 tokens, sm_90a only).
 template <int FMT, int MT, bool HALF, int U, int R, bool WG>
 __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
-    decode_gemm_kernel(const DecodeArgs a) {
+    decode_gemm_kernel(const __grid_constant__ DecodeArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // clusters: sm_90 and newer (decode_mm never launches it on an older device)
 #else
@@ -614,19 +630,12 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
     // The stage was last read (and zero-filled) through the generic proxy; order that before the
     // copies.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    // Zeros first: the arrival below releases them to the consumers with the copied bytes.
-    if (lane < kTiles && live < U) {  // a missing super-tile's scales are zeros: finite weights
-      const uint32_t sc = st + St::kW + lane * U * 64;
-      for (int c = live * 64; c < U * 64; c += 16)
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sc + c), "r"(0u) : "memory");
-    }
-    __syncwarp();
-    if (lane == 0) mbar_expect(bar, tiles * live * (V * 512 + 64));
-    __syncwarp();
-    if (lane < tiles) {
-      const int64_t tile = static_cast<int64_t>(blockIdx.x * kTiles + lane) * a.KT + kt0;
-      bulk_copy(st + lane * U * V * 512, a.w + tile * V * 32, live * V * 512, bar);
-      bulk_copy(st + St::kW + lane * U * 64, a.s + tile * 32, live * 64, bar);
+    // The weight and scales of the CTA's row tiles: one tensor copy each. A missing super-tile
+    // (past KT) or row tile (past NT) arrives as zeros, so its decode is finite.
+    if (lane == 0) {
+      mbar_expect(bar, St::kW + St::kS);
+      tensor_copy(st, &a.w_map, kt0 * V * 64, blockIdx.x * kTiles, bar);
+      tensor_copy(st + St::kW, &a.s_map, kt0 * 8, blockIdx.x * kTiles, bar);
     }
     // The activation: M rows of U * 8 16-byte chunks, the lanes taking consecutive chunks;
     // chunks past xcols land as zeros. Every lane arrives, with or without copies.
@@ -657,6 +666,10 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
     // The launch may overlap the end of the previous kernel ([Note: decode GEMM], "Launch"): the
     // first stages' weight and scales go to L2 meanwhile, and nothing is read from global memory
     // into the stages, nor written, before that kernel has completed.
+    if (lane == 0) {
+      prefetch_map(&a.w_map);
+      prefetch_map(&a.s_map);
+    }
     if (lane < tiles) {
       const int first = min(kStages * U, ke - kb);
       const int64_t tile = static_cast<int64_t>(blockIdx.x * kTiles + lane) * a.KT + kb;
@@ -920,6 +933,37 @@ inline cudaLaunchConfig_t cluster_config(int groups, int splits, int smem, cudaS
   return cfg;
 }
 
+// The driver's tensor-map encoder, found once through the runtime (no link to the driver library).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found));
+    TORCH_CHECK(found == cudaDriverEntryPointSuccess && p != nullptr,
+                "qtensor.decode_gemm: the CUDA driver has no cuTensorMapEncodeTiled (CUDA 12.0 or "
+                "newer is needed for the decode GEMM).");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// A 2-D tensor map over `rows` rows of `row_bytes` bytes at `base`, as 8-byte elements, with boxes
+// of `box_rows` rows x `box_bytes` bytes (the row tiles and super-tiles of one stage).
+CUtensorMap tile_map(const void* base, int64_t rows, int64_t row_bytes, int box_bytes, int box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(row_bytes / 8), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_bytes / 8), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t steps[2] = {1, 1};
+  const CUresult r = tensor_map_encoder()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_UINT64, 2, const_cast<void*>(base), dims, strides, box, steps,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "qtensor.decode_gemm: cuTensorMapEncodeTiled failed (error ",
+              static_cast<int>(r), ") for ", rows, " rows of ", row_bytes, " bytes.");
+  return map;
+}
+
 // K splits (the cluster size) when the caller leaves them to the kernel: among the sizes whose
 // clusters are all resident at once (one wave: a second wave would double the time), the one
 // that gives each CTA the fewest stages, and of those the smallest (the least to reduce).
@@ -939,6 +983,8 @@ void launch(const DecodeArgs& a, const LaunchOptions& o) {
   constexpr int kB = WG ? kBBytes<R> : 0;  // the warpgroup tile's B tiles follow the stages
   auto kernel = decode_gemm_kernel<FMT, MT, HALF, U, R, WG>;
   DecodeArgs b = a;
+  b.w_map = tile_map(a.w, a.NT, int64_t{a.KT} * St::V * 512, U * St::V * 512, St::kTiles);
+  b.s_map = tile_map(a.s, a.NT, int64_t{a.KT} * 64, U * 64, St::kTiles);
   b.bar_offset = (std::max(kStages * St::bytes(a.M) + kB, kPart) + 7) / 8 * 8;
   const int smem = b.bar_offset + 2 * kStages * 8;
   const int groups = (a.NT + St::kTiles - 1) / St::kTiles;
