@@ -115,7 +115,7 @@ struct DecodeArgs {
   int bar_offset;           // shared-memory bytes before the stages' mbarriers
   // Tensor maps of w and s as [NT] rows of 8-byte elements, boxes of one stage's super-tiles of
   // a CTA's row tiles (made by the launch, which knows the stage): one copy each a stage.
-  CUtensorMap w_map, s_map;
+  CUtensorMap w_map, s_map, x_map;
 };
 
 // ---- decode --------------------------------------------------------------------------------
@@ -450,12 +450,13 @@ struct Operands {
   uint4 x[MT][2];
 
   // Super-tile u of the stage at `st`: row tile r's weight and scales at w_off and s_off, U
-  // super-tiles further on for each r, the activation at x_off[i].
+  // super-tiles further on for each r; its activation box at xs, token group i's first chunk at
+  // x_off[i] and the second d1 bytes from it (the box's swizzle).
   template <int U>
-  __device__ __forceinline__ void load(uint32_t st, int u, uint32_t w_off, uint32_t s_off,
-                                       const uint32_t* x_off) {
+  __device__ __forceinline__ void load(uint32_t st, int u, uint32_t w_off, uint32_t s_off, uint32_t xs,
+                                       const uint32_t* x_off, int d1) {
     load_w<U>(st, u, w_off, s_off);
-    load_x(st, u, x_off);
+    load_x(xs, x_off, d1);
   }
   template <int U>
   __device__ __forceinline__ void load_w(uint32_t st, int u, uint32_t w_off, uint32_t s_off) {
@@ -466,12 +467,12 @@ struct Operands {
       sc[r] = lds16(st + s_off + (r * U + u) * 64);
     }
   }
-  __device__ __forceinline__ void load_x(uint32_t st, int u, const uint32_t* x_off) {
+  __device__ __forceinline__ void load_x(uint32_t xs, const uint32_t* x_off, int d1) {
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
       for (int h = 0; h < (kHalves ? 1 : 2); ++h)
-        x[i][h] = lds128(st + x_off[i] + u * 128 + 16 * h);
+        x[i][h] = lds128(xs + x_off[i] + h * d1);
   }
 
   // The four A registers of subtile s of row tile r (rows g and g + 8, the lane's K slots),
@@ -494,7 +495,7 @@ struct Operands {
   }
 
   // The products into acc[r][subtile % chains][i]; with kHalves the activation's second half is
-  // read from `half1` + x_off[i] (the super-tile's chunks + 16 bytes).
+  // read from `half1` + x_off[i] (the super-tile's box + d1).
   __device__ __forceinline__ void mma_into(float (*acc)[kChains<MT, R>][MT][4], uint32_t half1,
                                            const uint32_t* x_off) {
     Factors<FMT, HALF> fac[R];
@@ -538,18 +539,20 @@ struct Operands {
 // tiles (64R rows).
 constexpr int kStages = 3;
 
-// Bytes of one stage: the CTA's row tiles' weight vectors, their scales, and the activation's M
-// rows of U * 64 elements, each row padded by 16 bytes so that the 8 token rows one
-// shared-memory phase reads fall in different banks.
+// One stage, in whole 1024-byte units: the activation's U boxes (one per super-tile) of TOK
+// token rows x 128 bytes, as the tensor copy leaves them with the 128-byte swizzle (16-byte chunk
+// c of row r at chunk c ^ (r % 8), so that the 8 token rows one shared-memory phase reads fall in
+// different banks; rows past M hold whatever was there), then the CTA's row tiles' weight vectors
+// and their scales.
 template <int FMT, int U, int R>
 struct Stage {
   static constexpr int V = FMT == kMxfp8 ? 2 : 1;
   static constexpr int kTiles = kWarps * R;  // row tiles of a CTA
   static constexpr int kW = kTiles * U * V * 512;
   static constexpr int kS = kTiles * U * 64;
-  static constexpr int kXRow = U * 128 + 16;
-  // Whole 128-byte units: each stage's weight and scales start where a tensor copy may land.
-  static constexpr int bytes(int m) { return (kW + kS + m * kXRow + 127) / 128 * 128; }
+  static constexpr int x_box(int tok) { return tok * 128; }
+  static constexpr int w_at(int tok) { return U * x_box(tok); }
+  static constexpr int bytes(int tok) { return (w_at(tok) + kW + kS + 1023) / 1024 * 1024; }
 };
 
 // U: super-tiles per stage (the weight bytes a stage holds are the same for every format).
@@ -599,9 +602,11 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
   const int kb = (chunks * rank) / splits * U;
   const int ke = min(a.KT, (chunks * (rank + 1)) / splits * U);
   const int batches = (ke - kb + U - 1) / U;
-  const int stage_bytes = St::bytes(a.M);
+  const int stage_bytes = St::bytes(TOK);
+  constexpr int kWAt = St::w_at(TOK), kXBox = St::x_box(TOK);
   const int tiles = min(kTiles, a.NT - static_cast<int>(blockIdx.x) * kTiles);  // row tiles here
   const uint32_t base = smem_addr(smem);
+  const uint32_t sbase = (base + 1023u) & ~1023u;  // the stages: swizzled boxes need 1024-byte units
   // The stages' barriers follow the stages and the partial tile (a.bar_offset, 8-byte aligned):
   // kStages `full` barriers (the producer's arrival with the bulk bytes, and one cp.async arrival
   // per producer lane), then kStages `empty` barriers (one arrival per consumer warp).
@@ -610,7 +615,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int i = 0; i < kStages; ++i) {
-      mbar_init(full + 8 * i, 1 + 32);  // the producer's expect_tx, its lanes' cp.async arrivals
+      mbar_init(full + 8 * i, 1);  // the producer's expect_tx
       mbar_init(empty + 8 * i, kWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -624,31 +629,22 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
   // computed whole, its weight there is zero padding or a stale (finite) decode, and a stale Inf
   // or NaN would not vanish in the product.
   auto issue = [&](int j) {
-    const int kt0 = kb + j * U, live = min(U, ke - kt0);
-    const uint32_t st = base + (j % kStages) * stage_bytes, bar = full + 8 * (j % kStages);
-    const int xcols = min(live * kSuperK, a.K - kt0 * kSuperK);  // activation columns copied
+    const int kt0 = kb + j * U;
+    const uint32_t st = sbase + (j % kStages) * stage_bytes, bar = full + 8 * (j % kStages);
     // The stage was last read (and zero-filled) through the generic proxy; order that before the
     // copies.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     // The weight and scales of the CTA's row tiles: one tensor copy each. A missing super-tile
     // (past KT) or row tile (past NT) arrives as zeros, so its decode is finite.
     if (lane == 0) {
-      mbar_expect(bar, St::kW + St::kS);
-      tensor_copy(st, &a.w_map, kt0 * V * 64, blockIdx.x * kTiles, bar);
-      tensor_copy(st + St::kW, &a.s_map, kt0 * 8, blockIdx.x * kTiles, bar);
+      mbar_expect(bar, St::kW + St::kS + U * a.M * 128);
+      tensor_copy(st + kWAt, &a.w_map, kt0 * V * 64, blockIdx.x * kTiles, bar);
+      tensor_copy(st + kWAt + St::kW, &a.s_map, kt0 * 8, blockIdx.x * kTiles, bar);
+      // The activation: a box of M rows x 64 elements a super-tile; columns past K arrive as
+      // zeros.
+#pragma unroll
+      for (int u = 0; u < U; ++u) tensor_copy(st + u * kXBox, &a.x_map, (kt0 + u) * kSuperK, 0, bar);
     }
-    // The activation: M rows of U * 8 16-byte chunks, the lanes taking consecutive chunks;
-    // chunks past xcols land as zeros. Every lane arrives, with or without copies.
-    constexpr int kChunks = U * 8;
-    const int xchunks = xcols / 8;
-    for (int i = lane; i < a.M * kChunks; i += 32) {
-      const int r = i / kChunks, c = i % kChunks;
-      const bool in = c < xchunks;
-      cp_async16(st + St::kW + St::kS + r * St::kXRow + 16 * c,
-                 a.x + static_cast<int64_t>(r) * a.ldx + kt0 * kSuperK + (in ? 8 * c : 0),
-                 in ? 16u : 0u);
-    }
-    cp_async_arrive(bar);
   };
 
   constexpr int C = kChains<MT, R>;
@@ -688,13 +684,17 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
   }
   // This thread's offsets within a stage: its first row tile's weight vector and scale pair (the
   // warp's R row tiles follow each other), its activation.
-  const uint32_t w_off = (warp * R * U * V * 32 + lane) * 16;
-  const uint32_t s_off = St::kW + (warp * R * U * 32 + lane) * 2;
-  // Token rows past M read row M - 1 instead: a token is one column of the MMA's B operand, so
-  // they change only output columns the epilogue never writes.
+  const uint32_t w_off = kWAt + (warp * R * U * V * 32 + lane) * 16;
+  const uint32_t s_off = kWAt + St::kW + (warp * R * U * 32 + lane) * 2;
+  // Token rows past M read what the box's memory holds: a token is one column of the MMA's B
+  // operand (a row of the warpgroup tile's A), so they change only outputs the epilogue never
+  // writes. Row 8i + g's chunks 2t and 2t + 1 (its 16 elements) lie at chunks 2t ^ g and
+  // (2t + 1) ^ g: d1 bytes apart.
+  const uint32_t x_chunk = ((2 * t) ^ (g & 6)) + (g & 1);
+  const int d1 = (g & 1) ? -16 : 16;
   uint32_t x_off[MT];
 #pragma unroll
-  for (int i = 0; i < MT; ++i) x_off[i] = St::kW + St::kS + min(8 * i + g, a.M - 1) * St::kXRow + 32 * t;
+  for (int i = 0; i < MT; ++i) x_off[i] = (8 * i + g) * 128 + x_chunk * 16;
   const bool consumer = warp < kWarps;
   // The warpgroup tile's accumulators: D[64 tokens][64 weight rows] of row-tile group r (the
   // four warps' row tile r), in the wgmma fragment: this warp's tokens 16 warp + g (+ 8).
@@ -709,10 +709,10 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
     uint32_t xw_off[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
-      xw_off[i] = St::kW + St::kS + min(16 * warp + 8 * i + g, a.M - 1) * St::kXRow + 32 * t;
+      xw_off[i] = (16 * warp + 8 * i + g) * 128 + x_chunk * 16;
     // B: after the stages, [4 subtiles][R] tiles. This lane's stmatrix row: matrix
     // lane / 8 is (row group 2 warp + its bit 0, K half its bit 1), row lane % 8.
-    const uint32_t btiles = base + kStages * stage_bytes;
+    const uint32_t btiles = sbase + kStages * stage_bytes;
     const int mtx = lane >> 3;
     const uint32_t st_off =
         (2 * warp + (mtx & 1)) * kBStride + (mtx >> 1) * kBLead + (lane & 7) * 16;
@@ -724,7 +724,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
       for (int h = 0; h < 2; ++h) {
         const int j = j0 + h;
         if (j < batches) {
-          const uint32_t st = base + slot * stage_bytes;
+          const uint32_t st = sbase + slot * stage_bytes;
           mbar_wait(full + 8 * slot, parity);
 #pragma unroll
           for (int u = 0; u < U; ++u) {
@@ -752,7 +752,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
             fence_regs(&wacc[0][0], R * 32);
             fence_regs(&op.x[0][0], 4);
             asm volatile("bar.sync 1, 128;\n" ::: "memory");
-            op.load_x(st, u, xw_off);
+            op.load_x(st + u * kXBox, xw_off, d1);
 #pragma unroll
             for (int s = 0; s < 4; ++s)
 #pragma unroll
@@ -795,14 +795,14 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
   uint32_t parity = 0;
   if (kPrefetch && consumer && batches > 0) {
     mbar_wait(full, 0);
-    ops[0].template load<U>(base, 0, w_off, s_off, x_off);
+    ops[0].template load<U>(sbase, 0, w_off, s_off, sbase, x_off, d1);
   }
   for (int j0 = consumer && !WG ? 0 : batches; j0 < batches; j0 += 2) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int j = j0 + h;
       if (j < batches) {
-        const uint32_t st = base + slot * stage_bytes;
+        const uint32_t st = sbase + slot * stage_bytes;
         const int next = slot + 1 == kStages ? 0 : slot + 1;
         const uint32_t next_parity = next == 0 ? parity ^ 1u : parity;
         if (!kPrefetch) mbar_wait(full + 8 * slot, parity);
@@ -810,14 +810,15 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
         for (int u = 0; u < U; ++u) {
           const int q = h * U + u;
           if (!kPrefetch) {
-            ops[q & 1].template load<U>(st, u, w_off, s_off, x_off);
+            ops[q & 1].template load<U>(st, u, w_off, s_off, st + u * kXBox, x_off, d1);
           } else if (u + 1 < U) {
-            ops[(q + 1) & 1].template load<U>(st, u + 1, w_off, s_off, x_off);
+            ops[(q + 1) & 1].template load<U>(st, u + 1, w_off, s_off, st + (u + 1) * kXBox, x_off, d1);
           } else if (j + 1 < batches) {
             mbar_wait(full + 8 * next, next_parity);
-            ops[(q + 1) & 1].template load<U>(base + next * stage_bytes, 0, w_off, s_off, x_off);
+            const uint32_t nst = sbase + next * stage_bytes;
+            ops[(q + 1) & 1].template load<U>(nst, 0, w_off, s_off, nst, x_off, d1);
           }
-          ops[q & 1].mma_into(acc, st + u * 128 + 16, x_off);
+          ops[q & 1].mma_into(acc, st + u * kXBox + d1, x_off);
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + 8 * slot);  // this warp is done with the stage
@@ -964,6 +965,23 @@ CUtensorMap tile_map(const void* base, int64_t rows, int64_t row_bytes, int box_
   return map;
 }
 
+// The activation's tensor map: M rows of K 16-bit elements, ldx apart, boxes of 64 elements (a
+// super-tile's 128 bytes) x M rows, swizzled by 128 bytes (Stage).
+CUtensorMap activation_map(const uint16_t* x, int m, int k, int64_t ldx) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(m)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ldx * 2)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kSuperK), static_cast<cuuint32_t>(m)};
+  const cuuint32_t steps[2] = {1, 1};
+  const CUresult r = tensor_map_encoder()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<uint16_t*>(x), dims, strides, box, steps,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "qtensor.decode_gemm: cuTensorMapEncodeTiled failed (error ",
+              static_cast<int>(r), ") for the activation [", m, ", ", k, "].");
+  return map;
+}
+
 // K splits (the cluster size) when the caller leaves them to the kernel: among the sizes whose
 // clusters are all resident at once (one wave: a second wave would double the time), the one
 // that gives each CTA the fewest stages, and of those the smallest (the least to reduce).
@@ -985,7 +1003,8 @@ void launch(const DecodeArgs& a, const LaunchOptions& o) {
   DecodeArgs b = a;
   b.w_map = tile_map(a.w, a.NT, int64_t{a.KT} * St::V * 512, U * St::V * 512, St::kTiles);
   b.s_map = tile_map(a.s, a.NT, int64_t{a.KT} * 64, U * 64, St::kTiles);
-  b.bar_offset = (std::max(kStages * St::bytes(a.M) + kB, kPart) + 7) / 8 * 8;
+  b.x_map = activation_map(a.x, a.M, a.K, a.ldx);
+  b.bar_offset = (std::max(1024 + kStages * St::bytes(TOK) + kB, kPart) + 7) / 8 * 8;
   const int smem = b.bar_offset + 2 * kStages * 8;
   const int groups = (a.NT + St::kTiles - 1) / St::kTiles;
   cudaLaunchAttribute attr[2];
@@ -994,7 +1013,7 @@ void launch(const DecodeArgs& a, const LaunchOptions& o) {
   static bool ready[16] = {};
   const int d = o.device & 15;
   if (!ready[d]) {
-    const int most = (std::max(kStages * St::bytes(TOK) + kB, kPart) + 7) / 8 * 8;
+    const int most = (std::max(1024 + kStages * St::bytes(TOK) + kB, kPart) + 7) / 8 * 8;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         most + 2 * kStages * 8));
     ready[d] = true;
