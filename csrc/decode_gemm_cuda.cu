@@ -39,11 +39,13 @@
 //   give each CTA the fewest stages. R is 2 for the 4-bit formats from 9 tokens on weights of
 //   2**27 elements or more (a warp's activation reads feed twice the MMAs), else 1 (launch_r).
 // - Streaming. A fifth warp fills a ring of kStages shared-memory stages of U super-tiles as the
-//   consumers release them: bulk copies (cp.async.bulk, one per row tile for the weight and for
-//   the scales) and, for the activation, 16-byte cp.async by all its lanes (the copy engine
-//   takes as long for one 256-byte row as for a 2 KB weight tile, so row copies bounded the
-//   kernel from 16 tokens up); a `full` mbarrier per stage counts the bulk bytes and the lanes'
-//   copies in and an `empty` one counts the consumer warps out, so no warp waits at a CTA
+//   consumers release them, by tensor copies (cp.async.bulk.tensor, through tensor maps the
+//   launch makes): one for the weight of all the CTA's row tiles, one for their scales and one
+//   per super-tile for the activation (a box of M rows x 64 elements, swizzled so that the
+//   consumers' reads of 8 token rows fall in distinct banks). The copy unit takes about as long
+//   for each copy whatever its size, so a stage costs U + 2 copies instead of one per row tile,
+//   and the producer's lanes issue no activation copies; a `full` mbarrier per stage counts the
+//   bytes in and an `empty` one counts the consumer warps out, so no warp waits at a CTA
 //   barrier. Every stage is computed whole (a partial last stage is zero-filled); with up to 16
 //   tokens a warp reads the next super-tile's operands into a second set of registers while its
 //   MMAs run on this one, and its MMAs alternate between two accumulators. The decode's
@@ -377,11 +379,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       "WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT_%=;\n}\n"
       ::"r"(bar), "r"(parity) : "memory");
 }
-// `bytes` (a multiple of 16, 16-byte aligned at both ends) global -> shared, completing on `bar`.
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
 // The box at (c0, c1) of a 2-D tensor map global -> shared, completing on `bar`; the box's
 // parts outside the tensor arrive as zeros, and its bytes count in full.
 __device__ __forceinline__ void tensor_copy(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
@@ -389,6 +386,7 @@ __device__ __forceinline__ void tensor_copy(uint32_t dst, const CUtensorMap* map
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
+// The tensor map itself into the constant cache, before its first copy.
 __device__ __forceinline__ void prefetch_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
@@ -405,16 +403,6 @@ __device__ __forceinline__ void wait_previous_kernel() {
 }
 __device__ __forceinline__ void let_next_kernel_start() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-// 16 bytes global -> shared (cp.async, generic proxy), zero-filled past src_bytes (0 or 16).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-               ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-// An arrival on `bar` once every cp.async this thread has issued has landed; the barrier's
-// expected count includes it (.noinc).
-__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;
@@ -556,11 +544,10 @@ struct Stage {
 };
 
 // U: super-tiles per stage (the weight bytes a stage holds are the same for every format).
-// A fifth warp, the producer, fills a ring of kStages stages with bulk copies (one per row tile
-// for the weight and the scales) and the lanes' cp.async of the activation as soon as the four
-// consumer warps have released a stage: a stage's `full` mbarrier counts its bytes and copies
-// in, its `empty` mbarrier counts the consumers out, and no warp waits at a CTA barrier in the
-// loop. Per super-tile a consumer
+// A fifth warp, the producer, fills a ring of kStages stages with tensor copies (the weight, the
+// scales, a box of the activation per super-tile) as soon as the four consumer warps have
+// released a stage: a stage's `full` mbarrier counts its bytes in, its `empty` mbarrier counts
+// the consumers out, and no warp waits at a CTA barrier in the loop. Per super-tile a consumer
 // thread issues only its decode: three shared loads, the scale and value decode, and the MMAs.
 constexpr int kThreads = (kWarps + 1) * 32;
 
@@ -608,8 +595,8 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
   const uint32_t base = smem_addr(smem);
   const uint32_t sbase = (base + 1023u) & ~1023u;  // the stages: swizzled boxes need 1024-byte units
   // The stages' barriers follow the stages and the partial tile (a.bar_offset, 8-byte aligned):
-  // kStages `full` barriers (the producer's arrival with the bulk bytes, and one cp.async arrival
-  // per producer lane), then kStages `empty` barriers (one arrival per consumer warp).
+  // kStages `full` barriers (the producer's arrival with the copies' bytes), then kStages
+  // `empty` barriers (one arrival per consumer warp).
   const uint32_t full = base + a.bar_offset, empty = full + 8 * kStages;
 
   if (threadIdx.x == 0) {
@@ -625,14 +612,13 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
   // The producer fills stage j with super-tiles kb + jU .. of every row tile of the CTA that
   // exists (the last CTA may hold fewer than kTiles: its missing tiles' shared memory is left
   // as it is and their results, rows past N, are never written). Activation columns past K,
-  // and those of a partial stage's missing super-tiles, are written as zeros: every stage is
-  // computed whole, its weight there is zero padding or a stale (finite) decode, and a stale Inf
-  // or NaN would not vanish in the product.
+  // and those of a partial stage's missing super-tiles, arrive as zeros (the tensor copies fill
+  // what lies outside the tensor with zeros): every stage is computed whole, its weight there is
+  // zero padding, and a stale Inf or NaN would not vanish in the product.
   auto issue = [&](int j) {
     const int kt0 = kb + j * U;
     const uint32_t st = sbase + (j % kStages) * stage_bytes, bar = full + 8 * (j % kStages);
-    // The stage was last read (and zero-filled) through the generic proxy; order that before the
-    // copies.
+    // The stage was last read through the generic proxy; order that before the copies.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     // The weight and scales of the CTA's row tiles: one tensor copy each. A missing super-tile
     // (past KT) or row tile (past NT) arrives as zeros, so its decode is finite.
