@@ -115,8 +115,9 @@ struct DecodeArgs {
   float inv;               // r(1 / (6 B)) for NVFP4 (multiplied when has_inv)
   bool has_inv;
   int bar_offset;           // shared-memory bytes before the stages' mbarriers
-  // Tensor maps of w and s as [NT] rows of 8-byte elements, boxes of one stage's super-tiles of
-  // a CTA's row tiles (made by the launch, which knows the stage): one copy each a stage.
+  // Tensor maps, made by the launch (which knows the stage): w and s as [NT] rows of 8-byte
+  // elements, boxes of one stage's super-tiles of a CTA's row tiles (one copy each a stage);
+  // x as [M] rows, boxes of one super-tile's 64 elements of every row (U copies a stage).
   CUtensorMap w_map, s_map, x_map;
 };
 
