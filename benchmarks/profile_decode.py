@@ -65,13 +65,19 @@ def host_profile(decode, name: str, tokens: int, top: int) -> None:
             print(f"| {fn[:50]} {where} | {v[1] / tokens:.1f} | {v[col] / tokens * 1e6:.1f} |")
 
 
-# Kernel names of the weights' products: the decode GEMM, the dense quantized GEMMs (Triton,
-# named after their ops) and cuBLAS / CUTLASS GEMMs of bf16 weights (and the lm_head).
-_PRODUCT_KERNELS = ("decode_gemm", "gemm", "splitk", "sm90_xmma", "cutlass", "nvjet", "_mm_",
-                    "addmm")
+# Kernel names of the weights' products, lowercased: the decode GEMM and the dense quantized
+# GEMMs (Triton, named after their ops), cuBLAS / CUTLASS GEMMs of bf16 weights (and the lm_head)
+# with cuBLAS's split-K reductions (splitKreduce_kernel), Inductor's mm templates. Inductor's
+# pointwise and reduction kernels are named after every op they fuse (the silu after a
+# decode_mm is "triton_poi_fused_..._decode_mm_mul_silu_..."): never products.
+_PRODUCT_KERNELS = ("gemm", "splitk", "sm90_xmma", "cutlass", "nvjet", "_mm_", "addmm")
+_FUSED_ELEMENTWISE = ("triton_poi_", "triton_red_", "triton_per_")
 
 
 def is_product_kernel(name: str) -> bool:
+    name = name.lower()
+    if name.startswith(_FUSED_ELEMENTWISE):
+        return False
     return any(k in name for k in _PRODUCT_KERNELS)
 
 
