@@ -10,8 +10,11 @@ For F.linear on an 8192x8192 weight at M=1 (bf16, and each weight-only and dynam
 - and the ratio of bf16's wall time to the path's (>= 1 means as fast as bf16).
 The qtensor rows are also timed without the prepared decode path (the GEMM layer and the op
 each call), then also with the direct Triton launch off, or through the dispatcher, to show
-what each saves. Then `from_hp` on 16384x8192 bf16 (GPU) and 4096x4096 (CPU): the
-default (check_finite=True) against check_finite=False.
+what each saves. The weight-only formats in the decode layout (DecodeWeight, what layout="auto"
+makes on a GPU with the decode kernel) get their own table: host us of F.linear and of each
+layer below it, down to the C++ op's launch (its checks, the tensor maps, the cluster launch).
+Then `from_hp` on 16384x8192 bf16 (GPU) and 4096x4096 (CPU): the default (check_finite=True)
+against check_finite=False.
 """
 
 from __future__ import annotations
@@ -151,6 +154,40 @@ def linear_section(n: int, k: int, m: int) -> None:
                         extra[2] = f"{host_us(fn):.1f}"
             emit(f"| {name} | {h:.1f} | {wl:.1f} | {gr:.1f} | {base / wl:.2f}x | "
                  + " | ".join(extra) + " |")
+    decode_layers_section(w, x, base)
+
+
+def decode_layers_section(w: torch.Tensor, x: torch.Tensor, bf16_wall: float) -> None:
+    """Host us of an eager F.linear on a DecodeWeight and of each layer it calls: the tensor
+    subclass's dispatch, qtensor::decode_mm (direct, and through the dispatcher), the op's CUDA
+    function (its checks and path choice) and the C++ op alone (its checks, the tensor maps and
+    the cluster launch)."""
+    from qtensor import MXFP4Tensor
+    from qtensor.ops import decode_mm as dmm
+    from qtensor.tensors.decode import DecodeWeight
+
+    if dmm.device_kernel_problem(x.device, "nvfp4"):
+        return
+    emit("\n| decode layout | F.linear host us | wall us | graph us | bf16 wall / wall "
+         "| decode_mm | via dispatcher | op's CUDA function | C++ op |")
+    emit("|---|---|---|---|---|---|---|---|---|")
+    n, k = w.shape
+    with torch.no_grad():
+        for name, cls in (("NVFP4", NVFP4Tensor), ("MXFP4", MXFP4Tensor), ("MXFP8", MXFP8Tensor)):
+            dw = DecodeWeight.pack(cls.from_hp(w))
+            args = (x, dw.codes, dw.scales, dw.amax, None, dw.fmt, n, k, dw.bound, x.dtype)
+
+            def fn(dw=dw):
+                return F.linear(x, dw)
+
+            h, wl, gr = host_us(fn), wall_us(fn), graph_us(fn)
+            op = host_us(lambda args=args: dmm.decode_mm(*args))
+            with through_dispatcher():
+                via = host_us(lambda args=args: dmm.decode_mm(*args))
+            cuda_fn = host_us(lambda args=args: dmm.cuda(*args))
+            cpp = host_us(lambda args=args: dmm._launch(*args))
+            emit(f"| {name} weight-only | {h:.1f} | {wl:.1f} | {gr:.1f} | {bf16_wall / wl:.2f}x | "
+                 f"{op:.1f} | {via:.1f} | {cuda_fn:.1f} | {cpp:.1f} |")
 
 
 def cuda_ms(fn) -> float:
