@@ -2,6 +2,7 @@
 
     python dev/experiments/compiled_host.py [--layers 4] [--steps 60] [--repeats 7]
     python dev/experiments/compiled_host.py --generate-freezing
+    python dev/experiments/compiled_host.py --eager [--layers 4] [--steps 40] [--repeats 5]
 
 A small Llama (hidden 64, 7 linear layers a decoder layer) decodes by one-token steps
 (`GreedyLoop` of benchmarks/bench_decode.py), the step compiled by Inductor (fullgraph), for
@@ -24,13 +25,19 @@ tensor-subclass inputs, the launch of each op. It prints the median step time of
   each linear layer of a compiled step without CUDA graphs (a CUDA-graph replay does not run
   it).
 
+--eager: the same loops run eagerly (no compile): per quantized weight, the eager step's host
+time above bf16's (the tensor subclass's dispatch, the op's Python path and the stub kernel,
+less bf16's F.linear, whose matmul at hidden 64 costs little). The C++ launch of the GPU op is
+not in it (bench_overhead.py's decode-layout table times that on a GPU).
+
 --generate-freezing: whether transformers' generate() decodes with its compiled forward under
 Inductor's freezing, on a small fp32 Llama with plain weights, call after call: with a new
 static cache each call (cache_implementation="static"), and given one StaticCache reset
 between calls (what bench_decode.py's frozen column does).
 
 Results, with date and torch version, in benchmarks/RESULTS.md ("the host side of a compiled
-decode step") and docs/decode.md ("Status").
+decode step"; for --eager, "what an eager decode step's quantized weights cost in Python") and
+docs/decode.md ("Status").
 """
 
 from __future__ import annotations
@@ -117,6 +124,22 @@ def generate_freezing() -> None:
                     print(f"{label}: {type(e).__name__}: {where[-120:]}")
 
 
+def eager(layers: int, steps: int, repeats: int) -> None:
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
+    us = {}
+    for name, config in CONFIGS.items():
+        loop = bench_decode.GreedyLoop(build(layers, config), ids, "eager", 3 + repeats * steps)
+        loop.run(3)
+        us[name] = min(loop.run(steps) / steps * 1e6 for _ in range(repeats))
+    print(f"torch {torch.__version__}, {layers} layers ({7 * layers} quantized weights), eager, "
+          f"the decode op stubbed; us a step, the fastest of {repeats} runs of {steps} steps")
+    print("| weights | eager step us | per quantized weight above bf16 |")
+    print("|---|---|---|")
+    for name, t in us.items():
+        per = "" if name == "bf16" else f"{(t - us['bf16']) / (7 * layers):.1f}"
+        print(f"| {name} | {t:.0f} | {per} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4)
@@ -124,12 +147,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--generate-freezing", action="store_true",
                    help="only check generate() compiled with freezing")
+    p.add_argument("--eager", action="store_true", help="only the eager loops' host time")
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.generate_freezing:
         generate_freezing()
         return
     stub_decode_kernel()
+    if args.eager:
+        eager(args.layers, args.steps, args.repeats)
+        return
     weights = 7 * args.layers
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
     models = {name: build(args.layers, config) for name, config in CONFIGS.items()}
