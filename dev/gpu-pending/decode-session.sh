@@ -8,6 +8,7 @@
 #           (HEAD is left as it was; carry [".whl"]).
 #   there, run A (builds every tree, then in each: the decode GEMM's times beside bf16, and the
 #           eager host time of a decode-layout F.linear and of each layer below it):
+#           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16
 #           dev/compare_builds.sh run .whl/compare "bash dev/gpu-pending/decode-session.sh A"
 #   there, run B (the next call, while the machine is warm: the trees stay built under
 #           $TMPDIR/compare): the multicast tree's CUDA tests and its (mates, K split) sweep, the
