@@ -4,6 +4,9 @@ GPU: per kernel and shape, the median time of one call (CUDA events around 5 cal
 inputs rotated past the 50 MB L2), the effective bandwidth of the bytes that must move (input
 read once, outputs written once) and its ratio to the device-to-device copy measured in the same
 run; torchao's compiled `to_nvfp4` / `to_mx` and the compiled pure-torch reference beside them.
+Two more columns say what bounds each call: "GPU us", the same 5 calls replayed from a CUDA graph
+(the kernels' time alone), and "host us", the host's time to issue one call (Python, the op
+dispatch, allocation, the launches). Where host us exceeds GPU us, "us" is the host's time.
 CPU: the C++ kernels against the pure-torch reference on a 4096x4096 bf16 tensor.
 
     python benchmarks/bench_quantize.py [--device cuda|cpu] [--out FILE] [--no-peers]
@@ -46,6 +49,45 @@ def time_cuda(fn, inputs, iters=20, calls=5) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def graph_cuda(fn, inputs, iters=20, calls=5) -> float:
+    """Median seconds of one fn(x) call replayed from a CUDA graph of `calls` calls on distinct
+    inputs (after time_cuda's warm-up call on each): the GPU's time without the host's."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for j in range(calls):
+            fn(inputs[j % len(inputs)])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for j in range(calls):
+            fn(inputs[j % len(inputs)])
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3 / calls)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def host_cuda(fn, inputs, iters=20, calls=5) -> float:
+    """Median seconds the host takes to issue one fn(x) call: `calls` calls after a sync, timed
+    on the host without waiting for the GPU (far fewer than fill the launch queue)."""
+    times = []
+    for i in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for j in range(calls):
+            fn(inputs[(i * calls + j) % len(inputs)])
+        times.append((time.perf_counter() - start) / calls)
+    torch.cuda.synchronize()
     return sorted(times)[len(times) // 2]
 
 
@@ -119,26 +161,41 @@ def peer_cases():
 def run_gpu(peers: bool, lines: list[str]) -> None:
     dev = torch.cuda.get_device_name()
     lines.append(f"# {datetime.date.today()} {dev}, torch {torch.__version__}, {Q.extension_status()}")
-    lines.append("| shape | kernel | us | GB/s | of copy | vs |")
-    lines.append("|---|---|---|---|---|---|")
+    lines.append("| shape | kernel | us | GB/s | of copy | vs | GPU us | host us |")
+    lines.append("|---|---|---|---|---|---|---|---|")
     for si, (m, k) in enumerate(SHAPES):
         n = m * k
         rotate = max(2, int(4 * 60e6 // (2 * n)) + 1)  # > 4x the L2 across the set
         inputs = [torch.randn(m, k, device="cuda").bfloat16() for _ in range(rotate)]
-        cases = gpu_cases((m, k)) + (peer_cases() if peers and si == 0 else [])
+        own = gpu_cases((m, k))
+        cases = own + (peer_cases() if peers and si == 0 else [])
         times, copy_bw = {}, None
-        for name, fn, bpe, peer in cases:
+        for ci, (name, fn, bpe, peer) in enumerate(cases):
             try:
                 t = time_cuda(fn, inputs)
             except Exception as e:  # a peer that fails to compile is reported, not fatal
-                lines.append(f"| {m}x{k} | {name} | failed: {type(e).__name__}: {str(e)[:80]} | | | |")
+                failed = f"failed: {type(e).__name__}: {str(e)[:80]}"
+                lines.append(f"| {m}x{k} | {name} | {failed} | | | | | |")
                 continue
             times[name] = t
             bw = bpe * n / t
             copy_bw = copy_bw or bw
             vs = f"{t / times[peer]:.2f}x the time of {peer}" if peer in times else ""
-            lines.append(f"| {m}x{k} | {name} | {t * 1e6:.1f} | {bw / 1e9:.0f} | {bw / copy_bw:.2f} | {vs} |")
+            bound = bound_columns(fn, inputs) if ci < len(own) else "|"
+            lines.append(f"| {m}x{k} | {name} | {t * 1e6:.1f} | {bw / 1e9:.0f} | {bw / copy_bw:.2f} "
+                         f"| {vs} | {bound} |")
             print(lines[-1], flush=True)
+
+
+def bound_columns(fn, inputs) -> str:
+    """The "GPU us" and "host us" cells of one of qtensor's cases (the compiled peers are left
+    out); a call that a CUDA graph cannot capture gives its error in the GPU cell."""
+    try:
+        gpu = f"{graph_cuda(fn, inputs) * 1e6:.1f}"
+    except Exception as e:
+        torch.cuda.synchronize()
+        gpu = f"not captured: {type(e).__name__}"
+    return f"{gpu} | {host_cuda(fn, inputs) * 1e6:.1f}"
 
 
 def run_cpu(lines: list[str]) -> None:
