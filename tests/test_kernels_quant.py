@@ -234,6 +234,29 @@ def test_amax_after_rht_of_non_finite_runs(device, bad):
     assert not torch.isfinite(ref)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("columnwise,rht,per_row", [
+    (False, False, False), (False, False, True), (True, False, False), (True, False, True),
+    (True, True, False), (True, True, True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_amax_does_not_read_its_output_memory(device, columnwise, rht, per_row, dtype):
+    # The amax's output starts from its own initialisation, not from what its memory held: the
+    # caching allocator hands out a block just freed, so that block is first filled with a value
+    # above every |x| (and NaN, which atomic maxima of the bits would keep).
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(96, 160, generator=g) * 3).to(dtype)
+    xt = x.float().t() if columnwise else x.float()
+    if rht:
+        xt = apply_rht(x.t().contiguous()).float()
+    want = xt.abs().amax(dim=1) if per_row else xt.abs().amax()
+    for poison in (1e30, float("nan")):
+        for _ in range(3):
+            junk = torch.full(want.shape, poison, device=device)
+            del junk
+            got = Q.amax(x.to(device), columnwise=columnwise, rht=rht, per_row=per_row)
+            assert_bits_equal(got.cpu(), want, f"amax {columnwise=} {rht=} {per_row=} after {poison}")
+
+
 SR_SPECS = [NVFP4Spec(stochastic_rounding=True), NVFP4Spec(columnwise=True, stochastic_rounding=True),
             NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)]
 
