@@ -254,7 +254,8 @@ def test_amax_does_not_read_its_output_memory(device, columnwise, rht, per_row, 
             junk = torch.full(want.shape, poison, device=device)
             del junk
             got = Q.amax(x.to(device), columnwise=columnwise, rht=rht, per_row=per_row)
-            assert_bits_equal(got.cpu(), want, f"amax {columnwise=} {rht=} {per_row=} after {poison}")
+            what = f"amax {columnwise=} {rht=} {per_row=} after {poison}"
+            assert_bits_equal(got.cpu(), want, what)
 
 
 SR_SPECS = [NVFP4Spec(stochastic_rounding=True), NVFP4Spec(columnwise=True, stochastic_rounding=True),
