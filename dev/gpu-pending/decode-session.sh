@@ -22,7 +22,7 @@ set -uo pipefail
 series() {
   if grep -q "int multicast=0" csrc/registration.cpp; then echo decode-multicast
   elif grep -q "decode_timeline" csrc/registration.cpp; then echo decode-timeline
-  elif grep -q "struct MapSpec" csrc/decode_gemm_cuda.cu; then echo decode-host-maps
+  elif [ -f csrc/tensor_map.h ]; then echo decode-host-maps
   else echo main; fi
 }
 
