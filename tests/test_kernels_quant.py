@@ -340,6 +340,24 @@ def test_nvfp4_views_3d_zeros_outliers(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_tile_kernels_read_their_own_input_in_recycled_memory(device, dtype):
+    # Inputs of other shapes one after another in the memory the previous one freed: each cast
+    # reads its own input (the CUDA tile kernels keep their inputs' tensor maps by address, sizes
+    # and box), both NVFP4 tiles (128 x 64) and MXFP8 ones (64 x 128).
+    g = torch.Generator().manual_seed(13)
+    for shape in ((256, 128), (128, 256), (512, 64), (64, 512), (256, 128), (192, 160)):
+        x = (torch.randn(shape, generator=g) * 7).to(dtype).to(device)
+        for spec in (NVFP4Spec(columnwise=True), NVFP4Spec(block_2d=True)):
+            check_nvfp4(x, spec)
+        col = mxfp8.quantize(x, MXFP8Spec(columnwise=True))
+        got = Q.mxfp8_both(x, "rceil", False, True)
+        assert_bytes_equal(got[2], col.qdata, f"mx col {shape} {dtype}")
+        assert_bytes_equal(got[3], col.scale, f"mx col scale {shape} {dtype}")
+        del x, got
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_mxfp8_shapes_and_dtypes(device):
     g = torch.Generator().manual_seed(11)
     for shape, dtype in (((64, 96), torch.float32), ((3, 32, 64), torch.bfloat16),
