@@ -58,7 +58,7 @@ case "${1:-}" in
       decode-multicast)
         timeout 300 python3 -m pytest -m cuda -q -x tests/test_decode_gemm.py tests/test_decode_fusion.py 2>&1 | tail -n 5
         timeout 240 python3 dev/experiments/decode_launches.py splits \
-          --shapes 8192x8192,28672x8192,8192x28672 --ms 16,64 --multicast 1,2,4 --splits 1,2,3,4,6,8
+          --shapes 8192x8192,28672x8192,8192x28672 --ms 16,64 --multicast 0,1,2,4 --splits 1,2,3,4,6,8
         ;;
       decode-timeline)
         timeout 120 python3 dev/experiments/decode_timeline.py --ms 1,16
