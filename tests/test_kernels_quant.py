@@ -437,8 +437,9 @@ def test_hybrid_gradient_cast(device, spec):
 # ---- the tile kernel on many tiles ------------------------------------------------------------------
 
 # The modes that run in the tile kernel (csrc/quant_cuda.cu): columnwise, 2D, rowwise with
-# stochastic rounding. 1056 x 800 is 9 x 13 tiles of 128 x 64, the last of each ragged, so the
-# persistent CTAs each take several tiles and refill their ring.
+# stochastic rounding. 1056 x 800 is 9 x 13 tiles of 128 x 64, the last of each ragged: fewer
+# than a GPU holds CTAs, so each CTA takes one (test_tile_kernel_walks_many_tiles_a_cta gives
+# them several).
 TILE_SPECS = [s for s in SPECS if s.columnwise or s.block_2d or s.stochastic_rounding]
 
 
@@ -473,6 +474,39 @@ def test_tile_kernel_many_tiles(device, dtype):
         _, _, cq1, cs1 = Q.mxfp8_both(x, rule, False, True)
         assert_bytes_equal(cq1, col.qdata, f"mx col alone {rule}")
         assert_bytes_equal(cs1, col.scale, f"mx col alone scale {rule}")
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_tile_kernel_walks_many_tiles_a_cta(device, dtype):
+    # The tile kernel's persistent CTAs walk their tiles through a ring of 3 stages, refilling
+    # the stage of the tile before: 16384 x 2048 is 4096 tiles of either shape (128 x 64 NVFP4,
+    # 64 x 128 MXFP8), 7 or more a CTA on a GPU of 132 SMs, so every stage is refilled and its
+    # barrier's phase wraps. Every kernel family: NVFP4 columnwise (plain, RHT + SR, 4over6 2D),
+    # 2D, rowwise with SR, MXFP8 columnwise and both, the hybrid cast.
+    x = spread_input((16384, 2048), dtype, 41).to(device)
+    specs = [NVFP4Spec(columnwise=True), NVFP4Spec(block_2d=True),
+             NVFP4Spec(stochastic_rounding=True),
+             NVFP4Spec(block_2d=True, fourover6="mse", e4m3_bound=256)]
+    if dtype == torch.bfloat16:
+        specs.append(NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True))
+    for i, spec in enumerate(specs):
+        check_nvfp4(x, spec, SRSeed(i, 16 * i) if spec.stochastic_rounding else None)
+    rq, rs, cq, cs = Q.mxfp8_both(x, "rceil", True, True)
+    row = mxfp8.quantize(x, MXFP8Spec("rceil"))
+    col = mxfp8.quantize(x, MXFP8Spec("rceil", columnwise=True))
+    for got, want, what in ((rq, row.qdata, "row"), (rs, row.scale, "row scale"),
+                            (cq, col.qdata, "col"), (cs, col.scale, "col scale")):
+        assert_bytes_equal(got, want, f"mx {what}")
+    _, _, cq1, cs1 = Q.mxfp8_both(x, "rceil", False, True)
+    assert_bytes_equal(cq1, col.qdata, "mx col alone")
+    assert_bytes_equal(cs1, col.scale, "mx col alone scale")
+    if dtype == torch.bfloat16:
+        mx, nv, _ = Q.quantize_hybrid_grad(x, "rceil", NVFP4Spec(columnwise=True), None)
+        assert_bytes_equal(mx.qdata, row.qdata, "hybrid mxfp8 data")
+        ref_nv = nvfp4.quantize(x, NVFP4Spec(columnwise=True))
+        assert_bytes_equal(nv.qdata, ref_nv.qdata, "hybrid nvfp4 codes")
+        assert_bytes_equal(nv.scale, ref_nv.scale, "hybrid nvfp4 scale")
 
 
 @pytest.mark.parametrize("device", DEVICES[1:])
