@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The measurements of the quantizer series waiting in dev/gpu-pending (quant-tma, on top of
+# decode-host-maps, and quant-amax-memset), for one GPU session of the quantization-kernels issue
+# in two runs. Each tree that dev/compare_builds.sh builds (main's, and one per series) runs this
+# script, which finds the series the tree holds and runs what measures it.
+#
+#   here:   dev/gpu-pending/quant-session.sh pack
+#           each series applied to HEAD as a temporary commit and packed into .whl/compare
+#           (HEAD is left as it was; carry [".whl"]).
+#   there, run A (builds every tree; in each, the tile kernel's new tests, which hang rather than
+#           fail if a ring's barrier is wrong, then bench_quantize without the peers, its table
+#           also to $OUT/bench_quantize_<series>.md):
+#           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16
+#           dev/compare_builds.sh run .whl/compare "bash dev/gpu-pending/quant-session.sh A"
+#   there, run B (the next call, while the machine is warm: the trees stay built under
+#           $TMPDIR/compare): the quantizers' whole CUDA suite in each series' tree:
+#           for t in "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/quant-session.sh B); done
+#
+# Settings (read once, here): OUT (where the tables go; default: none), TMPDIR as for
+# compare_builds.sh.
+set -uo pipefail
+out=${OUT:-}
+
+# The series this tree holds, from what each adds.
+series() {
+  if [ -f csrc/tensor_copy.cuh ]; then echo quant-tma
+  elif grep -q "cudaMemsetAsync" csrc/convert_cuda.cu; then echo quant-amax-memset
+  else echo main; fi
+}
+
+case "${1:-}" in
+  pack)
+    git diff --quiet && git diff --cached --quiet || { echo "quant-session: commit first" >&2; exit 1; }
+    base=$(git rev-parse HEAD)
+    revs=()
+    git am -q dev/gpu-pending/decode-host-maps/*.patch dev/gpu-pending/quant-tma/*.patch \
+      || { git am --abort; exit 1; }
+    revs+=("$(git rev-parse --short HEAD)")
+    echo "quant-tma: ${revs[-1]}"
+    git reset -q --hard "$base"
+    git am -q dev/gpu-pending/quant-amax-memset/*.patch || { git am --abort; exit 1; }
+    revs+=("$(git rev-parse --short HEAD)")
+    echo "quant-amax-memset: ${revs[-1]}"
+    git reset -q --hard "$base"
+    rm -rf .whl/compare
+    dev/compare_builds.sh pack .whl/compare "${revs[@]}"
+    ;;
+  A)
+    s=$(series)
+    echo "series: $s"
+    timeout 240 python3 -m pytest -m cuda -q -x tests/test_kernels_quant.py \
+      -k "walks_many or recycled or does_not_read" 2>&1 | tail -n 4
+    timeout 180 python3 benchmarks/bench_quantize.py --no-peers ${out:+--out "$out/bench_quantize_$s.md"} \
+      | grep -v '^#'
+    ;;
+  B)
+    s=$(series)
+    echo "== series: $s ($PWD)"
+    [ "$s" = main ] && exit 0
+    timeout 400 python3 -m pytest -m cuda -q tests/test_kernels_quant.py tests/test_kernels_dispatch.py \
+      2>&1 | tail -n 6
+    ;;
+  *)
+    sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
+    exit 2
+    ;;
+esac
