@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measurements of the decode series waiting in dev/gpu-pending, for one GPU session of two
+# The measurements of the decode series waiting in dev/gpu-pending, for one GPU session of three
 # runs. Each tree that dev/compare_builds.sh builds (main's, and one per series) runs this script,
 # which finds the series the tree holds and runs what measures it.
 #
@@ -11,9 +11,11 @@
 #           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16
 #           dev/compare_builds.sh run .whl/compare "bash dev/gpu-pending/decode-session.sh A"
 #   there, run B (the next call, while the machine is warm: the trees stay built under
-#           $TMPDIR/compare): the multicast tree's CUDA tests and its (mates, K split) sweep, the
-#           timeline tree's per-CTA phases:
+#           $TMPDIR/compare): the multicast tree's CUDA tests (its own first: a wrong barrier
+#           hangs rather than fails, hence the time limits):
 #           for t in "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh B); done
+#   there, run C (the same loop with C): the multicast tree's (mates, K split) sweep, the
+#           kernel's own choices among them, and the timeline tree's per-CTA phases.
 #
 # Settings (read once, here): TMPDIR as for compare_builds.sh.
 set -uo pipefail
@@ -56,9 +58,18 @@ case "${1:-}" in
     echo "== series: $(series) ($PWD)"
     case "$(series)" in
       decode-multicast)
-        timeout 300 python3 -m pytest -m cuda -q -x tests/test_decode_gemm.py tests/test_decode_fusion.py 2>&1 | tail -n 5
-        timeout 240 python3 dev/experiments/decode_launches.py splits \
-          --shapes 8192x8192,28672x8192,8192x28672 --ms 16,64 --multicast 0,1,2,4 --splits 1,2,3,4,6,8
+        timeout 200 python3 -m pytest -m cuda -q -x tests/test_decode_gemm.py -k multicast 2>&1 | tail -n 5
+        timeout 330 python3 -m pytest -m cuda -q -x tests/test_decode_gemm.py tests/test_decode_fusion.py \
+          -k "not multicast" 2>&1 | tail -n 5
+        ;;
+    esac
+    ;;
+  C)
+    echo "== series: $(series) ($PWD)"
+    case "$(series)" in
+      decode-multicast)
+        timeout 360 python3 dev/experiments/decode_launches.py splits \
+          --shapes 8192x8192,28672x8192,8192x28672 --ms 16,64 --multicast 0,1,2,4 --splits 1,2,4,8
         ;;
       decode-timeline)
         timeout 120 python3 dev/experiments/decode_timeline.py --ms 1,16
