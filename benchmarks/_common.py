@@ -1,4 +1,5 @@
-"""Pieces the benchmark scripts share: CUDA-event timing and the RL training configuration.
+"""Pieces the benchmark scripts share: CUDA-event timing, host-loop timing, CUDA-graph capture,
+and the RL training configuration.
 
 Each script runs as `python benchmarks/NAME.py`, which puts this folder on sys.path, so they
 import it as `_common`. `qtensor bench` runs only `bench_*.py`, never this module.
@@ -7,6 +8,7 @@ import it as `_common`. `qtensor bench` runs only `bench_*.py`, never this modul
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -33,6 +35,39 @@ def cuda_time_ms(fn, warmup: int = 1, iters: int = 20) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def loop_us(calls, reps: int, wait: bool) -> float:
+    """Median microseconds per call of `calls` (zero-argument callables) run back to back,
+    synchronized before each loop, and after it too when `wait` (the wall time; without, the
+    host's time to issue them, where the loop is too short to fill the launch queue)."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for call in calls:
+            call()
+        if wait:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) / len(calls) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def capture_graph(calls) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` (zero-argument callables) in order, each run once first on a
+    side stream, as capture needs (lazy initialisation, the allocator's blocks)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return graph
 
 
 def mxfp8_backward_specs(recipe: NVFP4TrainingRecipe) -> OperandSpecs:

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from _common import capture_graph, loop_us  # noqa: E402
+
 from qtensor import MXFP8Spec, MXFP8Tensor, NVFP4Spec, NVFP4Tensor  # noqa: E402
 from qtensor.ops import gemm_ops  # noqa: E402
 
@@ -43,43 +45,20 @@ def emit(line: str) -> None:
     ROWS.append(line)
 
 
-def loop_us(fn, calls: int, reps: int, wait: bool) -> float:
-    """Median microseconds per call of `calls` back-to-back calls, synchronized before each
-    loop, and after it too when `wait` (the wall time; without, the host's issue time)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        if wait:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 def host_us(fn) -> float:
     """CPU time per call: 40 calls never fill the launch queue, so the loop is the host's."""
-    return loop_us(fn, calls=40, reps=15, wait=False)
+    fn()
+    return loop_us([fn] * 40, reps=15, wait=False)
 
 
 def wall_us(fn, calls: int = 200) -> float:
     """Wall time per call of a synchronized loop (max of host and GPU time)."""
-    return loop_us(fn, calls=calls, reps=7, wait=True)
+    fn()
+    return loop_us([fn] * calls, reps=7, wait=True)
 
 
 def graph_us(fn, calls: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
+    g = capture_graph([fn] * calls)
     return wall_us(g.replay, calls=10) / calls
 
 

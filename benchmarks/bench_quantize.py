@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import time
 
 import torch
+from _common import capture_graph, loop_us
 
 from qtensor.formats import mxfp8, nvfp4
 from qtensor.formats.mxfp8 import MXFP8Spec
@@ -54,17 +56,8 @@ def time_cuda(fn, inputs, iters=20, calls=5) -> float:
 
 def graph_cuda(fn, inputs, iters=20, calls=5) -> float:
     """Median seconds of one fn(x) call replayed from a CUDA graph of `calls` calls on distinct
-    inputs (after time_cuda's warm-up call on each): the GPU's time without the host's."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for j in range(calls):
-            fn(inputs[j % len(inputs)])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for j in range(calls):
-            fn(inputs[j % len(inputs)])
+    inputs: the GPU's time without the host's."""
+    graph = capture_graph([functools.partial(fn, inputs[j % len(inputs)]) for j in range(calls)])
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -78,17 +71,10 @@ def graph_cuda(fn, inputs, iters=20, calls=5) -> float:
 
 
 def host_cuda(fn, inputs, iters=20, calls=5) -> float:
-    """Median seconds the host takes to issue one fn(x) call: `calls` calls after a sync, timed
-    on the host without waiting for the GPU (far fewer than fill the launch queue)."""
-    times = []
-    for i in range(iters):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for j in range(calls):
-            fn(inputs[(i * calls + j) % len(inputs)])
-        times.append((time.perf_counter() - start) / calls)
-    torch.cuda.synchronize()
-    return sorted(times)[len(times) // 2]
+    """Median seconds the host takes to issue one fn(x) call (`calls` calls on distinct inputs,
+    after a sync, far fewer than fill the launch queue)."""
+    return loop_us([functools.partial(fn, inputs[j % len(inputs)]) for j in range(calls)],
+                   reps=iters, wait=False) * 1e-6
 
 
 def gpu_cases(shape):
