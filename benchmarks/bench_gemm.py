@@ -2,6 +2,8 @@
 
 Run on one GPU (benchmarks/gpu_check.sh calls it):
     python benchmarks/bench_gemm.py --out LOGDIR/bench_gemm.md [--sweep]
+or on the CPU (`--device cpu`: the weight-only layers' CPU kernels against bf16 F.linear, the
+emulated reference and torchao, with the weight bytes streamed per second next to the copy's).
 Prints one markdown table per section, each row a median time (triton.testing.do_bench) and the
 ratio to bf16 measured in the same run (>1 means faster than bf16), plus the weight-streaming
 bandwidth of the decode shapes next to the copy bandwidth. Weights smaller than 3x the 50 MB L2
@@ -339,6 +341,85 @@ def llama_section() -> None:
              f" | {serial * 1e3:.1f} |")
 
 
+# ---- the CPU: the C++ kernels of csrc/gemm_cpu.cpp against bf16 and the reference ---------------
+
+
+def cpu_ms(fn, reps: int = 7) -> float:
+    """Median milliseconds of fn() over `reps` calls, after two warm-up calls."""
+    import statistics
+    import time
+
+    fn()
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def cpu_copy_bandwidth() -> float:
+    """GB/s of copying 256 MB (bytes read + written) on this CPU's threads."""
+    src = torch.randn(2**26)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / cpu_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def torchao_cpu_weight_only(w: torch.Tensor):
+    """torchao 0.18's NVFP4 weight-only linear on the CPU, or None where it does not run."""
+    try:
+        from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig
+        from torchao.quantization import quantize_
+
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16)
+        lin.weight.data.copy_(w)
+        quantize_(lin, NVFP4WeightOnlyConfig())
+        lin(torch.randn(1, w.shape[1], dtype=torch.bfloat16))
+        return lin
+    except Exception as e:  # reported in the table, not hidden
+        emit(f"torchao NVFP4 weight-only on the CPU unavailable: {type(e).__name__}: "
+             f"{str(e)[:120]}")
+        return None
+
+
+def cpu_section(n: int, k: int, ms_list) -> None:
+    """bf16 F.linear (oneDNN), the weight-only layers of each format (the CPU kernels) and the
+    emulated reference they replace, per M; each qtensor path first checked against the
+    reference (relative Frobenius error of the fp32 result)."""
+    from qtensor import MXFP4Tensor
+
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, dtype=torch.bfloat16, generator=g) * 0.02
+    weights = {"NVFP4": NVFP4Tensor.from_hp(w), "MXFP4": MXFP4Tensor.from_hp(w),
+               "MXFP8": MXFP8Tensor.from_hp(w)}
+    ao = torchao_cpu_weight_only(w)
+    emit(f"\n### weight {n}x{k} (N x K), CPU\n")
+    emit("| M | path | ms | vs bf16 | weight GB/s | rel. error vs reference |")
+    emit("|---|---|---|---|---|---|")
+    for m in ms_list:
+        x = torch.randn(m, k, dtype=torch.bfloat16, generator=g)
+        base = cpu_ms(lambda: F.linear(x, w))
+        emit(f"| {m} | bf16 F.linear | {base:.3f} | 1.00x | {n * k * 2 / base / 1e6:.1f} | |")
+        for name, qw in weights.items():
+            a_op, b_op = operands(x, qw.t())
+            ref = emulated_mm(a_op, b_op, None, torch.float32)
+            got = F.linear(x, qw).float()
+            err = ((got - ref).norm() / ref.norm()).item()
+            t = cpu_ms(lambda: F.linear(x, qw))
+            wbytes = stored_bytes(qw)
+            emit(f"| {m} | qtensor bf16 x {name} (CPU kernel) | {t:.3f} | {base / t:.2f}x | "
+                 f"{wbytes / t / 1e6:.1f} | {err:.1e} |")
+            if m <= 16 or name == "NVFP4":
+                r = cpu_ms(lambda: emulated_mm(a_op, b_op, None, torch.bfloat16), reps=3)
+                emit(f"| {m} | reference (emulated) bf16 x {name} | {r:.3f} | {base / r:.2f}x | "
+                     f"{wbytes / r / 1e6:.1f} | |")
+        if ao is not None:
+            t = cpu_ms(lambda: ao(x), reps=3)
+            emit(f"| {m} | torchao NVFP4 weight-only | {t:.3f} | {base / t:.2f}x | "
+                 f"{n * k * 9 // 16 / t / 1e6:.1f} | |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="markdown file for the tables")
@@ -347,9 +428,22 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="8192x8192 only, no torchao or grouped")
     p.add_argument("--decode", action="store_true",
                    help="only the decode GEMM sections (M = 1, 4, 16, 64, 128 unless --ms)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu: the CPU kernels' table (M = 1, 4, 16, 64, 256 unless --ms)")
     args = p.parse_args()
     ms_list = [int(v) for v in args.ms.split(",")]
     date = datetime.date.today().isoformat()
+    if args.device == "cpu":
+        ms_cpu = ms_list if "--ms" in sys.argv else [1, 4, 16, 64, 256]
+        emit(f"## GEMM benchmark, {date}, CPU x{torch.get_num_threads()} threads, torch "
+             f"{torch.__version__}")
+        emit(f"copy bandwidth: {cpu_copy_bandwidth():.1f} GB/s (read + write)")
+        for n, k in [(4096, 4096)] if args.quick else [(4096, 4096), (14336, 4096), (4096, 14336)]:
+            cpu_section(n, k, ms_cpu)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write("\n".join(ROWS) + "\n")
+        return
     emit(f"## GEMM benchmark, {date}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     emit(f"copy bandwidth: {copy_bandwidth():.2f} TB/s (read + write)")
     if args.decode:

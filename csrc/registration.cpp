@@ -67,4 +67,13 @@ TORCH_LIBRARY(qtensor, m) {
   // The canonical (codes, scales) uint8 bytes of a weight [N, K] in the decode layout: the
   // inverse of qtensor/formats/decode_layout.pack (CUDA only; the reference is its `unpack`).
   m.def("decode_unpack(Tensor w, Tensor s, int fmt, int n, int k) -> (Tensor, Tensor)");
+  // CPU kernels of the quantized products (gemm_cpu.cpp; CPU only). fmt as for decode_gemm
+  // (0 NVFP4, 1 MXFP4, 2 MXFP8); data and scales as bytes [N, K*] and [N, K / block]. cpu_units:
+  // the exact fp32 unit values [N, K] of the operand (qtensor/ops/gemm_operands.py `units`, bit
+  // for bit); cpu_weight_mm: fp32 x [M, K] @ units^T [M, N] with the weight decoded in
+  // registers, up to the order of the fp32 additions. isa -1 runs the CPU's best instruction
+  // set; 0 (baseline), 1 (AVX2) or 2 (AVX-512) one it supports, for the tests: all give the
+  // same bits.
+  m.def("cpu_units(Tensor data, Tensor scale, int fmt, int isa=-1) -> Tensor");
+  m.def("cpu_weight_mm(Tensor x, Tensor data, Tensor scale, int fmt, int isa=-1) -> Tensor");
 }

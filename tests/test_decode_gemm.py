@@ -3,8 +3,8 @@
 CPU (CI): `pack` / `unpack` are exact inverses, bit for bit, on every byte value and ragged
 shapes; the layout puts each value where the kernel's decode reads it (a bit-level emulation of
 the kernel's word decode, its rotations and masks copied from csrc/decode_gemm_cuda.cu, gives
-the reference's unit values, in bf16 and fp16 registers); the op's CPU kernel is the emulated
-reference; bad arguments fail clearly.
+the reference's unit values, in bf16 and fp16 registers); the op's CPU kernel is the canonical
+weight's (bit for bit); bad arguments fail clearly.
 
 CUDA (marked): the kernel against the emulated reference, up to fp32 accumulation order
 ([Tolerance] of test_gemm_triton.py: relative Frobenius error under 1e-5 in fp32; bf16 results
@@ -219,14 +219,19 @@ def _reference(args, out_dtype):
     return dmm.reference(x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
 
 
-def test_cpu_op_is_the_canonical_reference():
-    args = _problem("nvfp4", 5, 80, 96, "cpu", row_scaled=True, bias=True)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cpu_op_is_the_canonical_product(fmt):
+    """On the CPU a packed weight gives the canonical weight's bits (its op's CPU kernel), which
+    are the reference's up to the order of the fp32 additions."""
+    args = _problem(fmt, 5, 80, 96, "cpu", row_scaled=True, bias=True, seed=7)
     x, w, s, amax, bias, fmt, n, k, bound = args
     out = torch.ops.qtensor.decode_mm(*args, torch.float32)
     data, scale = dmm.canonical(fmt, w, s, n, k)
-    ref = gemm_ops.reference_mm(fmt, Side(x), Side(data, scale, amax, bound), bias,
-                                torch.float32)
-    assert torch.equal(out, ref)
+    a, b = Side(x), Side(data, scale, amax, bound)
+    canonical = gemm_ops.op(f"{fmt}_mm")(*gemm_ops.dense_args(fmt, a, b, bias, torch.float32))
+    assert torch.equal(out, canonical)
+    ref = gemm_ops.reference_mm(fmt, a, b, bias, torch.float32)
+    assert_close_to_reference(out, ref, args)
 
 
 def test_cpu_op_gradient_matches_autograd_of_units():
@@ -237,11 +242,15 @@ def test_cpu_op_gradient_matches_autograd_of_units():
     out = torch.ops.qtensor.decode_mm(*args, torch.float32)
     out.square().sum().backward()
     w = dmm.weight_side("mxfp8", args[1], args[2], None, 64, 64, 448)
-    x2, b2 = x.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
-    (x2 @ canonical_units("mxfp8", w.data.view(torch.uint8), w.scale.view(torch.uint8)).t()
-     + b2).square().sum().backward()
-    assert torch.allclose(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
-    assert torch.allclose(bias.grad, b2.grad, rtol=1e-5, atol=1e-5)
+    u = canonical_units("mxfp8", w.data.view(torch.uint8), w.scale.view(torch.uint8)).double()
+    # d(out^2)/dx = 2 out @ W's units, d/dbias = the column sums of 2 out, from the op's own
+    # output; each an fp32 sum (of N = 64 and M = 3 terms) within that many 2**-23 of its
+    # absolute terms' sum.
+    d = 2 * out.detach().double()
+    excess = (x.grad.double() - d @ u).abs() - 64 * 2.0**-23 * (d.abs() @ u.abs())
+    assert excess.max() <= 0
+    excess = (bias.grad.double() - d.sum(0)).abs() - 3 * 2.0**-23 * d.abs().sum(0)
+    assert excess.max() <= 0
 
 
 def test_op_errors_name_the_requirement():

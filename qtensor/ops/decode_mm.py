@@ -10,7 +10,9 @@ result is out[M, N] = epilogue(x @ W^T), the epilogue of [Note: emulated GEMM] (
 product: acc * r(1 / (6 B)) * amax for NVFP4, then + bias).
 
 Implementations:
-- CPU (and the CUDA fallback): the exact reference, on the canonical bytes `unpack` gives back.
+- CPU: the canonical weight's CPU product (`gemm_ops.cpu_mm`, [Note: CPU GEMM kernel]) on
+  the canonical bytes `unpack` gives back, so a packed and a canonical weight give the same
+  bits; the CUDA fallback: the exact reference on those bytes.
 - CUDA: the decode GEMM of csrc/decode_gemm_cuda.cu ([Note: decode GEMM]) for a bf16
   activation (fp16 too with NVFP4 weights, whose unit values fp16 holds exactly). Up to
   DECODE_M rows in one launch; up to CHUNKED_M[fmt] rows (any number for MXFP4) in launches of
@@ -107,6 +109,14 @@ def reference(x, w, s, amax, bias, fmt, n, k, bound, out_dtype) -> torch.Tensor:
     _check(x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
     return gemm_ops.reference_mm(fmt, Side(x), weight_side(fmt, w, s, amax, n, k, bound), bias,
                                  out_dtype)
+
+
+def cpu(x, w, s, amax, bias, fmt, n, k, bound, out_dtype) -> torch.Tensor:
+    """The canonical weight's CPU product on the unpacked bytes (`gemm_ops.cpu_mm`): a packed
+    and a canonical weight give the same bits on the CPU."""
+    _check(x, w, s, amax, bias, fmt, n, k, bound, out_dtype)
+    return gemm_ops.cpu_mm(fmt, Side(x), weight_side(fmt, w, s, amax, n, k, bound), bias,
+                           out_dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -225,12 +235,12 @@ if has_ops("decode_unpack"):
 
 _LIB = torch.library.Library("qtensor", "FRAGMENT")
 _LIB.define("decode_mm" + SCHEMA)
-_LIB.impl("decode_mm", reference, "CPU")
+_LIB.impl("decode_mm", cpu, "CPU")
 _LIB.impl("decode_mm", cuda, "CUDA")
 torch.library.register_fake("qtensor::decode_mm", fake, lib=_LIB)
 torch.library.register_autograd("qtensor::decode_mm", _backward, setup_context=_setup_context,
                                 lib=_LIB)
-KERNELS = {"cpu": reference, "cuda": cuda}
+KERNELS = {"cpu": cpu, "cuda": cuda}
 
 
 def decode_mm(x, w, s, amax, bias, fmt, n, k, bound, out_dtype) -> torch.Tensor:

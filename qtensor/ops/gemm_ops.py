@@ -34,7 +34,8 @@ grouped op multiplies tokens a [T, K*] by experts b [E, N, K*], expert e owning 
 [offs[e-1], offs[e]) (offs int32 [E], cumulative); bias is [E, N] and rows past offs[-1] are 0.
 
 Implementations:
-- CPU: the exact reference (`reference_mm`, `reference_grouped_mm`): fp32 unit values,
+- CPU: the C++ kernels of csrc/gemm_cpu.cpp where the extension is built ([Note: CPU GEMM
+  kernel]), else the exact reference (`reference_mm`, `reference_grouped_mm`): fp32 unit values,
   torch.matmul, the epilogue.
 - CUDA: the Triton kernels of qtensor/kernels for what they take (a quantized right operand, a
   bf16 or same-format left one, sm_80+); anything else runs the same reference on the GPU. The
@@ -58,7 +59,7 @@ import functools
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from qtensor.backends import GemmBackend, gemm_backend_problem
+from qtensor.backends import GemmBackend, gemm_backend_problem, has_kernel
 from qtensor.formats import fp8_block as fp8_block_ref
 from qtensor.ops.gemm_operands import (
     B_POSITION,
@@ -106,19 +107,21 @@ SCHEMAS["mxfp4_grouped_mm"] = SCHEMAS["mxfp8_grouped_mm"]
 # ---- the reference (CPU kernel; also the fallback of the CUDA kernel) --------------------------
 
 
-def reference_mm(fmt: str, a: Side, b: Side, bias, out_dtype) -> torch.Tensor:
-    """The exact emulated product: fp32 unit values, torch.matmul, the epilogue."""
-    acc = torch.matmul(units(fmt, a), units(fmt, b).transpose(-1, -2))
+def reference_mm(fmt: str, a: Side, b: Side, bias, out_dtype, decode=units) -> torch.Tensor:
+    """The exact emulated product: fp32 unit values, torch.matmul, the epilogue. `decode` makes
+    the unit values (`units`, or `cpu_units`: the same bits)."""
+    acc = torch.matmul(decode(fmt, a), decode(fmt, b).transpose(-1, -2))
     return apply_epilogue(acc, *epilogue_factors(fmt, a, b), bias, out_dtype)
 
 
-def reference_grouped_mm(fmt: str, a: Side, b: Side, offs, bias, out_dtype) -> torch.Tensor:
+def reference_grouped_mm(fmt: str, a: Side, b: Side, offs, bias, out_dtype,
+                         decode=units) -> torch.Tensor:
     """Per expert: exact fp32 units, matmul, the dense epilogue on that expert's rows."""
     ends = offs.tolist()
     if any(e1 < e0 for e0, e1 in zip([0] + ends, ends)) or (ends and ends[-1] > a.data.shape[0]):
         raise ValueError(
             f"offs must be non-decreasing and at most T={a.data.shape[0]}; got {ends}.")
-    ua, ub = units(fmt, a), units(fmt, b)
+    ua, ub = decode(fmt, a), decode(fmt, b)
     left, right = epilogue_factors(fmt, a, b)
     out = torch.zeros(a.data.shape[0], b.data.shape[1], dtype=out_dtype, device=ub.device)
     start = 0
@@ -130,6 +133,64 @@ def reference_grouped_mm(fmt: str, a: Side, b: Side, offs, bias, out_dtype) -> t
                                    bias[e] if bias is not None else None, out_dtype)
         start = end
     return out
+
+
+# ---- the CPU kernels: csrc/gemm_cpu.cpp ----------------------------------------------------------
+
+# [Note: CPU GEMM kernel]
+# On the CPU the dense ops multiply a quantized weight b [N, K*] (2-D) by an activation of at
+# most CPU_FUSED_MAX_M rows (a float operand, or a quantized one's unit values) with
+# qtensor::cpu_weight_mm: the weight is decoded in registers as it streams (16 units from one
+# table permute per E2M1 group, the E4M3 bytes by their bits) and never written out, and each
+# output sums its K products in fp32 by fused multiply-adds in 16 lanes, then the lanes by
+# halves. That is the reference's math up to the order of the fp32 additions (a fused
+# multiply-add rounds once; a product of a bf16, fp16 or unit value and a unit is exact, so
+# only fp32 activations see that), and the order depends on K alone: a row's output does not
+# depend on the other rows, the threads or the instruction set. The epilogue is the reference's
+# own (`apply_epilogue`). Above CPU_FUSED_MAX_M rows, and for 3-D weights, grouped products and
+# the gradients, the operands are decoded once by qtensor::cpu_units (the reference's unit
+# values bit for bit) for torch.matmul: the reference's bits, faster. docs/gemm.md has the
+# measurements behind the limit.
+CPU_FUSED_MAX_M = 256
+_CPU_FORMAT_CODE = {NVFP4: 0, MXFP4: 1, MXFP8: 2}
+
+
+@functools.cache
+def cpu_kernels_built() -> bool:
+    """Whether the loaded extension has the CPU GEMM kernels (chosen once)."""
+    return has_kernel("cpu_weight_mm", "CPU") and has_kernel("cpu_units", "CPU")
+
+
+def _cpu_kernel_takes(fmt: str, s: Side) -> bool:
+    return s.quantized and fmt in _CPU_FORMAT_CODE and s.data.device.type == "cpu" and \
+        cpu_kernels_built()
+
+
+def cpu_units(fmt: str, side: Side) -> torch.Tensor:
+    """`units(fmt, side)` (the same bits), decoded by qtensor::cpu_units for a quantized CPU
+    operand of NVFP4, MXFP4 or MXFP8 where the extension has it."""
+    if not _cpu_kernel_takes(fmt, side):
+        return units(fmt, side)
+    data, scale = side.data, side.scale
+    lead = data.shape[:-1]
+    out = torch.ops.qtensor.cpu_units(data.reshape(-1, data.shape[-1]),
+                                      scale.reshape(-1, scale.shape[-1]), _CPU_FORMAT_CODE[fmt])
+    return out.reshape(*lead, out.shape[-1])
+
+
+def cpu_mm(fmt: str, a: Side, b: Side, bias, out_dtype) -> torch.Tensor:
+    """The CPU op's product ([Note: CPU GEMM kernel])."""
+    if not _cpu_kernel_takes(fmt, b):
+        return reference_mm(fmt, a, b, bias, out_dtype)
+    rows = a.data.numel() // max(a.data.shape[-1], 1)
+    if b.data.dim() != 2 or rows > CPU_FUSED_MAX_M:
+        return reference_mm(fmt, a, b, bias, out_dtype, decode=cpu_units)
+    x = cpu_units(fmt, a) if a.quantized else a.data
+    lead = x.shape[:-1]
+    acc = torch.ops.qtensor.cpu_weight_mm(x.reshape(-1, x.shape[-1]), b.data, b.scale,
+                                          _CPU_FORMAT_CODE[fmt])
+    acc = acc.reshape(*lead, acc.shape[-1])
+    return apply_epilogue(acc, *epilogue_factors(fmt, a, b), bias, out_dtype)
 
 
 # ---- the CUDA kernel: Triton where it applies --------------------------------------------------
@@ -231,7 +292,7 @@ def _dense_kernels(fmt: str):
         return a, b, bias, out_dtype
 
     def cpu(*args):
-        return reference_mm(fmt, *checked(args))
+        return cpu_mm(fmt, *checked(args))
 
     def cuda(*args):
         a, b, bias, out_dtype = checked(args)
@@ -256,7 +317,7 @@ def _grouped_kernels(fmt: str):
         return a, b, offs, bias, out_dtype
 
     def cpu(*args):
-        return reference_grouped_mm(fmt, *checked(args))
+        return reference_grouped_mm(fmt, *checked(args), decode=cpu_units)
 
     def cuda(*args):
         a, b, offs, bias, out_dtype = checked(args)
@@ -320,9 +381,9 @@ def _dense_backward(fmt: str):
         d = apply_epilogue(grad.float(), left, right, None, torch.float32)
         grads = [None] * len(inputs)
         if ctx.needs_input_grad[0]:
-            grads[0] = _reduce_to(d @ units(fmt, b), a.data)
+            grads[0] = _reduce_to(d @ cpu_units(fmt, b), a.data)
         if ctx.needs_input_grad[pos_b]:
-            grads[pos_b] = _reduce_to(d.transpose(-1, -2) @ units(fmt, a), b.data)
+            grads[pos_b] = _reduce_to(d.transpose(-1, -2) @ cpu_units(fmt, a), b.data)
         if bias is not None and ctx.needs_input_grad[-2]:
             grads[-2] = _sum_to(grad.float(), bias)
         return tuple(grads)
@@ -349,7 +410,7 @@ def _grouped_backward(fmt: str):
         inputs = _saved_inputs(ctx)
         a, b, offs, bias, _ = unpack_args(fmt, inputs, grouped=True)
         left, right = epilogue_factors(fmt, a, b)
-        ub = units(fmt, b)
+        ub = cpu_units(fmt, b)
         g = grad.float()
         rows = torch.arange(g.shape[0], device=g.device)
         starts = torch.cat([offs.new_zeros(1), offs[:-1]])
@@ -412,6 +473,24 @@ def _define(name, cpu, cuda, fake, setup_context, backward) -> None:
 
 
 _register()
+
+
+def _register_cpu_fakes() -> None:
+    """Shapes of the CPU GEMM kernels, for the gradients that call cpu_units under
+    torch.compile."""
+    per_byte = {0: 2, 1: 2, 2: 1}
+
+    @torch.library.register_fake("qtensor::cpu_units")
+    def _(data, scale, fmt, isa=-1):
+        return data.new_empty((data.shape[0], data.shape[1] * per_byte[fmt]), dtype=torch.float32)
+
+    @torch.library.register_fake("qtensor::cpu_weight_mm")
+    def _(x, data, scale, fmt, isa=-1):
+        return x.new_empty((x.shape[0], data.shape[0]), dtype=torch.float32)
+
+
+if cpu_kernels_built():
+    _register_cpu_fakes()
 
 
 def op(name: str):

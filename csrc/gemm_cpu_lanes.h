@@ -1,0 +1,157 @@
+// The lane kernels of gemm_cpu.cpp, compiled once per instruction set: gemm_cpu.cpp includes
+// this file three times, each time inside its own namespace with `ISA` defined there and, for
+// AVX2 and AVX-512, under `#pragma GCC target`, so that every function here (the intrinsics'
+// callers included) is compiled for that target. No include guard, on purpose.
+//
+// e2m1_units8 and the AVX2 and AVX-512 branches of units16 are the only target-specific code;
+// the rest is GCC/Clang vector extensions, the same operations on every target.
+
+#if defined(QT_GEMM_X86)
+// value(q) * s of the 8 codes in idx's lanes: the magnitudes permuted (the permute takes
+// indices modulo 8), then the sign bit q & 8 moved to bit 31 (-0 for code 8, as the table has).
+// A template so that only the AVX2 namespace, whose units16 calls it, compiles it.
+template <int I>
+QT_GEMM_INLINE f32x8 e2m1_units8(__m256 table, __m256i idx) {
+  const __m256i u = _mm256_castps_si256(_mm256_permutevar8x32_ps(table, idx));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(idx, _mm256_set1_epi32(8)), 28);
+  return reinterpret_cast<f32x8>(_mm256_xor_si256(u, sign));
+}
+#endif
+
+// The 16 units of weight row w (bytes) with scale bytes sc, at elements k .. k + 15.
+template <int FMT>
+QT_GEMM_INLINE f32x16 units16(const uint8_t* w, const uint8_t* sc, int64_t k) {
+  const float s = FMT == kNvfp4 ? kScales.e4m3[sc[k / 16]] : kScales.ue8m0[sc[k / 32]];
+  const uint8_t* p = FMT == kMxfp8 ? w + k : w + k / 2;
+#if defined(QT_GEMM_X86)
+  if constexpr (ISA == kAvx512) {
+    if constexpr (FMT == kMxfp8) {
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      return e4m3_lanes<i32x16, f32x16>(reinterpret_cast<i32x16>(b)) * s;
+    } else {
+      const __m512 table = _mm512_mul_ps(reinterpret_cast<__m512>(kE2M1Signed), _mm512_set1_ps(s));
+      return reinterpret_cast<f32x16>(
+          _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nibble_bytes(p)), table));
+    }
+  } else if constexpr (ISA == kAvx2) {
+    if constexpr (FMT == kMxfp8) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      const f32x8 lo = e4m3_lanes<i32x8, f32x8>(reinterpret_cast<i32x8>(_mm256_cvtepu8_epi32(b)));
+      const f32x8 hi = e4m3_lanes<i32x8, f32x8>(
+          reinterpret_cast<i32x8>(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))));
+      return join(lo * s, hi * s);
+    } else {
+      const __m256 table = _mm256_mul_ps(reinterpret_cast<__m256>(kE2M1Magnitude), _mm256_set1_ps(s));
+      const __m128i q = nibble_bytes(p);
+      return join(e2m1_units8<ISA>(table, _mm256_cvtepu8_epi32(q)),
+                  e2m1_units8<ISA>(table, _mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))));
+    }
+  }
+#endif
+  float u[16];
+  for (int i = 0; i < 16; ++i) {
+    if constexpr (FMT == kMxfp8) {
+      u[i] = e4m3_value(p[i]) * s;
+    } else {
+      const int q = (p[i / 2] >> (4 * (i & 1))) & 15;
+      u[i] = kE2M1Signed[q] * s;
+    }
+  }
+  return load16(u);
+}
+
+// a * b + c per lane, rounded once (a fused multiply-add on every target, so that the bits do
+// not depend on the instruction set; with a bf16, fp16 or unit activation the product is exact
+// and this equals the product added).
+QT_GEMM_INLINE f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
+#if defined(QT_GEMM_X86)
+  if constexpr (ISA == kAvx512) {
+    return reinterpret_cast<f32x16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
+                                                    reinterpret_cast<__m512>(b),
+                                                    reinterpret_cast<__m512>(c)));
+  } else if constexpr (ISA == kAvx2) {
+    __m256 a2[2], b2[2], c2[2];
+    std::memcpy(a2, &a, 64);
+    std::memcpy(b2, &b, 64);
+    std::memcpy(c2, &c, 64);
+    for (int h = 0; h < 2; ++h) c2[h] = _mm256_fmadd_ps(a2[h], b2[h], c2[h]);
+    std::memcpy(&c, c2, 64);
+    return c;
+  }
+#endif
+  for (int l = 0; l < 16; ++l) c[l] = std::fma(a[l], b[l], c[l]);
+  return c;
+}
+
+// out[m0 .. m0 + MT, n0 .. n0 + NT]: NT weight rows decoded once per 16 elements and multiplied
+// into MT activation rows.
+template <int FMT, int MT, int NT>
+QT_GEMM_INLINE void tile(const Operands& o, int64_t m0, int64_t n0) {
+  f32x16 acc[MT][NT] = {};
+  const uint8_t* w = o.w + n0 * o.ldw;
+  const uint8_t* sc = o.s + n0 * o.lds;
+  const float* x = o.x + m0 * o.ldx;
+  for (int64_t k = 0; k < o.K; k += 16) {
+    f32x16 u[NT];
+    for (int j = 0; j < NT; ++j) u[j] = units16<FMT>(w + j * o.ldw, sc + j * o.lds, k);
+    for (int i = 0; i < MT; ++i) {
+      const f32x16 xv = load16(x + i * o.ldx + k);
+      for (int j = 0; j < NT; ++j) acc[i][j] = fma16(xv, u[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) o.out[(m0 + i) * o.ldo + n0 + j] = lane_sum(acc[i][j]);
+}
+
+// Every activation row against weight rows n0 .. n0 + NT: row tiles of MT, then the rest.
+template <int FMT, int MT, int NT>
+QT_GEMM_INLINE void rows(const Operands& o, int64_t M, int64_t n0) {
+  int64_t m = 0;
+  for (; m + MT <= M; m += MT) tile<FMT, MT, NT>(o, m, n0);
+  if constexpr (MT > 1) {
+    for (; m < M; ++m) tile<FMT, 1, NT>(o, m, n0);
+  }
+}
+
+// The weight rows [n_lo, n_hi): tiles of MT x NT (the accumulators fit the registers of the
+// instruction set: 16 zmm, or 8 ymm pairs), then single weight rows.
+template <int FMT>
+QT_GEMM_INLINE void weight_rows(const Operands& o, int64_t M, int64_t n_lo, int64_t n_hi) {
+  constexpr int NT = ISA == kAvx512 ? 2 : 1;
+  int64_t n = n_lo;
+  if (M == 1) {
+    for (; n + 4 <= n_hi; n += 4) rows<FMT, 1, 4>(o, M, n);
+  } else if (M < 4) {
+    for (; n + 2 <= n_hi; n += 2) rows<FMT, 2, 2>(o, M, n);
+  } else if (ISA == kAvx512 && M >= 8) {
+    for (; n + NT <= n_hi; n += NT) rows<FMT, 8, NT>(o, M, n);
+  } else {
+    for (; n + NT <= n_hi; n += NT) rows<FMT, 4, NT>(o, M, n);
+  }
+  for (; n < n_hi; ++n) rows<FMT, 1, 1>(o, M, n);
+}
+
+void weight_rows_entry(int fmt, const Operands& o, int64_t M, int64_t lo, int64_t hi) {
+  switch (fmt) {
+    case kNvfp4: weight_rows<kNvfp4>(o, M, lo, hi); break;
+    case kMxfp4: weight_rows<kMxfp4>(o, M, lo, hi); break;
+    default: weight_rows<kMxfp8>(o, M, lo, hi); break;
+  }
+}
+
+template <int FMT>
+QT_GEMM_INLINE void units_rows(const Operands& o, int64_t lo, int64_t hi) {
+  for (int64_t r = lo; r < hi; ++r)
+    for (int64_t k = 0; k < o.K; k += 16) {
+      const f32x16 u = units16<FMT>(o.w + r * o.ldw, o.s + r * o.lds, k);
+      std::memcpy(o.out + r * o.ldo + k, &u, sizeof u);
+    }
+}
+
+void units_rows_entry(int fmt, const Operands& o, int64_t lo, int64_t hi) {
+  switch (fmt) {
+    case kNvfp4: units_rows<kNvfp4>(o, lo, hi); break;
+    case kMxfp4: units_rows<kMxfp4>(o, lo, hi); break;
+    default: units_rows<kMxfp8>(o, lo, hi); break;
+  }
+}
