@@ -19,7 +19,9 @@ one format and, for NVFP4, the same RHT flag.
 Each quantized tensor carries `gemm_backend` (qtensor.backends.GemmBackend), resolved once when
 it is made or moved; a product runs on its right operand's (the weight's) backend, or the left
 operand's when the right one is high precision:
-- `emulated`: this module's reference, any device.
+- `emulated`: this module's reference, any device. On the CPU the op that runs it takes the
+  C++ kernels where the extension is built ([Note: CPU GEMM kernel] in qtensor/ops/gemm_ops.py:
+  the same unit values, up to 256 activation rows summed in their own fp32 order).
 - `triton` (qtensor/kernels): bf16 tensor cores, fp32 accumulation, this epilogue fused; equal
   to the reference up to fp32 accumulation order. Up to 64 rows the weight is decoded in
   registers as it streams (split-K); above, each operand is decoded to exact bf16 once and the
@@ -30,9 +32,9 @@ operand's when the right one is high precision:
 FP8 block operands (FP8BlockTensor, 1x128 blocks or 128x128 tiles) have no Triton kernel: their
 products run qtensor::fp8_block_mm (its exact reference, inside the opaque op on every device)
 unless the tensors ask for `scaled_mm`, then torch._scaled_mm with fp32 block scales on sm_90+
-(opt-in: docs/qat.md, "Status"). MXFP4 operands (MXFP4Tensor) have no kernel either: their
-products, dense and grouped, run qtensor::mxfp4_mm / mxfp4_grouped_mm (the exact reference, on
-every device) whatever backend the tensors name (docs/gemm.md).
+(opt-in: docs/qat.md, "Status"). MXFP4 operands (MXFP4Tensor) have no GPU kernel either: their
+products, dense and grouped, run qtensor::mxfp4_mm / mxfp4_grouped_mm (the exact reference on
+the GPU, the CPU kernels on the CPU) whatever backend the tensors name (docs/gemm.md).
 A product a backend has no kernel for (a quantized left operand times a high-precision right
 one, an fp32 / fp16 activation, more than 3 dims, a CPU operand) runs on the reference: the
 same numbers, never a different precision. `gemm_plan(a, b)` says which path a product takes.
@@ -204,7 +206,7 @@ def plan(a_op, b_op, bias, out_dtype, sides=None, *, grouped: bool = False) -> G
     (dense_sides(a_op, b_op); the grouped layer's own for a grouped product, which must pass
     them)."""
     backend = product_backend(a_op, b_op)
-    if _format(a_op, b_op) == MXFP4:  # no kernel of any backend yet: the op's reference
+    if _format(a_op, b_op) == MXFP4:  # no GPU kernel of any backend yet: the op's own
         return GemmBackend.EMULATED
     if _format(a_op, b_op) == FP8_BLOCK:  # no Triton kernel: native, or the op's reference
         if backend is GemmBackend.SCALED_MM and not grouped and \

@@ -20,7 +20,8 @@ from qtensor.formats.elements import fdiv
 from qtensor.formats.fields import either
 
 NVFP4, MXFP8, FP8_BLOCK, MXFP4 = "nvfp4", "mxfp8", "fp8_block", "mxfp4"
-# Formats with no Triton kernel: their ops run the exact reference on every device.
+# Formats with no Triton kernel: their ops run the exact reference on the GPU (MXFP4's take the
+# CPU kernels on the CPU, qtensor/ops/gemm_ops.py [Note: CPU GEMM kernel]).
 NO_KERNEL = (FP8_BLOCK, MXFP4)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

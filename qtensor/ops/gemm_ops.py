@@ -39,9 +39,10 @@ Implementations:
   torch.matmul, the epilogue.
 - CUDA: the Triton kernels of qtensor/kernels for what they take (a quantized right operand, a
   bf16 or same-format left one, sm_80+); anything else runs the same reference on the GPU. The
-  FP8 block and MXFP4 ops have no kernel: they run their reference on every device, as opaque
-  ops so that eager and compiled programs multiply in the same fp32 matmul (Inductor would
-  otherwise pick its own layouts for the decoded operands, and cuBLAS another summation order).
+  FP8 block and MXFP4 ops have no GPU kernel: they run their reference there (the FP8 block op
+  on the CPU too), as opaque ops so that eager and compiled programs multiply in the same fp32
+  matmul (Inductor would otherwise pick its own layouts for the decoded operands, and cuBLAS
+  another summation order).
 - Meta: the output's shape and dtype (torch.compile traces through it).
 - Autograd: the gradient of a high-precision operand and of the bias (the derivative of the
   fp32 epilogue: dY * left * right, times the other operand's exact unit values); quantized
