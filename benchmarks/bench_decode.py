@@ -5,6 +5,7 @@ Run on one GPU (benchmarks/gpu_check.sh calls it):
     python benchmarks/bench_decode.py [--out LOGDIR/bench_decode.md] [--compiled CONFIGS]
         [--frozen CONFIGS] [--loop | --loop-only] [--step | --step-only] [--batches B]
         [--modes MODES]
+or the loop table on the CPU (the CPU GEMM kernels): --device cpu --loop-only [--layers L].
 For each config and batch size (1 and 8): decode tokens/s eager, compiled and compiled with
 freezing, the prefill time of 2048 tokens, and the peak GPU memory. How it is measured:
 - generate() with cache_implementation="static" and do_sample=False. transformers compiles the
@@ -67,6 +68,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import qtensor  # noqa: E402
 
 ROWS: list[str] = []
+DEVICE = "cuda"  # --device: "cpu" runs the loop table on the CPU kernels
 CONFIGS = {
     "nvfp4_weight_only": lambda: qtensor.NVFP4WeightOnlyConfig(),
     "mxfp8_weight_only": lambda: qtensor.MXFP8WeightOnlyConfig(),
@@ -81,6 +83,11 @@ def emit(line: str) -> None:
     ROWS.append(line)
 
 
+def empty_cache() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
 def build_model(layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -88,7 +95,7 @@ def build_model(layers: int):
                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
                       max_position_embeddings=4096, tie_word_embeddings=False)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     return model
 
@@ -110,7 +117,7 @@ def fresh_model(layers: int, name: str):
     released (the caller drops its model first)."""
     torch._dynamo.reset()
     gc.collect()
-    torch.cuda.empty_cache()
+    empty_cache()
     return quantize(build_model(layers), name)
 
 
@@ -367,7 +374,7 @@ def loop_table(args) -> None:
                               "eager" in tokens else "-" for m in modes[1:])
             emit(f"| {name} | {batch} | {' | '.join(cells)} | {agree} |")
         del model
-        torch.cuda.empty_cache()
+        empty_cache()
 
 
 def step_table(args) -> None:
@@ -398,7 +405,7 @@ def step_table(args) -> None:
                  f"{tok_s} | {cells['compiled'][1]} | {' | '.join(cells['fused'])} | "
                  f"{' | '.join(cells['linears'])} |")
         del model
-        torch.cuda.empty_cache()
+        empty_cache()
 
 
 def main() -> None:
@@ -420,12 +427,21 @@ def main() -> None:
     p.add_argument("--batches", default="1,8", help="batch sizes of the loop table")
     p.add_argument("--modes", default=",".join(LOOP_MODES),
                    help="the loop table's modes besides eager (compiled, frozen, fused)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu: the loop table alone (--loop-only), on the CPU kernels")
     args = p.parse_args()
     import transformers
     from torch._dynamo.utils import counters
 
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cpu" and not args.loop_only:
+        raise SystemExit("--device cpu runs the loop table alone: pass --loop-only (generate() "
+                         "and the step table time CUDA graphs).")
     date = datetime.date.today().isoformat()
-    emit(f"## Decode, {date}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+    where = torch.cuda.get_device_name() if DEVICE == "cuda" else \
+        f"CPU x{torch.get_num_threads()} threads"
+    emit(f"## Decode, {date}, {where}, torch {torch.__version__}, "
          f"transformers {transformers.__version__}")
     emit(f"Llama hidden 4096, intermediate 14336, {args.layers} layers, 32/8 heads, vocab "
          f"32000, bf16 lm_head; prompt 32 tokens; {args.steps} timed decode steps\n")
@@ -448,7 +464,7 @@ def main() -> None:
     for name in names:
         torch._dynamo.reset()
         gc.collect()
-        torch.cuda.empty_cache()
+        empty_cache()
         start_bytes = torch.cuda.memory_allocated()
         model = quantize(build_model(args.layers), name)
         torch.cuda.reset_peak_memory_stats()
@@ -500,7 +516,7 @@ def main() -> None:
             emit(f"| {name} | {batch} | {e} | {er} | {c} | {cr} | {row.get('graphs', '')} | "
                  f"{f} | {fr} | {pre:.1f} | {peak:.1f} | {agrees} |")
         del model
-        torch.cuda.empty_cache()
+        empty_cache()
     if args.step and not args.step_only:
         step_table(args)
     if args.loop and not args.loop_only:

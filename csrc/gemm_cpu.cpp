@@ -53,24 +53,20 @@ constexpr f32x16 kE2M1Signed = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
                                 -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 constexpr f32x8 kE2M1Magnitude = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
 
-template <typename F, typename I>
-QT_GEMM_INLINE F as_float(I i) {
-  F f;
-  std::memcpy(&f, &i, sizeof f);
-  return f;
+// The bytes at p as a T (an unaligned vector load), and a value's bits as another type of its
+// size (C++20's bit_cast, for vector types too).
+template <typename T>
+QT_GEMM_INLINE T load_as(const void* p) {
+  T t;
+  std::memcpy(&t, p, sizeof t);
+  return t;
 }
-template <typename I, typename F>
-QT_GEMM_INLINE I as_int(F f) {
-  I i;
-  std::memcpy(&i, &f, sizeof i);
-  return i;
+template <typename T, typename F>
+QT_GEMM_INLINE T bits_as(F f) {
+  static_assert(sizeof(T) == sizeof(F), "a bit cast keeps the size");
+  return load_as<T>(&f);
 }
-
-QT_GEMM_INLINE f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+QT_GEMM_INLINE f32x16 load16(const float* p) { return load_as<f32x16>(p); }
 
 // Scale bytes to fp32: E4M3 (quant_math.h e4m3_value) and UE8M0 (2**(c - 127), the exponent
 // field itself; c = 0 is the subnormal 2**-127 and 255 is NaN), one table each, built at load.
@@ -91,11 +87,11 @@ const ScaleTables kScales;
 template <typename I, typename F>
 QT_GEMM_INLINE F e4m3_lanes(I w) {
   const I a = w & 0x7F, u = a << 20;
-  const F normal = as_float<F>(u + (120 << 23));
-  const F sub = as_float<F>(u + (121 << 23)) - 0x1p-6f;
-  I mag = as_int<I>(a < 8 ? sub : normal);
+  const F normal = bits_as<F>(u + (120 << 23));
+  const F sub = bits_as<F>(u + (121 << 23)) - 0x1p-6f;
+  I mag = bits_as<I>(a < 8 ? sub : normal);
   mag = a == 0x7F ? I{} + 0x7FC00000 : mag;
-  return as_float<F>(mag | ((w & 0x80) << 24));
+  return bits_as<F>(mag | ((w & 0x80) << 24));
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
