@@ -17,9 +17,10 @@
 // by halves (l + 8, then + 4, + 2, + 1). It depends on K alone: a row's result does not depend
 // on the other rows of x or W, or on the threads.
 //
-// Each kernel is compiled for AVX-512 (x86-64-v4), AVX2 and the baseline, chosen once at load;
-// the lanes are GCC/Clang vector extensions, so all three compute the same operations in the
-// same order (the build forbids FMA contraction) and give the same bits.
+// Each kernel is compiled for AVX-512 (F, BW, DQ, VL), AVX2 with FMA and the baseline, chosen
+// once at load (`cpu_isa`). All three compute the same operations in the same order, with an
+// explicit fused multiply-add (std::fma on the baseline; the build forbids contraction
+// elsewhere), and give the same bits, NaN sign and payload aside.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -66,7 +67,6 @@ QT_GEMM_INLINE T bits_as(F f) {
   static_assert(sizeof(T) == sizeof(F), "a bit cast keeps the size");
   return load_as<T>(&f);
 }
-QT_GEMM_INLINE f32x16 load16(const float* p) { return load_as<f32x16>(p); }
 
 // Scale bytes to fp32: E4M3 (quant_math.h e4m3_value) and UE8M0 (2**(c - 127), the exponent
 // field itself; c = 0 is the subnormal 2**-127 and 255 is NaN), one table each, built at load.
@@ -105,21 +105,10 @@ QT_GEMM_INLINE __m128i nibble_bytes(const uint8_t* p) {
 
 #endif
 
-QT_GEMM_INLINE f32x16 join(f32x8 lo, f32x8 hi) {
-  f32x16 u;
-  std::memcpy(&u, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&u) + 32, &hi, 32);
-  return u;
-}
-
-// The lanes summed by halves: (l, l + 8), then 4, 2, 1 apart.
-QT_GEMM_INLINE float lane_sum(f32x16 v) {
-  float h[16];
-  std::memcpy(h, &v, sizeof h);
-  for (int w = 8; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) h[l] = h[l] + h[l + w];
-  return h[0];
-}
+// 16 lanes as two halves of 8, one AVX2 register each (gemm_cpu_lanes.h `Lanes`).
+struct Pair8 {
+  f32x8 h[2];
+};
 
 // Operand views: x fp32 [M, K] (row stride ldx), W's bytes [N, .] and scale bytes [N, .].
 struct Operands {
@@ -142,14 +131,14 @@ constexpr int ISA = kBase;
 }  // namespace base
 #if defined(QT_GEMM_X86)
 #pragma GCC push_options
-#pragma GCC target("arch=x86-64-v3")
+#pragma GCC target("avx2,fma")
 namespace avx2 {
 constexpr int ISA = kAvx2;
 #include "gemm_cpu_lanes.h"
 }  // namespace avx2
 #pragma GCC pop_options
 #pragma GCC push_options
-#pragma GCC target("arch=x86-64-v4")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
 namespace avx512 {
 constexpr int ISA = kAvx512;
 #include "gemm_cpu_lanes.h"
@@ -162,8 +151,12 @@ int cpu_isa() {
 #if defined(QT_GEMM_X86)
   static const int isa = [] {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("x86-64-v4")) return static_cast<int>(kAvx512);
-    return static_cast<int>(__builtin_cpu_supports("x86-64-v3") ? kAvx2 : kBase);
+    // The features the target pragmas below name (GCC 11 and Clang 17 know no level names).
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                        __builtin_cpu_supports("avx512vl");
+    return static_cast<int>(avx512 ? kAvx512 : avx2 ? kAvx2 : kBase);
   }();
   return isa;
 #else
@@ -171,7 +164,7 @@ int cpu_isa() {
 #endif
 }
 
-const char* const kIsaName[3] = {"baseline", "AVX2 (x86-64-v3)", "AVX-512 (x86-64-v4)"};
+const char* const kIsaName[3] = {"baseline", "AVX2 + FMA", "AVX-512 (F, BW, DQ, VL)"};
 
 // The instruction set a call runs: the CPU's own (isa -1), or one it supports (tests run each).
 int run_isa(const char* op, int64_t isa) {
@@ -194,13 +187,17 @@ int64_t check_weight(const char* op, const at::Tensor& w, const at::Tensor& s, i
   TORCH_CHECK(fmt >= 0 && fmt <= 2, op, ": fmt is 0 (NVFP4), 1 (MXFP4) or 2 (MXFP8); got ",
               num(fmt), ".");
   TORCH_CHECK(w.device().is_cpu() && s.device().is_cpu(), op,
-              ": runs on CPU tensors; got the weight on ", w.device().str(), ".");
+              ": runs on CPU tensors; got the data on ", w.device().str(), " and the scales on ",
+              s.device().str(), ".");
   TORCH_CHECK(w.dim() == 2 && s.dim() == 2 && w.element_size() == 1 && s.element_size() == 1,
               op, ": the ", kName[fmt], " operand is 2-D bytes [N, K*] with 2-D scale bytes; got ",
               "data ", shape_str(w), " of ", w.scalar_type(), " and scales ", shape_str(s), " of ",
               s.scalar_type(), ".");
   const int64_t K = w.size(1) * kPerByte[fmt];
-  TORCH_CHECK(s.size(0) == w.size(0) && s.size(1) * kBlock[fmt] == K && K % 16 == 0, op, ": ",
+  TORCH_CHECK(K % kBlock[fmt] == 0, op, ": ", kName[fmt], " data ", shape_str(w), " holds K = ",
+              num(K), " elements a row; K must be a multiple of the block, ", num(kBlock[fmt]),
+              ".");
+  TORCH_CHECK(s.size(0) == w.size(0) && s.size(1) * kBlock[fmt] == K, op, ": ",
               kName[fmt], " data ", shape_str(w), " needs scales [", num(w.size(0)), ", ",
               num(K / kBlock[fmt]), "] (one per ", num(kBlock[fmt]), " elements); got ",
               shape_str(s), ".");
@@ -281,6 +278,11 @@ at::Tensor cpu_weight_mm(const at::Tensor& x, const at::Tensor& data, const at::
 TORCH_LIBRARY_IMPL(qtensor, CPU, m) {
   m.impl("cpu_units", &cpu_units);
   m.impl("cpu_weight_mm", &cpu_weight_mm);
+}
+
+// No tensor argument, so no backend key: the kernel every dispatch reaches.
+TORCH_LIBRARY_IMPL(qtensor, CompositeExplicitAutograd, m) {
+  m.impl("cpu_gemm_isa", []() -> int64_t { return cpu_isa(); });
 }
 
 }  // namespace qtensor

@@ -3,8 +3,41 @@
 // AVX2 and AVX-512, under `#pragma GCC target`, so that every function here (the intrinsics'
 // callers included) is compiled for that target. No include guard, on purpose.
 //
-// e2m1_units8 and the AVX2 and AVX-512 branches of units16 are the only target-specific code;
-// the rest is GCC/Clang vector extensions, the same operations on every target.
+// `Lanes`, 16 fp32 lanes, is one AVX-512 register, or two halves of 8 (one AVX2 register each):
+// a 16-lane vector type on AVX2 made the compiler shuffle every result through memory. The
+// intrinsics (e2m1_units8, the AVX2 and AVX-512 branches of units16 and fma) are the only
+// target-specific code; the rest is GCC/Clang vector extensions, the same operations on every
+// target.
+
+// (The functions below that branch on the instruction set take it as a template parameter I,
+// defaulted to ISA, so that the branches of the other targets are never compiled.)
+template <int I>
+using LanesOf = std::conditional_t<I == kAvx512, f32x16, Pair8>;
+using Lanes = LanesOf<ISA>;
+
+// 16 floats at p (unaligned), a half at a time where Lanes has halves.
+template <int I = ISA>
+QT_GEMM_INLINE LanesOf<I> lanes(const float* p) {
+  if constexpr (I == kAvx512) {
+    return load_as<f32x16>(p);
+  } else {
+    return Pair8{{load_as<f32x8>(p), load_as<f32x8>(p + 8)}};
+  }
+}
+
+// The lanes summed by halves: (l, l + 8), then 4, 2, 1 apart. (Lane subscripts and shuffles,
+// not a copy to memory: the sums would then live in memory for the whole loop.)
+template <int I = ISA>
+QT_GEMM_INLINE float lane_sum(LanesOf<I> v) {
+  if constexpr (I == kAvx512) {
+    const f32x16 h = v + __builtin_shuffle(v, i32x16{8, 9, 10, 11, 12, 13, 14, 15,
+                                                     0, 1, 2, 3, 4, 5, 6, 7});
+    return ((h[0] + h[4]) + (h[2] + h[6])) + ((h[1] + h[5]) + (h[3] + h[7]));
+  } else {
+    const f32x8 h = v.h[0] + v.h[1];
+    return ((h[0] + h[4]) + (h[2] + h[6])) + ((h[1] + h[5]) + (h[3] + h[7]));
+  }
+}
 
 #if defined(QT_GEMM_X86)
 // value(q) * s of the 8 codes in idx's lanes: the magnitudes permuted (the permute takes
@@ -19,12 +52,12 @@ QT_GEMM_INLINE f32x8 e2m1_units8(__m256 table, __m256i idx) {
 #endif
 
 // The 16 units of weight row w (bytes) with scale bytes sc, at elements k .. k + 15.
-template <int FMT>
-QT_GEMM_INLINE f32x16 units16(const uint8_t* w, const uint8_t* sc, int64_t k) {
+template <int FMT, int I = ISA>
+QT_GEMM_INLINE LanesOf<I> units16(const uint8_t* w, const uint8_t* sc, int64_t k) {
   const float s = FMT == kNvfp4 ? kScales.e4m3[sc[k / 16]] : kScales.ue8m0[sc[k / 32]];
   const uint8_t* p = FMT == kMxfp8 ? w + k : w + k / 2;
 #if defined(QT_GEMM_X86)
-  if constexpr (ISA == kAvx512) {
+  if constexpr (I == kAvx512) {
     if constexpr (FMT == kMxfp8) {
       const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
       return e4m3_lanes<i32x16, f32x16>(reinterpret_cast<i32x16>(b)) * s;
@@ -33,18 +66,18 @@ QT_GEMM_INLINE f32x16 units16(const uint8_t* w, const uint8_t* sc, int64_t k) {
       return reinterpret_cast<f32x16>(
           _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nibble_bytes(p)), table));
     }
-  } else if constexpr (ISA == kAvx2) {
+  } else if constexpr (I == kAvx2) {
     if constexpr (FMT == kMxfp8) {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
       const f32x8 lo = e4m3_lanes<i32x8, f32x8>(reinterpret_cast<i32x8>(_mm256_cvtepu8_epi32(b)));
       const f32x8 hi = e4m3_lanes<i32x8, f32x8>(
           reinterpret_cast<i32x8>(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))));
-      return join(lo * s, hi * s);
+      return Pair8{{lo * s, hi * s}};
     } else {
       const __m256 table = _mm256_mul_ps(reinterpret_cast<__m256>(kE2M1Magnitude), _mm256_set1_ps(s));
       const __m128i q = nibble_bytes(p);
-      return join(e2m1_units8<ISA>(table, _mm256_cvtepu8_epi32(q)),
-                  e2m1_units8<ISA>(table, _mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))));
+      return Pair8{{e2m1_units8<ISA>(table, _mm256_cvtepu8_epi32(q)),
+                    e2m1_units8<ISA>(table, _mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)))}};
     }
   }
 #endif
@@ -57,29 +90,32 @@ QT_GEMM_INLINE f32x16 units16(const uint8_t* w, const uint8_t* sc, int64_t k) {
       u[i] = kE2M1Signed[q] * s;
     }
   }
-  return load16(u);
+  return lanes<I>(u);
 }
 
 // a * b + c per lane, rounded once (a fused multiply-add on every target, so that the bits do
 // not depend on the instruction set; with a bf16, fp16 or unit activation the product is exact
 // and this equals the product added).
-QT_GEMM_INLINE f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
+template <int I = ISA>
+QT_GEMM_INLINE LanesOf<I> fma(LanesOf<I> a, LanesOf<I> b, LanesOf<I> c) {
 #if defined(QT_GEMM_X86)
-  if constexpr (ISA == kAvx512) {
+  if constexpr (I == kAvx512) {
     return reinterpret_cast<f32x16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
                                                     reinterpret_cast<__m512>(b),
                                                     reinterpret_cast<__m512>(c)));
-  } else if constexpr (ISA == kAvx2) {
-    __m256 a2[2], b2[2], c2[2];
-    std::memcpy(a2, &a, 64);
-    std::memcpy(b2, &b, 64);
-    std::memcpy(c2, &c, 64);
-    for (int h = 0; h < 2; ++h) c2[h] = _mm256_fmadd_ps(a2[h], b2[h], c2[h]);
-    std::memcpy(&c, c2, 64);
+  } else if constexpr (I == kAvx2) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h)
+      c.h[h] = reinterpret_cast<f32x8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a.h[h]),
+                                                       reinterpret_cast<__m256>(b.h[h]),
+                                                       reinterpret_cast<__m256>(c.h[h])));
     return c;
   }
 #endif
-  for (int l = 0; l < 16; ++l) c[l] = std::fma(a[l], b[l], c[l]);
+  if constexpr (I != kAvx512) {
+    for (int h = 0; h < 2; ++h)
+      for (int l = 0; l < 8; ++l) c.h[h][l] = std::fma(a.h[h][l], b.h[h][l], c.h[h][l]);
+  }
   return c;
 }
 
@@ -87,16 +123,20 @@ QT_GEMM_INLINE f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
 // into MT activation rows.
 template <int FMT, int MT, int NT>
 QT_GEMM_INLINE void tile(const Operands& o, int64_t m0, int64_t n0) {
-  f32x16 acc[MT][NT] = {};
+  Lanes acc[MT][NT] = {};
   const uint8_t* w = o.w + n0 * o.ldw;
   const uint8_t* sc = o.s + n0 * o.lds;
   const float* x = o.x + m0 * o.ldx;
+  // Fully unrolled, so that the sums stay in registers.
   for (int64_t k = 0; k < o.K; k += 16) {
-    f32x16 u[NT];
+    Lanes u[NT];
+#pragma GCC unroll 8
     for (int j = 0; j < NT; ++j) u[j] = units16<FMT>(w + j * o.ldw, sc + j * o.lds, k);
+#pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) {
-      const f32x16 xv = load16(x + i * o.ldx + k);
-      for (int j = 0; j < NT; ++j) acc[i][j] = fma16(xv, u[j], acc[i][j]);
+      const Lanes xv = lanes(x + i * o.ldx + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NT; ++j) acc[i][j] = fma(xv, u[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MT; ++i)
@@ -143,7 +183,7 @@ template <int FMT>
 QT_GEMM_INLINE void units_rows(const Operands& o, int64_t lo, int64_t hi) {
   for (int64_t r = lo; r < hi; ++r)
     for (int64_t k = 0; k < o.K; k += 16) {
-      const f32x16 u = units16<FMT>(o.w + r * o.ldw, o.s + r * o.lds, k);
+      const Lanes u = units16<FMT>(o.w + r * o.ldw, o.s + r * o.lds, k);
       std::memcpy(o.out + r * o.ldo + k, &u, sizeof u);
     }
 }

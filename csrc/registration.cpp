@@ -76,4 +76,6 @@ TORCH_LIBRARY(qtensor, m) {
   // same bits.
   m.def("cpu_units(Tensor data, Tensor scale, int fmt, int isa=-1) -> Tensor");
   m.def("cpu_weight_mm(Tensor x, Tensor data, Tensor scale, int fmt, int isa=-1) -> Tensor");
+  // The instruction set the CPU kernels run by default (-1 above): 0, 1 or 2.
+  m.def("cpu_gemm_isa() -> int");
 }

@@ -56,11 +56,12 @@ the dispatcher's Python round trips.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from qtensor.backends import GemmBackend, gemm_backend_problem, has_kernel
+from qtensor.backends import GemmBackend, gemm_backend_problem, has_kernel, has_ops
 from qtensor.formats import fp8_block as fp8_block_ref
 from qtensor.ops.gemm_operands import (
     B_POSITION,
@@ -140,26 +141,38 @@ def reference_grouped_mm(fmt: str, a: Side, b: Side, offs, bias, out_dtype,
 
 # [Note: CPU GEMM kernel]
 # On the CPU the dense ops multiply a quantized weight b [N, K*] (2-D) by an activation of at
-# most CPU_FUSED_MAX_M rows (a float operand, or a quantized one's unit values) with
-# qtensor::cpu_weight_mm: the weight is decoded in registers as it streams (16 units from one
-# table permute per E2M1 group, the E4M3 bytes by their bits) and never written out, and each
-# output sums its K products in fp32 by fused multiply-adds in 16 lanes, then the lanes by
-# halves. That is the reference's math up to the order of the fp32 additions (a fused
-# multiply-add rounds once; a product of a bf16, fp16 or unit value and a unit is exact, so
-# only fp32 activations see that), and the order depends on K alone: a row's output does not
-# depend on the other rows, the threads or the instruction set. The epilogue is the reference's
-# own (`apply_epilogue`). Above CPU_FUSED_MAX_M rows, and for 3-D weights, grouped products and
-# the gradients, the operands are decoded once by qtensor::cpu_units (the reference's unit
-# values bit for bit) for torch.matmul: the reference's bits, faster. docs/gemm.md has the
-# measurements behind the limit.
-CPU_FUSED_MAX_M = 256
+# most cpu_fused_max_m() rows (all rows of a 3-D one counted; a float operand, or a quantized
+# one's unit values) with qtensor::cpu_weight_mm: the weight is decoded in registers as it
+# streams (16 units from one table permute per E2M1 group, the E4M3 bytes by their bits) and
+# never written out, and each output sums its K products in fp32 by fused multiply-adds in 16
+# lanes, then the lanes by halves. That is the reference's math up to the order of the fp32
+# additions: a fused multiply-add rounds once, and a product is exact when it fits fp32 (a bf16,
+# fp16 or unit activation times a unit does, unless an MX block's tiny scale takes it below
+# fp32's smallest step), so only the sums round. The order depends on K alone, so within the
+# row limit an output row's bits do not depend on the other rows, a concatenated weight, the
+# threads or the instruction set. The epilogue is the reference's own (`apply_epilogue`).
+# Above the limit, and for 3-D weights, grouped products and the gradients, the operands are
+# decoded once by qtensor::cpu_units (the reference's unit values bit for bit, NaN sign and
+# payload aside) for torch.matmul: the reference's bits, faster.
+# The limit is where decoding once wins (docs/gemm.md has the measurements), per instruction
+# set the kernels run (qtensor::cpu_gemm_isa): 2, AVX-512: 256 rows; 1, AVX2 with FMA: 64; 0,
+# the baseline, whose fused multiply-add is a library call on a CPU without the instruction: 1.
+CPU_FUSED_MAX_M = {0: 1, 1: 64, 2: 256}
 _CPU_FORMAT_CODE = {NVFP4: 0, MXFP4: 1, MXFP8: 2}
 
 
 @functools.cache
 def cpu_kernels_built() -> bool:
     """Whether the loaded extension has the CPU GEMM kernels (chosen once)."""
-    return has_kernel("cpu_weight_mm", "CPU") and has_kernel("cpu_units", "CPU")
+    return has_kernel("cpu_weight_mm", "CPU") and has_kernel("cpu_units", "CPU") and \
+        has_ops("cpu_gemm_isa")
+
+
+@functools.cache
+def cpu_fused_max_m() -> int:
+    """Activation rows up to which the CPU product decodes the weight in registers, for the
+    instruction set this CPU runs (chosen once; 0 without the kernels)."""
+    return CPU_FUSED_MAX_M[torch.ops.qtensor.cpu_gemm_isa()] if cpu_kernels_built() else 0
 
 
 def _cpu_kernel_takes(fmt: str, s: Side) -> bool:
@@ -174,8 +187,9 @@ def cpu_units(fmt: str, side: Side) -> torch.Tensor:
         return units(fmt, side)
     data, scale = side.data, side.scale
     lead = data.shape[:-1]
-    out = torch.ops.qtensor.cpu_units(data.reshape(-1, data.shape[-1]),
-                                      scale.reshape(-1, scale.shape[-1]), _CPU_FORMAT_CODE[fmt])
+    rows = math.prod(lead)
+    out = torch.ops.qtensor.cpu_units(data.reshape(rows, data.shape[-1]),
+                                      scale.reshape(rows, scale.shape[-1]), _CPU_FORMAT_CODE[fmt])
     return out.reshape(*lead, out.shape[-1])
 
 
@@ -183,12 +197,12 @@ def cpu_mm(fmt: str, a: Side, b: Side, bias, out_dtype) -> torch.Tensor:
     """The CPU op's product ([Note: CPU GEMM kernel])."""
     if not _cpu_kernel_takes(fmt, b):
         return reference_mm(fmt, a, b, bias, out_dtype)
-    rows = a.data.numel() // max(a.data.shape[-1], 1)
-    if b.data.dim() != 2 or rows > CPU_FUSED_MAX_M:
+    lead = a.data.shape[:-1]
+    rows = math.prod(lead)
+    if b.data.dim() != 2 or rows > cpu_fused_max_m():
         return reference_mm(fmt, a, b, bias, out_dtype, decode=cpu_units)
     x = cpu_units(fmt, a) if a.quantized else a.data
-    lead = x.shape[:-1]
-    acc = torch.ops.qtensor.cpu_weight_mm(x.reshape(-1, x.shape[-1]), b.data, b.scale,
+    acc = torch.ops.qtensor.cpu_weight_mm(x.reshape(rows, x.shape[-1]), b.data, b.scale,
                                           _CPU_FORMAT_CODE[fmt])
     acc = acc.reshape(*lead, acc.shape[-1])
     return apply_epilogue(acc, *epilogue_factors(fmt, a, b), bias, out_dtype)
