@@ -15,7 +15,7 @@
 // Accumulation order of cpu_weight_mm, fixed and the same on every CPU: output (m, n) sums its
 // products in 16 lanes, lane l taking k = l, l + 16, l + 32, ... in order, and then the lanes
 // by halves (l + 8, then + 4, + 2, + 1). It depends on K alone: a row's result does not depend
-// on the other rows of x or W, or on the threads.
+// on the other rows of x or W, on the threads or on the instruction set.
 //
 // Each kernel is compiled for AVX-512 (F, BW, DQ, VL), AVX2 with FMA and the baseline, chosen
 // once at load (`cpu_isa`). All three compute the same operations in the same order, with an
@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -47,7 +48,8 @@ typedef int32_t i32x8 __attribute__((vector_size(32)));
 
 enum Fmt { kNvfp4 = 0, kMxfp4 = 1, kMxfp8 = 2 };
 // Instruction sets a kernel is compiled for: AVX-512 permutes a 16-entry table in one
-// instruction; the others permute 8 magnitudes per half and set the sign.
+// instruction; AVX2 permutes 8 magnitudes per half and sets the sign; the baseline looks each
+// code up.
 enum Isa { kBase = 0, kAvx2 = 1, kAvx512 = 2 };
 
 constexpr f32x16 kE2M1Signed = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
