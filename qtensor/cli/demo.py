@@ -18,6 +18,7 @@ import torch
 
 from qtensor.cli.common import (UsageError, add_model_args, check_batch, configs_from_args,
                          demo_config, resolve_device)
+from qtensor.ops import gemm_ops
 
 
 def add_parser(sub) -> None:
@@ -134,15 +135,22 @@ def run(args) -> int:
     print(f"layers: nn.Linear layers quantized / all. weights: stored bytes of the quantized "
           f"nn.Linear weights (codes + scales + amax) vs the same weights in bf16 (layers left "
           f"in bf16 are not counted).\nSQNR: logits vs the bf16 model (+6 dB = one more bit). "
-          f"run s: the second forward of the batch.\n{_backend_note(rows)}\n"
+          f"run s: the second forward of the batch.\n"
+          f"{_backend_note(rows, args.batch * args.seq, device)}\n"
           f"total {total_s:.1f} s")
     return 0
 
 
-def _backend_note(rows: list[DemoRow]) -> str:
+def _backend_note(rows: list[DemoRow], tokens: int, device: torch.device) -> str:
     used = sorted({b for r in rows[1:] for b in r.backends.split(",") if b != "-"})
     note = f"backends (quantize/GEMM): {', '.join(used) or '-'}."
-    if used and all(b.endswith("/emulated") for b in used):
-        note += (" The emulated GEMM decodes to fp32 and calls torch.matmul: the times show the "
-                 "exact reference, not a fast kernel.")
-    return note
+    if not (used and all(b.endswith("/emulated") for b in used)):
+        return note
+    limit = gemm_ops.cpu_fused_max_m() if device.type == "cpu" else 0
+    if tokens <= limit:
+        return note + (f" The emulated GEMM runs the CPU kernels: up to {limit} rows the weight "
+                       "is decoded in registers, the exact values summed in fp32.")
+    return note + (" The emulated GEMM decodes the weights to their exact fp32 values once and "
+                   "calls torch.matmul" + (f" (the CPU kernels decode in registers up to {limit} "
+                                           f"rows; this batch has {tokens})" if limit else "")
+                   + ".")
