@@ -11,8 +11,9 @@
   range, MX scales down to 2**-127, NaN scales, 3-D activations and empty shapes.
 - The ops reach it (their output is the kernel's, bit for bit), and its bits depend on K alone:
   not on the other rows, the threads or the instruction set.
-- Above the row limit, for 3-D weights and for grouped products the ops give the reference's
-  bits exactly; so does a weight in the decode layout, as its canonical bytes do.
+- Above the row limit, for 3-D weights, for grouped products and for a quantized left operand
+  times a float right one the ops give the reference's bits exactly; a weight in the decode
+  layout gives its canonical bytes' bits.
 """
 
 from __future__ import annotations
@@ -348,6 +349,18 @@ def test_above_the_row_limit_the_bits_are_the_reference(fmt):
     out = _op(fmt, Side(x[:4][None]), b3, None, torch.float32)
     assert torch.equal(out, gemm_ops.reference_mm(fmt, Side(x[:4][None]), b3, None,
                                                   torch.float32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_left_high_precision_right_is_the_reference(fmt):
+    """A quantized left operand times a float right one: the left's units decoded once (C++),
+    torch.matmul, the reference's bits."""
+    g = torch.Generator().manual_seed(17)
+    data, scale = _weight(fmt, 6, 64, g)
+    a = _side(fmt, data, scale)
+    b = Side(torch.randn(10, 64, generator=g))
+    out = _op(fmt, a, b, None, torch.float32)
+    assert torch.equal(out, gemm_ops.reference_mm(fmt, a, b, None, torch.float32))
 
 
 def test_grouped_product_bits_are_the_reference():

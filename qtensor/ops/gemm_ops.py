@@ -195,11 +195,9 @@ def cpu_units(fmt: str, side: Side) -> torch.Tensor:
 
 def cpu_mm(fmt: str, a: Side, b: Side, bias, out_dtype) -> torch.Tensor:
     """The CPU op's product ([Note: CPU GEMM kernel])."""
-    if not _cpu_kernel_takes(fmt, b):
-        return reference_mm(fmt, a, b, bias, out_dtype)
     lead = a.data.shape[:-1]
     rows = math.prod(lead)
-    if b.data.dim() != 2 or rows > cpu_fused_max_m():
+    if not _cpu_kernel_takes(fmt, b) or b.data.dim() != 2 or rows > cpu_fused_max_m():
         return reference_mm(fmt, a, b, bias, out_dtype, decode=cpu_units)
     x = cpu_units(fmt, a) if a.quantized else a.data
     acc = torch.ops.qtensor.cpu_weight_mm(x.reshape(rows, x.shape[-1]), b.data, b.scale,
