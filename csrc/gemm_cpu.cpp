@@ -45,6 +45,9 @@ typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 
 #define QT_GEMM_INLINE inline __attribute__((always_inline))
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define QT_GEMM_X86 1
+#endif
 
 enum Fmt { kNvfp4 = 0, kMxfp4 = 1, kMxfp8 = 2 };
 // Instruction sets a kernel is compiled for: AVX-512 permutes a 16-entry table in one
@@ -55,20 +58,6 @@ enum Isa { kBase = 0, kAvx2 = 1, kAvx512 = 2 };
 constexpr f32x16 kE2M1Signed = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
                                 -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 constexpr f32x8 kE2M1Magnitude = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
-
-// The bytes at p as a T (an unaligned vector load), and a value's bits as another type of its
-// size (C++20's bit_cast, for vector types too).
-template <typename T>
-QT_GEMM_INLINE T load_as(const void* p) {
-  T t;
-  std::memcpy(&t, p, sizeof t);
-  return t;
-}
-template <typename T, typename F>
-QT_GEMM_INLINE T bits_as(F f) {
-  static_assert(sizeof(T) == sizeof(F), "a bit cast keeps the size");
-  return load_as<T>(&f);
-}
 
 // Scale bytes to fp32: E4M3 (quant_math.h e4m3_value) and UE8M0 (2**(c - 127), the exponent
 // field itself; c = 0 is the subnormal 2**-127 and 255 is NaN), one table each, built at load.
@@ -83,29 +72,6 @@ struct ScaleTables {
 };
 const ScaleTables kScales;
 
-// e4m3 value(b) of byte lanes b (0..255): a normal magnitude a's fp32 bits are (a << 20) +
-// (120 << 23); a subnormal one's m * 2**-9 is the same bits with exponent 121, minus 2**-6
-// (exact; quant_math.h e4m3_scale_value); 0x7F is NaN; the sign goes to bit 31.
-template <typename I, typename F>
-QT_GEMM_INLINE F e4m3_lanes(I w) {
-  const I a = w & 0x7F, u = a << 20;
-  const F normal = bits_as<F>(u + (120 << 23));
-  const F sub = bits_as<F>(u + (121 << 23)) - 0x1p-6f;
-  I mag = bits_as<I>(a < 8 ? sub : normal);
-  mag = a == 0x7F ? I{} + 0x7FC00000 : mag;
-  return bits_as<F>(mag | ((w & 0x80) << 24));
-}
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define QT_GEMM_X86 1
-// The 8 code bytes at p as 16 nibble bytes, element 2j (the low nibble of byte j) first.
-QT_GEMM_INLINE __m128i nibble_bytes(const uint8_t* p) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  const __m128i f = _mm_set1_epi8(0x0F);
-  return _mm_unpacklo_epi8(_mm_and_si128(b, f), _mm_and_si128(_mm_srli_epi16(b, 4), f));
-}
-
-#endif
 
 // 16 lanes as two halves of 8, one AVX2 register each (gemm_cpu_lanes.h `Lanes`).
 struct Pair8 {
@@ -131,21 +97,36 @@ namespace base {
 constexpr int ISA = kBase;
 #include "gemm_cpu_lanes.h"
 }  // namespace base
+// The target of every function in a namespace: GCC's target pragma, or Clang's attribute
+// region (Clang ignores the pragma).
 #if defined(QT_GEMM_X86)
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+#endif
 namespace avx2 {
 constexpr int ISA = kAvx2;
 #include "gemm_cpu_lanes.h"
 }  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma"))), apply_to = function)
+#else
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
+#endif
 namespace avx512 {
 constexpr int ISA = kAvx512;
 #include "gemm_cpu_lanes.h"
 }  // namespace avx512
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 #endif
 
 // The instruction set of this CPU, read once.

@@ -1,13 +1,50 @@
 // The lane kernels of gemm_cpu.cpp, compiled once per instruction set: gemm_cpu.cpp includes
 // this file three times, each time inside its own namespace with `ISA` defined there and, for
-// AVX2 and AVX-512, under `#pragma GCC target`, so that every function here (the intrinsics'
-// callers included) is compiled for that target. No include guard, on purpose.
+// AVX2 and AVX-512, under a target pragma (GCC) or attribute region (Clang), so that every
+// function here (the intrinsics' callers included) is compiled for that target, each namespace
+// with its own copy of every helper. No include guard, on purpose.
 //
 // `Lanes`, 16 fp32 lanes, is one AVX-512 register, or two halves of 8 (one AVX2 register each):
 // a 16-lane vector type on AVX2 made the compiler shuffle every result through memory. The
 // intrinsics (e2m1_units8, the AVX2 and AVX-512 branches of units16 and fma) are the only
 // target-specific code; the rest is GCC/Clang vector extensions, the same operations on every
 // target.
+
+// The bytes at p as a T (an unaligned vector load), and a value's bits as another type of its
+// size (C++20's bit_cast, for vector types too).
+template <typename T>
+QT_GEMM_INLINE T load_as(const void* p) {
+  T t;
+  std::memcpy(&t, p, sizeof t);
+  return t;
+}
+template <typename T, typename F>
+QT_GEMM_INLINE T bits_as(F f) {
+  static_assert(sizeof(T) == sizeof(F), "a bit cast keeps the size");
+  return load_as<T>(&f);
+}
+
+// e4m3 value(b) of byte lanes b (0..255): a normal magnitude a's fp32 bits are (a << 20) +
+// (120 << 23); a subnormal one's m * 2**-9 is the same bits with exponent 121, minus 2**-6
+// (exact; quant_math.h e4m3_scale_value); 0x7F is NaN; the sign goes to bit 31.
+template <typename I, typename F>
+QT_GEMM_INLINE F e4m3_lanes(I w) {
+  const I a = w & 0x7F, u = a << 20;
+  const F normal = bits_as<F>(u + (120 << 23));
+  const F sub = bits_as<F>(u + (121 << 23)) - 0x1p-6f;
+  I mag = bits_as<I>(a < 8 ? sub : normal);
+  mag = a == 0x7F ? I{} + 0x7FC00000 : mag;
+  return bits_as<F>(mag | ((w & 0x80) << 24));
+}
+
+#if defined(QT_GEMM_X86)
+// The 8 code bytes at p as 16 nibble bytes, element 2j (the low nibble of byte j) first.
+QT_GEMM_INLINE __m128i nibble_bytes(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i f = _mm_set1_epi8(0x0F);
+  return _mm_unpacklo_epi8(_mm_and_si128(b, f), _mm_and_si128(_mm_srli_epi16(b, 4), f));
+}
+#endif
 
 // (The functions below that branch on the instruction set take it as a template parameter I,
 // defaulted to ISA, so that the branches of the other targets are never compiled.)
@@ -30,9 +67,12 @@ QT_GEMM_INLINE LanesOf<I> lanes(const float* p) {
 template <int I = ISA>
 QT_GEMM_INLINE float lane_sum(LanesOf<I> v) {
   if constexpr (I == kAvx512) {
-    const f32x16 h = v + __builtin_shuffle(v, i32x16{8, 9, 10, 11, 12, 13, 14, 15,
-                                                     0, 1, 2, 3, 4, 5, 6, 7});
+#if defined(QT_GEMM_X86)
+    const __m512 w = reinterpret_cast<__m512>(v);
+    const f32x8 h = reinterpret_cast<f32x8>(
+        _mm256_add_ps(_mm512_castps512_ps256(w), _mm512_extractf32x8_ps(w, 1)));
     return ((h[0] + h[4]) + (h[2] + h[6])) + ((h[1] + h[5]) + (h[3] + h[7]));
+#endif
   } else {
     const f32x8 h = v.h[0] + v.h[1];
     return ((h[0] + h[4]) + (h[2] + h[6])) + ((h[1] + h[5]) + (h[3] + h[7]));

@@ -9,8 +9,9 @@
   every tile, bf16, fp16 and fp32 activations, quantized and non-contiguous activations,
   per-tensor and row-scaled NVFP4, bounds 448 and 256, bias, zero weights, outliers past fp32's
   range, MX scales down to 2**-127, NaN scales, 3-D activations and empty shapes.
-- The ops reach it (their output is the kernel's, bit for bit), and its bits depend on K alone:
-  not on the other rows, the threads or the instruction set.
+- The ops reach it (their output is the kernel's, bit for bit), its bits are those of the
+  order the docs state (modelled here), and they depend on K alone: not on the other rows, the
+  threads or the instruction set.
 - Above the row limit, for 3-D weights, for grouped products and for a quantized left operand
   times a float right one the ops give the reference's bits exactly; a weight in the decode
   layout gives its canonical bytes' bits.
@@ -332,6 +333,28 @@ def test_rows_and_instruction_sets_give_the_same_bits(fmt):
         torch.set_num_threads(threads)
     for isa in ISAS:
         assert torch.equal(torch.ops.qtensor.cpu_weight_mm(x, data, scale, CODE[fmt], isa), full)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_documented_order(fmt):
+    """The sums in the order docs/gemm.md states, modelled here: lane l adds x[k] * u[k] for
+    k = l, l + 16, ... by fused multiply-adds (each the exact fp64 value rounded once to fp32:
+    a bf16 value times a unit is exact in fp64, and so is its sum with an fp32 here), then the
+    lanes by halves (l + 8, then 4, 2, 1 apart) in fp32; every instruction set gives its bits."""
+    g = torch.Generator().manual_seed(19)
+    n, k, m = 37, 512, 9
+    data, scale = _weight(fmt, n, k, g)
+    u = units(fmt, Side(data, scale)).double()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    acc = torch.zeros(m, n, 16, dtype=torch.float32)
+    for k0 in range(0, k, 16):
+        prod = x[:, None, k0:k0 + 16].double() * u[None, :, k0:k0 + 16]
+        acc = (acc.double() + prod).float()
+    for w in (8, 4, 2, 1):
+        acc = acc[..., :w] + acc[..., w:2 * w]
+    want = acc[..., 0]
+    for isa in ISAS:
+        assert torch.equal(torch.ops.qtensor.cpu_weight_mm(x, data, scale, CODE[fmt], isa), want)
 
 
 # ---- the exact paths: above the row limit, 3-D weights, grouped products -------------------------

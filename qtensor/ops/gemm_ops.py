@@ -143,7 +143,7 @@ def reference_grouped_mm(fmt: str, a: Side, b: Side, offs, bias, out_dtype,
 # On the CPU the dense ops multiply a quantized weight b [N, K*] (2-D) by an activation of at
 # most cpu_fused_max_m() rows (all rows of a 3-D one counted; a float operand, or a quantized
 # one's unit values) with qtensor::cpu_weight_mm: the weight is decoded in registers as it
-# streams (16 units from one table permute per E2M1 group, the E4M3 bytes by their bits) and
+# streams (16 units from a table permute per E2M1 group, the E4M3 bytes by their bits) and
 # never written out, and each output sums its K products in fp32 by fused multiply-adds in 16
 # lanes, then the lanes by halves. That is the reference's math up to the order of the fp32
 # additions: a fused multiply-add rounds once, and a product is exact when it fits fp32 (a bf16,
