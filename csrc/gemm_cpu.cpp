@@ -92,7 +92,7 @@ struct Operands {
 };
 
 // The kernels, once per instruction set (gemm_cpu_lanes.h); each namespace's entry points
-// weight_rows_entry and units_rows_entry are chosen by cpu_isa().
+// weight_rows_entry and units_rows_entry, indexed by the instruction set in the tables below.
 namespace base {
 constexpr int ISA = kBase;
 #include "gemm_cpu_lanes.h"
@@ -148,6 +148,21 @@ int cpu_isa() {
 }
 
 const char* const kIsaName[3] = {"baseline", "AVX2 + FMA", "AVX-512 (F, BW, DQ, VL)"};
+
+// Each op's entry point per instruction set (the baseline's wherever the others are not built).
+using UnitsRows = void (*)(int, const Operands&, int64_t, int64_t);
+using WeightRows = void (*)(int, const Operands&, int64_t, int64_t, int64_t);
+#if defined(QT_GEMM_X86)
+constexpr UnitsRows kUnitsRows[3] = {base::units_rows_entry, avx2::units_rows_entry,
+                                     avx512::units_rows_entry};
+constexpr WeightRows kWeightRows[3] = {base::weight_rows_entry, avx2::weight_rows_entry,
+                                       avx512::weight_rows_entry};
+#else
+constexpr UnitsRows kUnitsRows[3] = {base::units_rows_entry, base::units_rows_entry,
+                                     base::units_rows_entry};
+constexpr WeightRows kWeightRows[3] = {base::weight_rows_entry, base::weight_rows_entry,
+                                       base::weight_rows_entry};
+#endif
 
 // The instruction set a call runs: the CPU's own (isa -1), or one it supports (tests run each).
 int run_isa(const char* op, int64_t isa) {
@@ -209,12 +224,9 @@ at::Tensor cpu_units(const at::Tensor& data, const at::Tensor& scale, int64_t fm
   o.out = out.data_ptr<float>();
   o.ldo = K;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
+  const UnitsRows rows = kUnitsRows[isa];
   at::parallel_for(0, w.size(0), grain, [&](int64_t lo, int64_t hi) {
-#if defined(QT_GEMM_X86)
-    if (isa == kAvx512) return avx512::units_rows_entry(static_cast<int>(fmt), o, lo, hi);
-    if (isa == kAvx2) return avx2::units_rows_entry(static_cast<int>(fmt), o, lo, hi);
-#endif
-    base::units_rows_entry(static_cast<int>(fmt), o, lo, hi);
+    rows(static_cast<int>(fmt), o, lo, hi);
   });
   return out;
 }
@@ -245,13 +257,9 @@ at::Tensor cpu_weight_mm(const at::Tensor& x, const at::Tensor& data, const at::
   // Weight rows a task: about 64 KB of weight bytes, in whole tiles of 4 rows.
   const int64_t row_bytes = std::max<int64_t>(w.size(1), 1);
   const int64_t grain = std::max<int64_t>(4, (65536 / row_bytes + 3) / 4 * 4);
+  const WeightRows rows = kWeightRows[isa];
   at::parallel_for(0, (N + 3) / 4, std::max<int64_t>(1, grain / 4), [&](int64_t lo, int64_t hi) {
-    const int64_t n_lo = lo * 4, n_hi = std::min(hi * 4, N);
-#if defined(QT_GEMM_X86)
-    if (isa == kAvx512) return avx512::weight_rows_entry(static_cast<int>(fmt), o, M, n_lo, n_hi);
-    if (isa == kAvx2) return avx2::weight_rows_entry(static_cast<int>(fmt), o, M, n_lo, n_hi);
-#endif
-    base::weight_rows_entry(static_cast<int>(fmt), o, M, n_lo, n_hi);
+    rows(static_cast<int>(fmt), o, M, lo * 4, std::min(hi * 4, N));
   });
   return out;
 }

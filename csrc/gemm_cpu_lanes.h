@@ -138,25 +138,26 @@ QT_GEMM_INLINE LanesOf<I> units16(const uint8_t* w, const uint8_t* sc, int64_t k
 // and this equals the product added).
 template <int I = ISA>
 QT_GEMM_INLINE LanesOf<I> fma(LanesOf<I> a, LanesOf<I> b, LanesOf<I> c) {
-#if defined(QT_GEMM_X86)
   if constexpr (I == kAvx512) {
+#if defined(QT_GEMM_X86)
     return reinterpret_cast<f32x16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
                                                     reinterpret_cast<__m512>(b),
                                                     reinterpret_cast<__m512>(c)));
+#endif
   } else if constexpr (I == kAvx2) {
+#if defined(QT_GEMM_X86)
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h)
       c.h[h] = reinterpret_cast<f32x8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a.h[h]),
                                                        reinterpret_cast<__m256>(b.h[h]),
                                                        reinterpret_cast<__m256>(c.h[h])));
     return c;
-  }
 #endif
-  if constexpr (I != kAvx512) {
+  } else {
     for (int h = 0; h < 2; ++h)
       for (int l = 0; l < 8; ++l) c.h[h][l] = std::fma(a.h[h][l], b.h[h][l], c.h[h][l]);
+    return c;
   }
-  return c;
 }
 
 // out[m0 .. m0 + MT, n0 .. n0 + NT]: NT weight rows decoded once per 16 elements and multiplied
@@ -183,14 +184,12 @@ QT_GEMM_INLINE void tile(const Operands& o, int64_t m0, int64_t n0) {
     for (int j = 0; j < NT; ++j) o.out[(m0 + i) * o.ldo + n0 + j] = lane_sum(acc[i][j]);
 }
 
-// Every activation row against weight rows n0 .. n0 + NT: row tiles of MT, then the rest.
+// Activation rows [m, M) against weight rows n0 .. n0 + NT: tiles of MT rows, then the rows
+// left over in tiles of MT / 2, MT / 4, ... (each tile decodes the weight rows once).
 template <int FMT, int MT, int NT>
-QT_GEMM_INLINE void rows(const Operands& o, int64_t M, int64_t n0) {
-  int64_t m = 0;
+QT_GEMM_INLINE void rows(const Operands& o, int64_t m, int64_t M, int64_t n0) {
   for (; m + MT <= M; m += MT) tile<FMT, MT, NT>(o, m, n0);
-  if constexpr (MT > 1) {
-    for (; m < M; ++m) tile<FMT, 1, NT>(o, m, n0);
-  }
+  if constexpr (MT > 1) rows<FMT, MT / 2, NT>(o, m, M, n0);
 }
 
 // The weight rows [n_lo, n_hi): tiles of MT x NT (the accumulators fit the registers of the
@@ -200,15 +199,15 @@ QT_GEMM_INLINE void weight_rows(const Operands& o, int64_t M, int64_t n_lo, int6
   constexpr int NT = ISA == kAvx512 ? 2 : 1;
   int64_t n = n_lo;
   if (M == 1) {
-    for (; n + 4 <= n_hi; n += 4) rows<FMT, 1, 4>(o, M, n);
+    for (; n + 4 <= n_hi; n += 4) rows<FMT, 1, 4>(o, 0, M, n);
   } else if (M < 4) {
-    for (; n + 2 <= n_hi; n += 2) rows<FMT, 2, 2>(o, M, n);
+    for (; n + 2 <= n_hi; n += 2) rows<FMT, 2, 2>(o, 0, M, n);
   } else if (ISA == kAvx512 && M >= 8) {
-    for (; n + NT <= n_hi; n += NT) rows<FMT, 8, NT>(o, M, n);
+    for (; n + NT <= n_hi; n += NT) rows<FMT, 8, NT>(o, 0, M, n);
   } else {
-    for (; n + NT <= n_hi; n += NT) rows<FMT, 4, NT>(o, M, n);
+    for (; n + NT <= n_hi; n += NT) rows<FMT, 4, NT>(o, 0, M, n);
   }
-  for (; n < n_hi; ++n) rows<FMT, 1, 1>(o, M, n);
+  for (; n < n_hi; ++n) rows<FMT, 1, 1>(o, 0, M, n);
 }
 
 void weight_rows_entry(int fmt, const Operands& o, int64_t M, int64_t lo, int64_t hi) {

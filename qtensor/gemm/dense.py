@@ -21,7 +21,7 @@ it is made or moved; a product runs on its right operand's (the weight's) backen
 operand's when the right one is high precision:
 - `emulated`: this module's reference, any device. On the CPU the op that runs it takes the
   C++ kernels where the extension is built ([Note: CPU GEMM kernel] in qtensor/ops/gemm_ops.py:
-  the same unit values, up to 256 activation rows summed in their own fp32 order).
+  the same unit values, summed in their own fp32 order up to a row limit per instruction set).
 - `triton` (qtensor/kernels): bf16 tensor cores, fp32 accumulation, this epilogue fused; equal
   to the reference up to fp32 accumulation order. Up to 64 rows the weight is decoded in
   registers as it streams (split-K); above, each operand is decoded to exact bf16 once and the
