@@ -23,7 +23,9 @@ out=${OUT:-}
 
 # The series this tree holds, from what each adds.
 series() {
-  if [ -f csrc/tensor_copy.cuh ]; then echo quant-tma
+  if [ -f csrc/tensor_copy.cuh ] && grep -q "^constexpr int kStages = 4;" csrc/quant_cuda.cu; then
+    echo quant-tma-4stages
+  elif [ -f csrc/tensor_copy.cuh ]; then echo quant-tma
   elif grep -q "cudaMemsetAsync" csrc/convert_cuda.cu; then echo quant-amax-memset
   else echo main; fi
 }
@@ -37,6 +39,12 @@ case "${1:-}" in
       || { git am --abort; exit 1; }
     revs+=("$(git rev-parse --short HEAD)")
     echo "quant-tma: ${revs[-1]}"
+    # The same with a ring of 4 stages (3 CTAs an SM instead of 4 for 16-bit tiles): whether
+    # the tensor copies' latency wants a third tile ahead.
+    sed -i 's/^constexpr int kStages = 3; /constexpr int kStages = 4; /' csrc/quant_cuda.cu
+    git commit -q -am "quant-tma with 4 stages (measurement only)"
+    revs+=("$(git rev-parse --short HEAD)")
+    echo "quant-tma-4stages: ${revs[-1]}"
     git reset -q --hard "$base"
     git am -q dev/gpu-pending/quant-amax-memset/*.patch || { git am --abort; exit 1; }
     revs+=("$(git rev-parse --short HEAD)")
