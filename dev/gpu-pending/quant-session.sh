@@ -7,14 +7,16 @@
 #   here:   dev/gpu-pending/quant-session.sh pack
 #           each series applied to HEAD as a temporary commit and packed into .whl/compare
 #           (HEAD is left as it was; carry [".whl"]).
-#   there, run A (builds every tree; in each, the tile kernel's new tests, which hang rather than
-#           fail if a ring's barrier is wrong, then bench_quantize without the peers, its table
-#           also to $OUT/bench_quantize_<series>.md):
+#   there, run A (builds every tree; in main's, the tile kernel's new tests; in each series', the
+#           quantizers' whole CUDA suite, which hangs rather than fails if a ring's barrier is
+#           wrong; then bench_quantize without the peers in each, its table also to
+#           $OUT/bench_quantize_<series>.md):
 #           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16
 #           dev/compare_builds.sh run .whl/compare "bash dev/gpu-pending/quant-session.sh A"
 #   there, run B (the next call, while the machine is warm: the trees stay built under
-#           $TMPDIR/compare): the quantizers' whole CUDA suite in each series' tree:
-#           for t in "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/quant-session.sh B); done
+#           $TMPDIR/compare): a second bench pass in the reverse order, and Nsight Compute's
+#           instruction counts of the tile kernels in main's and quant-tma's trees:
+#           for t in "${TMPDIR:-/tmp}"/compare/*/ "$PWD"; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/quant-session.sh B); done
 #
 # Settings (read once, here): OUT (where the tables go; default: none), TMPDIR as for
 # compare_builds.sh.
@@ -56,17 +58,29 @@ case "${1:-}" in
   A)
     s=$(series)
     echo "series: $s"
-    timeout 240 python3 -m pytest -m cuda -q -x tests/test_kernels_quant.py \
-      -k "walks_many or recycled or does_not_read" 2>&1 | tail -n 4
+    if [ "$s" = main ]; then  # main's new tests of the ring (the refill, the map cache, the amax memory)
+      timeout 240 python3 -m pytest -m cuda -q -x tests/test_kernels_quant.py \
+        -k "walks_many or recycled or does_not_read" 2>&1 | tail -n 4
+    else  # a series' whole quantizer suite (a wrong barrier hangs rather than fails: the limit)
+      timeout 240 python3 -m pytest -m cuda -q tests/test_kernels_quant.py \
+        tests/test_hybrid_gradient_cast.py tests/test_kernels_dispatch.py 2>&1 | tail -n 4
+    fi
     timeout 180 python3 benchmarks/bench_quantize.py --no-peers ${out:+--out "$out/bench_quantize_$s.md"} \
       | grep -v '^#'
     ;;
   B)
     s=$(series)
     echo "== series: $s ($PWD)"
-    [ "$s" = main ] && exit 0
-    timeout 400 python3 -m pytest -m cuda -q tests/test_kernels_quant.py tests/test_kernels_dispatch.py \
-      2>&1 | tail -n 6
+    timeout 180 python3 benchmarks/bench_quantize.py --no-peers ${out:+--out "$out/bench_quantize_${s}_pass2.md"} \
+      > /dev/null
+    case "$s" in
+      main|quant-tma)
+        timeout 120 ncu --clock-control none -k regex:tile_kernel \
+          --metrics smsp__inst_executed.sum,gpu__time_duration.sum \
+          python3 benchmarks/profile_quantize.py 2>&1 \
+          | grep -E "^  [a-z0-9]|inst_executed|time_duration" ${out:+| tee "$out/ncu_$s.txt"}
+        ;;
+    esac
     ;;
   *)
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
