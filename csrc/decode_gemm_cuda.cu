@@ -86,6 +86,7 @@
 #include <algorithm>
 
 #include "checks.h"
+#include "tensor_map.h"
 
 namespace qtensor {
 namespace {
@@ -921,52 +922,30 @@ inline cudaLaunchConfig_t cluster_config(int groups, int splits, int smem, cudaS
   return cfg;
 }
 
-// The driver's tensor-map encoder, found once through the runtime (no link to the driver library).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found));
-    TORCH_CHECK(found == cudaDriverEntryPointSuccess && p != nullptr,
-                "qtensor.decode_gemm: the CUDA driver has no cuTensorMapEncodeTiled (CUDA 12.0 or "
-                "newer is needed for the decode GEMM).");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
+// The weight's or the scales' map: `rows` rows of `row_bytes` bytes at `base`, as 8-byte
+// elements, with boxes of `box_rows` rows x `box_bytes` bytes (the row tiles and super-tiles of
+// one stage).
+CUtensorMap tile_map(const void* base, int64_t rows, int64_t row_bytes, int box_bytes, int box_rows,
+                     const char* what) {
+  return tensor_map({base,
+                     {static_cast<cuuint64_t>(row_bytes / 8), static_cast<cuuint64_t>(rows)},
+                     static_cast<cuuint64_t>(row_bytes),
+                     {static_cast<cuuint32_t>(box_bytes / 8), static_cast<cuuint32_t>(box_rows)},
+                     CU_TENSOR_MAP_DATA_TYPE_UINT64, CU_TENSOR_MAP_SWIZZLE_NONE,
+                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B},
+                    what);
 }
 
-// A 2-D tensor map over `rows` rows of `row_bytes` bytes at `base`, as 8-byte elements, with boxes
-// of `box_rows` rows x `box_bytes` bytes (the row tiles and super-tiles of one stage).
-CUtensorMap tile_map(const void* base, int64_t rows, int64_t row_bytes, int box_bytes, int box_rows) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(row_bytes / 8), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_bytes / 8), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t steps[2] = {1, 1};
-  const CUresult r = tensor_map_encoder()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_UINT64, 2, const_cast<void*>(base), dims, strides, box, steps,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(r == CUDA_SUCCESS, "qtensor.decode_gemm: cuTensorMapEncodeTiled failed (error ",
-              static_cast<int>(r), ") for ", rows, " rows of ", row_bytes, " bytes.");
-  return map;
-}
-
-// The activation's tensor map: M rows of K 16-bit elements, ldx apart, boxes of 64 elements (a
+// The activation's map: M rows of K 16-bit elements, ldx apart, boxes of 64 elements (a
 // super-tile's 128 bytes) x M rows, swizzled by 128 bytes (Stage).
 CUtensorMap activation_map(const uint16_t* x, int m, int k, int64_t ldx) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(m)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ldx * 2)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kSuperK), static_cast<cuuint32_t>(m)};
-  const cuuint32_t steps[2] = {1, 1};
-  const CUresult r = tensor_map_encoder()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<uint16_t*>(x), dims, strides, box, steps,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(r == CUDA_SUCCESS, "qtensor.decode_gemm: cuTensorMapEncodeTiled failed (error ",
-              static_cast<int>(r), ") for the activation [", m, ", ", k, "].");
-  return map;
+  return tensor_map({x,
+                     {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(m)},
+                     static_cast<cuuint64_t>(ldx * 2),
+                     {static_cast<cuuint32_t>(kSuperK), static_cast<cuuint32_t>(m)},
+                     CU_TENSOR_MAP_DATA_TYPE_UINT16, CU_TENSOR_MAP_SWIZZLE_128B,
+                     CU_TENSOR_MAP_L2_PROMOTION_L2_128B},
+                    "qtensor.decode_gemm: the activation");
 }
 
 // K splits (the cluster size) when the caller leaves them to the kernel: among the sizes whose
@@ -988,8 +967,10 @@ void launch(const DecodeArgs& a, const LaunchOptions& o) {
   constexpr int kB = WG ? kBBytes<R> : 0;  // the warpgroup tile's B tiles follow the stages
   auto kernel = decode_gemm_kernel<FMT, MT, HALF, U, R, WG>;
   DecodeArgs b = a;
-  b.w_map = tile_map(a.w, a.NT, int64_t{a.KT} * St::V * 512, U * St::V * 512, St::kTiles);
-  b.s_map = tile_map(a.s, a.NT, int64_t{a.KT} * 64, U * 64, St::kTiles);
+  b.w_map = tile_map(a.w, a.NT, int64_t{a.KT} * St::V * 512, U * St::V * 512, St::kTiles,
+                     "qtensor.decode_gemm: the packed weight");
+  b.s_map = tile_map(a.s, a.NT, int64_t{a.KT} * 64, U * 64, St::kTiles,
+                     "qtensor.decode_gemm: the packed scales");
   b.x_map = activation_map(a.x, a.M, a.K, a.ldx);
   b.bar_offset = (std::max(1024 + kStages * St::bytes(TOK) + kB, kPart) + 7) / 8 * 8;
   const int smem = b.bar_offset + 2 * kStages * 8;
