@@ -3,8 +3,9 @@
 // rounding, MXFP8 columnwise (alone or with rowwise), and the hybrid gradient cast (MXFP8 rowwise
 // + NVFP4 columnwise). One persistent kernel reads the input once: each CTA walks its tiles
 // (128 rows x 64 columns with NVFP4 outputs, 64 x 128 for MXFP8 alone), copied into a ring of
-// shared-memory stages by cp.async while the tile before them is quantized, and writes every
-// output asked for from that one read. NVFP4 rowwise codes leave as whole sectors straight from
+// shared-memory stages while the tile before them is quantized (by the copy unit's tensor copies
+// from sm_90 on, else by every thread's cp.async), and writes every output asked for from that
+// one read. NVFP4 rowwise codes leave as whole sectors straight from
 // registers (the lanes of one output row hold its consecutive blocks); NVFP4 columnwise codes and
 // scales, and MXFP8 codes and row scales, are staged in shared memory and leave as whole rows of
 // the tile, so that each store request carries as many bytes as the tile row holds.
@@ -20,12 +21,15 @@
 
 #include <array>
 #include <limits>
+#include <mutex>
 
 #include "checks.h"
 #include "cuda_vec.cuh"
 #include "quant_math.h"
 #include "quant_rows.h"
 #include "quant_rows_math.h"
+#include "tensor_copy.cuh"
+#include "tensor_map.h"
 
 namespace qtensor {
 namespace {
@@ -42,26 +46,35 @@ constexpr int kMxCols = 128;
 
 // ---- shared-memory tiles ---------------------------------------------------------------------------
 
-// A stage holds ROWS rows of COLS elements, unpadded, with the 16-byte chunks of row r stored
-// at chunk index c ^ (r % 8). The column-pair reads (a 4- or 8-byte word per lane, one row per
-// instruction) and the 16-byte row reads of 8 consecutive rows (the rowwise phases) then fall in
-// distinct banks, and 3 stages of bf16 tiles leave room for 4 CTAs per SM.
+// A stage holds ROWS rows of COLS elements, unpadded, as column groups of 128 bytes: group g
+// holds bytes 128g..128g+127 of every row (ROWS rows of 128 bytes), and the 16-byte chunk c of
+// row r sits at chunk c ^ (r % 8) of its row there. That is the layout the copy unit writes with
+// its 128-byte swizzle, one tensor copy a group (a box of 128 bytes x ROWS rows) into a stage at
+// a 1024-byte boundary; rows of 128 bytes (16-bit NVFP4 tiles) are one group, row after row.
+// The column-pair reads (a 4- or 8-byte word per lane, one row per instruction) and the 16-byte
+// row reads of 8 consecutive rows (the rowwise phases) fall in distinct banks, and 3 stages of
+// bf16 tiles leave room for 4 CTAs per SM.
 template <typename T, int ROWS = kRows, int COLS = kCols>
 struct Stage {
   static constexpr int kRows = ROWS, kCols = COLS;
   static constexpr int kRowBytes = COLS * static_cast<int>(sizeof(T));
   static constexpr int kBytes = ROWS * kRowBytes;
   static constexpr int kChunks = ROWS * kRowBytes / 16;  // 16-byte copies per tile
+  static constexpr int kGroups = kRowBytes / 128;        // column groups: tensor copies per tile
+  static constexpr int kGroupCols = 128 / static_cast<int>(sizeof(T));  // elements a group row
+  static constexpr int kPitch = 128;  // bytes from a row to the next in its group
   static_assert(kChunks % kThreads == 0, "whole copies per thread");
+  static_assert(kRowBytes % 128 == 0, "whole column groups");
   // Byte offset of byte `byte` of row r (an access never crosses its 16-byte chunk).
   __device__ static __forceinline__ int at(int r, int byte) {
-    return r * kRowBytes + (((byte >> 4) ^ (r & 7)) << 4) + (byte & 15);
+    if constexpr (kGroups == 1) return r * kPitch + (((byte >> 4) ^ (r & 7)) << 4) + (byte & 15);
+    else return (byte >> 7) * (ROWS * kPitch) + r * kPitch + ((((byte >> 4) & 7) ^ (r & 7)) << 4) + (byte & 15);
   }
 };
 
 // Out-of-range chunks are zero-filled (src-size 0) and never stored; their source address stays
 // a valid one. K % 16 == 0 (checked by the ops) makes every chunk wholly in or out.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+[[maybe_unused]] __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
 }
@@ -85,14 +98,14 @@ __device__ __forceinline__ void load_tile(const T* x, uint32_t M, uint32_t K, ui
   constexpr int kRowStep = kThreads / kPerRow;
   const int r0 = threadIdx.x / kPerRow, c = threadIdx.x % kPerRow;
   const uint64_t step = wide(kRowStep, K);
-  static_assert(kRowStep % 8 == 0, "the rows of one thread share their swizzle");
+  static_assert(kRowStep % 8 == 0, "the rows of one thread share their swizzle (and group)");
   const uint32_t dst = stage + S::at(r0, 16 * c);
   const uint32_t col = k0 + c * kN;
   uint64_t src = wide(m0 + r0, K) + col;  // an offset: the pointer is formed only in range
   if (m0 + S::kRows <= M && k0 + S::kCols <= K) {  // a whole tile (uniform): no test per chunk
 #pragma unroll
     for (int l = 0; l < S::kChunks / kThreads; ++l)
-      cp_async16(dst + l * kRowStep * S::kRowBytes, x + (src + l * step), true);
+      cp_async16(dst + l * kRowStep * S::kPitch, x + (src + l * step), true);
     return;
   }
   const int left = static_cast<int>(M - m0) - r0;  // M > m0
@@ -101,7 +114,7 @@ __device__ __forceinline__ void load_tile(const T* x, uint32_t M, uint32_t K, ui
 #pragma unroll
   for (int l = 0; l < S::kChunks / kThreads; ++l, src += step) {
     const bool ok = col_ok && l * kRowStep < rows;
-    cp_async16(dst + l * kRowStep * S::kRowBytes, ok ? x + src : x, ok);
+    cp_async16(dst + l * kRowStep * S::kPitch, ok ? x + src : x, ok);
   }
 }
 
@@ -910,10 +923,19 @@ constexpr int kMinCtas = sizeof(T) == 2 && FO6 == 0 ? 4 : 2;
 template <typename T, bool NV>
 using TileStage = Stage<T, NV ? kRows : kMxRows, NV ? kCols : kMxCols>;
 
+// Tensor copies exist from sm_90 on; code built for an earlier target (the portable PTX) copies
+// by cp.async, and leaves the kernel's map unused.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr bool kTensorCopies = true;
+#else
+constexpr bool kTensorCopies = false;
+#endif
+
 template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE>
 __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>)
-    tile_kernel(TileArgs a, uint32_t tiles, uint32_t tiles_k) {
-  extern __shared__ __align__(16) unsigned char stages[];
+    tile_kernel(TileArgs a, uint32_t tiles, uint32_t tiles_k, const __grid_constant__ CUtensorMap x_map) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ __align__(8) uint64_t landed[kStages];  // tensor copies: a stage's tile is in
   __shared__ std::conditional_t<NV, NvOut, char> nv_out;
   __shared__ uint32_t mx_rs[MXC && MXR ? kMxRows : 1];
   __shared__ std::conditional_t<NV && MXR, MxRowOut, char> mx_rows;
@@ -923,7 +945,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>)
   using S = TileStage<T, NV>;
   static_assert(NV || MXC, "MXFP8 rowwise alone runs in the rows kernel");
   const T* x = static_cast<const T*>(a.x);
-  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
+  // With tensor copies one thread fills each stage by S::kGroups copies (a box of 128 bytes x
+  // S::kRows rows each) that complete on the stage's `landed` barrier, and the stages start at
+  // a 1024-byte boundary (the launch adds the slack), where the copy unit's 128-byte swizzle is
+  // Stage's layout; otherwise every thread copies its 16-byte chunks by cp.async. The copy unit
+  // takes the ring's refill off the 256 threads: its addresses, predicates and 16-byte copies.
+  constexpr bool tma = kTensorCopies;
+  const uint32_t dyn = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t base = tma ? (dyn + 1023u) & ~1023u : dyn;
+  unsigned char* const stages = smem + (base - dyn);
   NvShared nv{NvScale{}, enc_of, 0u, 0u, fo6_bytes, &fo6_cols[0][0][threadIdx.x], &fo6_cols[1][0][threadIdx.x]};
   NvFlags f = nv_flags<MODE>(a.nv);
   if constexpr (FO6 != 0) f.rht = f.sr = false;  // 4over6 excludes both (check_nv_options)
@@ -952,23 +982,48 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>)
   // refilled, kStages - 1 steps later. Tile counts, positions and their sums stay below 2**32
   // (set_tile_input, launch_tiles), so all of them are 32-bit; byte offsets are formed by wide().
   const TileStep by{step / tiles_k, step % tiles_k, tiles_k};
+  // Tile `at` into stage `slot`: by tensor copies from thread 0, else by every thread's cp.async
+  // (a commit per slot, even an empty one, so that the groups count slots).
+  auto fill = [&](int slot, const TileWalk& at, bool exists) {
+    if constexpr (tma) {
+      if (exists && threadIdx.x == 0) {
+        const uint32_t bar = smem_addr(&landed[slot]), dst = base + slot * S::kBytes;
+        mbar_expect(bar, S::kBytes);  // boxes past the tensor's edges count in full, as zeros
+#pragma unroll
+        for (int g = 0; g < S::kGroups; ++g) {
+          const int col = static_cast<int>(at.tk * S::kCols + g * S::kGroupCols);
+          tensor_copy(dst + g * S::kRows * S::kPitch, &x_map, col, static_cast<int>(at.tm * S::kRows), bar);
+        }
+      }
+    } else {
+      if (exists) load_tile<S>(x, a.M, a.K, at.tm * S::kRows, at.tk * S::kCols, base + slot * S::kBytes);
+      cp_async_commit();
+    }
+  };
+  if constexpr (tma) {  // the barriers, before any copy or wait
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) mbar_init(smem_addr(&landed[s]), 1);
+      mbar_init_fence();
+      prefetch_map(&x_map);
+    }
+    __syncthreads();
+  }
   TileWalk ahead(blockIdx.x, tiles_k);
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {  // the ring's first tiles; a commit per slot, even empty
-    if (blockIdx.x + s * step < tiles)
-      load_tile<S>(x, a.M, a.K, ahead.tm * S::kRows, ahead.tk * S::kCols, base + s * S::kBytes);
-    cp_async_commit();
+  for (int s = 0; s < kStages - 1; ++s) {  // the ring's first tiles
+    fill(s, ahead, blockIdx.x + s * step < tiles);
     ahead.advance(by);
   }
   TileWalk cur(blockIdx.x, tiles_k);
   int stage = 0;
+  uint32_t parity = 0u;  // of the use of the stage's `landed` barrier that brings tile t
   for (uint32_t t = blockIdx.x; t < tiles; t += step) {
-    cp_async_wait<kStages - 2>();  // this thread's copies of tile t have landed
-    __syncthreads();               // everyone's have, and the stage refilled next is read out
+    if constexpr (tma) mbar_wait(smem_addr(&landed[stage]), parity);  // tile t has landed
+    else cp_async_wait<kStages - 2>();  // this thread's copies of tile t have
+    __syncthreads();  // (cp.async: everyone's have,) and the stage refilled next is read out
     const int refill = stage == 0 ? kStages - 1 : stage - 1;
-    if (t + (kStages - 1) * step < tiles)
-      load_tile<S>(x, a.M, a.K, ahead.tm * S::kRows, ahead.tk * S::kCols, base + refill * S::kBytes);
-    cp_async_commit();
+    fill(refill, ahead, t + (kStages - 1) * step < tiles);
     ahead.advance(by);
     unsigned char* tile = stages + stage * S::kBytes;
     const uint32_t m0 = cur.tm * S::kRows, k0 = cur.tk * S::kCols;
@@ -989,9 +1044,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>)
         nv_row_phase<T, FO6>(a, f, tile, nv, m0, k0);
       }
     }
+    // The MXFP8 kernels stage their codes in the tile's own stage: those writes are ordered
+    // before the tensor copy that refills it (after the next CTA barrier).
+    if constexpr (tma && MXC) fence_proxy_async_smem();
     stage = stage == kStages - 1 ? 0 : stage + 1;
+    if (stage == 0) parity ^= 1u;
   }
-  cp_async_wait<0>();
+  if constexpr (!tma) cp_async_wait<0>();
   if constexpr (kAmax) {  // integer max of magnitude bits: torch.amax's order, NaN above inf
     uint32_t m = max(run_max & 0xFFFFu, run_max >> 16);
 #pragma unroll
@@ -1000,22 +1059,61 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>)
   }
 }
 
+// The input's tensor map for the tile kernel's stages: boxes of one column group (128 bytes) x
+// S::kRows rows, swizzled by 128 bytes (Stage's layout).
+template <typename S, typename T>
+CUtensorMap tile_input_map(const TileArgs& a) {
+  return tensor_map({a.x,
+                     {cuuint64_t{a.K}, cuuint64_t{a.M}},
+                     cuuint64_t{a.K} * sizeof(T),
+                     {static_cast<cuuint32_t>(S::kGroupCols), static_cast<cuuint32_t>(S::kRows)},
+                     sizeof(T) == 2 ? CU_TENSOR_MAP_DATA_TYPE_UINT16 : CU_TENSOR_MAP_DATA_TYPE_UINT32,
+                     CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B},
+                    "qtensor: the tile quantizer's input");
+}
+
+// How the tile kernel runs on a device: the CTAs resident at once, and whether the code that
+// runs there takes its stages by tensor copies (built for sm_90 or later; a newer device that
+// runs the portable compute_80 PTX does not).
+struct TileLaunch {
+  int resident;
+  bool copies;
+};
+
 // The persistent grid: as many CTAs as fit on the device at once (read once per device), each
-// with the dynamic shared memory of its stages.
+// with the dynamic shared memory of its stages. Code with tensor copies gets the input's map and
+// 1024 bytes of slack to align the stages to the swizzle's unit.
 template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE = kNvAny>
 void launch_tiles(const TileArgs& a) {
   using S = TileStage<T, NV>;
-  constexpr int kSmem = kStages * S::kBytes;
-  static std::array<int, 64> resident{};  // CTAs resident at once, 0 until read on that device
+  static std::array<TileLaunch, 64> how{};
+  static std::array<std::once_flag, 64> found;
   const int dev = c10::cuda::current_device();
-  TORCH_CHECK(dev < static_cast<int>(resident.size()), "qtensor: device index ", num(dev), " is out of range.");
+  TORCH_CHECK(dev < static_cast<int>(how.size()), "qtensor: device index ", num(dev), " is out of range.");
   auto kernel = tile_kernel<T, NV, FO6, MXR, MXC, MODE>;
-  if (resident[dev] == 0) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  std::call_once(found[dev], [&] {
+    cudaFuncAttributes fa{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+    const bool copies = fa.ptxVersion >= 90;
+    const int smem = kStages * S::kBytes + (copies ? 1024 : 0);
     int per_sm = 0, sms = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kSmem));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    resident[dev] = std::max(per_sm, 1) * sms;
+    how[dev] = TileLaunch{std::max(per_sm, 1) * sms, copies};
+  });
+  const TileLaunch h = how[dev];
+  const int smem = kStages * S::kBytes + (h.copies ? 1024 : 0);
+  static const CUtensorMap kNoMap{};
+  CUtensorMap map = kNoMap;
+  if (h.copies) {
+    // A copy's column coordinate is signed 32-bit; the last tile's last group starts at most
+    // kCols - kGroupCols columns past K - 1.
+    constexpr uint32_t kIntMax = static_cast<uint32_t>(std::numeric_limits<int32_t>::max());
+    TORCH_CHECK(a.K <= kIntMax - (S::kCols - S::kGroupCols), "qtensor: the CUDA tile quantizer takes at most 2**31 - ",
+                num(1 + S::kCols - S::kGroupCols), " columns; got an input of ", num(a.M), "x", num(a.K),
+                ". Quantize it in chunks.");
+    map = tile_input_map<S, T>(a);
   }
   const int64_t tiles_k = (static_cast<int64_t>(a.K) + S::kCols - 1) / S::kCols;
   const int64_t tiles = ((static_cast<int64_t>(a.M) + S::kRows - 1) / S::kRows) * tiles_k;
@@ -1023,9 +1121,9 @@ void launch_tiles(const TileArgs& a) {
   TORCH_CHECK(tiles < (int64_t{1} << 30), "qtensor: the CUDA tile quantizer takes fewer than 2**30 tiles of ",
               num(S::kRows), "x", num(S::kCols), " elements; got an input of ", num(a.M), "x", num(a.K),
               ". Quantize it in row chunks.");
-  const int64_t grid = std::min<int64_t>(tiles, resident[dev]);
-  kernel<<<grid, kThreads, kSmem, c10::cuda::getCurrentCUDAStream()>>>(a, static_cast<uint32_t>(tiles),
-                                                                        static_cast<uint32_t>(tiles_k));
+  const int64_t grid = std::min<int64_t>(tiles, h.resident);
+  kernel<<<grid, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(a, static_cast<uint32_t>(tiles),
+                                                                       static_cast<uint32_t>(tiles_k), map);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
