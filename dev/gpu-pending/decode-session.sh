@@ -6,8 +6,8 @@
 #   here:   dev/gpu-pending/decode-session.sh pack
 #           each series applied to HEAD as a temporary commit and packed into .whl/compare
 #           (HEAD is left as it was; carry [".whl"]).
-#   there, run A (builds every tree, then in each: the decode GEMM's times beside bf16, and the
-#           eager host time of a decode-layout F.linear and of each layer below it):
+#   there, run A (builds every tree, then in each: the decode GEMM's times beside bf16; in main's,
+#           the eager host time of a decode-layout F.linear and of each layer below it):
 #           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16
 #           dev/compare_builds.sh run .whl/compare "bash dev/gpu-pending/decode-session.sh A"
 #   there, run B (the next call, while the machine is warm: the trees stay built under
@@ -24,7 +24,6 @@ set -uo pipefail
 series() {
   if grep -q "int multicast=0" csrc/registration.cpp; then echo decode-multicast
   elif grep -q "decode_timeline" csrc/registration.cpp; then echo decode-timeline
-  elif [ -f csrc/tensor_map.h ]; then echo decode-host-maps
   else echo main; fi
 }
 
@@ -38,7 +37,7 @@ case "${1:-}" in
     git diff --quiet && git diff --cached --quiet || { echo "decode-session: commit first" >&2; exit 1; }
     base=$(git rev-parse HEAD)
     revs=()
-    for s in decode-multicast decode-timeline decode-host-maps; do
+    for s in decode-multicast decode-timeline; do
       git am -q "dev/gpu-pending/$s"/*.patch || { git am --abort; exit 1; }
       revs+=("$(git rev-parse --short HEAD)")
       echo "$s: ${revs[-1]}"
@@ -51,7 +50,7 @@ case "${1:-}" in
     echo "series: $(series)"
     timeout 240 python3 dev/experiments/decode_launches.py times
     case "$(series)" in
-      main|decode-host-maps) host_overhead ;;
+      main) host_overhead ;;
     esac
     ;;
   B)

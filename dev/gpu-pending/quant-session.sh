@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
-# The measurements of the quantizer series waiting in dev/gpu-pending (quant-tma, on top of
-# decode-host-maps, and quant-amax-memset), for one GPU session of the quantization-kernels issue
-# in two runs. Each tree that dev/compare_builds.sh builds (main's, and one per series) runs this
-# script, which finds the series the tree holds and runs what measures it.
+# The measurements of the quantizer series waiting in dev/gpu-pending (quant-hybrid-ring), for one
+# GPU session of the quantization-kernels issue in two runs. Each tree that dev/compare_builds.sh
+# builds (main's, and one per series) runs this script, which finds the series the tree holds and
+# runs what measures it.
 #
 #   here:   dev/gpu-pending/quant-session.sh pack
 #           each series applied to HEAD as a temporary commit and packed into .whl/compare
 #           (HEAD is left as it was; carry [".whl"]).
-#   there, run A (builds every tree; in main's, the tile kernel's new tests; in each series', the
-#           quantizers' whole CUDA suite, which hangs rather than fails if a ring's barrier is
-#           wrong; then bench_quantize without the peers in each, its table also to
-#           $OUT/bench_quantize_<series>.md):
+#   there, run A (builds every tree; in each series', the quantizers' whole CUDA suite, which
+#           hangs rather than fails if a ring's barrier is wrong; then bench_quantize without the
+#           peers in each, its table also to $OUT/bench_quantize_<series>.md):
 #           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16
 #           dev/compare_builds.sh run .whl/compare "bash dev/gpu-pending/quant-session.sh A"
 #   there, run B (the next call, while the machine is warm: the trees stay built under
 #           $TMPDIR/compare): a second bench pass in the reverse order, and Nsight Compute's
-#           instruction counts of the tile kernels in main's and quant-tma's trees:
+#           instructions, warps resident and DRAM throughput of the tile kernels in each tree:
 #           for t in "${TMPDIR:-/tmp}"/compare/*/ "$PWD"; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/quant-session.sh B); done
 #
 # Settings (read once, here): OUT (where the tables go; default: none), TMPDIR as for
@@ -25,10 +24,7 @@ out=${OUT:-}
 
 # The series this tree holds, from what each adds.
 series() {
-  if [ -f csrc/tensor_copy.cuh ] && grep -q "^constexpr int kStages = 4;" csrc/quant_cuda.cu; then
-    echo quant-tma-4stages
-  elif [ -f csrc/tensor_copy.cuh ]; then echo quant-tma
-  elif grep -q "cudaMemsetAsync" csrc/convert_cuda.cu; then echo quant-amax-memset
+  if grep -q "kRingOf" csrc/quant_cuda.cu; then echo quant-hybrid-ring
   else echo main; fi
 }
 
@@ -37,31 +33,19 @@ case "${1:-}" in
     git diff --quiet && git diff --cached --quiet || { echo "quant-session: commit first" >&2; exit 1; }
     base=$(git rev-parse HEAD)
     revs=()
-    git am -q dev/gpu-pending/decode-host-maps/*.patch dev/gpu-pending/quant-tma/*.patch \
-      || { git am --abort; exit 1; }
-    revs+=("$(git rev-parse --short HEAD)")
-    echo "quant-tma: ${revs[-1]}"
-    # The same with a ring of 4 stages (3 CTAs an SM instead of 4 for 16-bit tiles): whether
-    # the tensor copies' latency wants a third tile ahead.
-    sed -i 's/^constexpr int kStages = 3; /constexpr int kStages = 4; /' csrc/quant_cuda.cu
-    git commit -q -am "quant-tma with 4 stages (measurement only)"
-    revs+=("$(git rev-parse --short HEAD)")
-    echo "quant-tma-4stages: ${revs[-1]}"
-    git reset -q --hard "$base"
-    git am -q dev/gpu-pending/quant-amax-memset/*.patch || { git am --abort; exit 1; }
-    revs+=("$(git rev-parse --short HEAD)")
-    echo "quant-amax-memset: ${revs[-1]}"
-    git reset -q --hard "$base"
+    for series in quant-hybrid-ring; do
+      git am -q "dev/gpu-pending/$series"/*.patch || { git am --abort; exit 1; }
+      revs+=("$(git rev-parse --short HEAD)")
+      echo "$series: ${revs[-1]}"
+      git reset -q --hard "$base"
+    done
     rm -rf .whl/compare
     dev/compare_builds.sh pack .whl/compare "${revs[@]}"
     ;;
   A)
     s=$(series)
     echo "series: $s"
-    if [ "$s" = main ]; then  # main's new tests of the ring (the refill, the map cache, the amax memory)
-      timeout 240 python3 -m pytest -m cuda -q -x tests/test_kernels_quant.py \
-        -k "walks_many or recycled or does_not_read" 2>&1 | tail -n 4
-    else  # a series' whole quantizer suite (a wrong barrier hangs rather than fails: the limit)
+    if [ "$s" != main ]; then  # a series' whole quantizer suite (a wrong barrier hangs: the limit)
       timeout 240 python3 -m pytest -m cuda -q tests/test_kernels_quant.py \
         tests/test_hybrid_gradient_cast.py tests/test_kernels_dispatch.py 2>&1 | tail -n 4
     fi
@@ -74,11 +58,11 @@ case "${1:-}" in
     timeout 180 python3 benchmarks/bench_quantize.py --no-peers ${out:+--out "$out/bench_quantize_${s}_pass2.md"} \
       > /dev/null
     case "$s" in
-      main|quant-tma)
+      main|quant-hybrid-ring)
         timeout 120 ncu --clock-control none -k regex:tile_kernel \
-          --metrics smsp__inst_executed.sum,gpu__time_duration.sum \
+          --metrics smsp__inst_executed.sum,gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed \
           python3 benchmarks/profile_quantize.py 2>&1 \
-          | grep -E "^  [a-z0-9]|inst_executed|time_duration" ${out:+| tee "$out/ncu_$s.txt"}
+          | grep -E "^  [a-z0-9]|inst_executed|time_duration|warps_active|dram__" | tee "${out:-.}/ncu_$s.txt"
         ;;
     esac
     ;;
