@@ -1132,10 +1132,13 @@ at::Tensor decode_gemm_cuda(const at::Tensor& x, const at::Tensor& w, const at::
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(out_dtype));
   if (x.size(0) == 0) return out;
-  // Rows must start on 16-byte boundaries: a copy only when they do not.
+  // Rows must start on 16-byte boundaries and lie a row or more apart (the activation's tensor
+  // map takes the row stride; whether the driver encodes one of 0, a row expanded, is not
+  // documented): a row-major copy only when they do not.
   at::Tensor xc = x;
-  if (x.stride(1) != 1 || x.stride(0) % 8 != 0 || reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0)
-    xc = x.contiguous().clone();
+  if (x.stride(1) != 1 || x.stride(0) % 8 != 0 || x.stride(0) < x.size(1) ||
+      reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0)
+    xc = at::empty(x.sizes(), x.options()).copy_(x);
   at::Tensor am = amax ? amax->contiguous() : at::Tensor();
   at::Tensor bs = bias ? bias->contiguous() : at::Tensor();
   DecodeArgs a;

@@ -11,8 +11,20 @@
 #include <cudaTypedefs.h>
 
 #include <cstdint>
+#include <string>
 
 namespace qtensor {
+
+// An address in hex digits, for error messages.
+inline std::string to_hex(uintptr_t v) {
+  static const char kDigits[] = "0123456789abcdef";
+  std::string s;
+  do {
+    s.insert(s.begin(), kDigits[v & 15]);
+    v >>= 4;
+  } while (v != 0);
+  return s;
+}
 
 // The driver's tensor-map encoder, found once.
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -71,9 +83,12 @@ inline CUtensorMap tensor_map(const MapSpec& spec, const char* what) {
       steps, CU_TENSOR_MAP_INTERLEAVE_NONE, spec.swizzle, spec.promotion,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   slot.used = r == CUDA_SUCCESS;
-  TORCH_CHECK(r == CUDA_SUCCESS, what, ": cuTensorMapEncodeTiled failed (error ", static_cast<int>(r),
-              ") for ", spec.dims[1], " rows of ", spec.dims[0], " elements, ", spec.stride,
-              " bytes apart, at ", spec.base, ".");
+  // Numbers enter the message as strings (see num() in checks.h: streaming integers into c10::str
+  // from this extension crashed libstdc++ on the GPU machine's toolchain).
+  TORCH_CHECK(r == CUDA_SUCCESS, what, ": cuTensorMapEncodeTiled failed (error ",
+              std::to_string(static_cast<int>(r)), ") for ", std::to_string(spec.dims[1]), " rows of ",
+              std::to_string(spec.dims[0]), " elements, ", std::to_string(spec.stride), " bytes apart, at 0x",
+              to_hex(reinterpret_cast<uintptr_t>(spec.base)), ".");
   slot.spec = spec;
   return slot.map;
 }

@@ -512,6 +512,10 @@ def test_kernel_reads_strided_and_misaligned_activations():
     odd[1:] = args[0].reshape(-1)
     args[0] = odd[1:].view(6, 256)  # 2-byte aligned: the kernel copies it
     assert_close_to_reference(dmm.cuda(*args, torch.float32), _reference(args, torch.float32), args)
+    # Rows 0 elements apart (one row expanded) give a tensor map no row stride: the kernel copies.
+    args[0] = odd[1:257].clone().expand(6, 256)
+    assert args[0].stride(0) == 0
+    assert_close_to_reference(dmm.cuda(*args, torch.float32), _reference(args, torch.float32), args)
 
 
 # ---- the CUDA unpack ---------------------------------------------------------------------------
