@@ -86,6 +86,7 @@
 #include <algorithm>
 
 #include "checks.h"
+#include "tensor_copy.cuh"
 #include "tensor_map.h"
 
 namespace qtensor {
@@ -361,37 +362,8 @@ __device__ __forceinline__ void store_float(void* p, at::ScalarType t, int64_t i
   else static_cast<__half*>(p)[i] = __float2half_rn(v);
 }
 
-// ---- bulk copies and barriers in shared memory -----------------------------------------
+// ---- bulk copies and barriers in shared memory (the rest: tensor_copy.cuh) ----------------
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n"
-      "WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT_%=;\n}\n"
-      ::"r"(bar), "r"(parity) : "memory");
-}
-// The box at (c0, c1) of a 2-D tensor map global -> shared, completing on `bar`; the box's
-// parts outside the tensor arrive as zeros, and its bytes count in full.
-__device__ __forceinline__ void tensor_copy(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
-}
-// The tensor map itself into the constant cache, before its first copy.
-__device__ __forceinline__ void prefetch_map(const CUtensorMap* map) {
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
 // A hint: `bytes` (a multiple of 16, 16-byte aligned) of global memory into L2. L2 is where every
 // SM's writes meet, so a line prefetched before another kernel writes it is updated by that
 // write: prefetching is safe before the previous kernel has finished.
@@ -607,7 +579,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
       mbar_init(full + 8 * i, 1);  // the producer's expect_tx
       mbar_init(empty + 8 * i, kWarps);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
 
@@ -621,7 +593,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
     const int kt0 = kb + j * U;
     const uint32_t st = sbase + (j % kStages) * stage_bytes, bar = full + 8 * (j % kStages);
     // The stage was last read through the generic proxy; order that before the copies.
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    fence_proxy_async_smem();
     // The weight and scales of the CTA's row tiles: one tensor copy each. A missing super-tile
     // (past KT) or row tile (past NT) arrives as zeros, so its decode is finite.
     if (lane == 0) {
@@ -747,7 +719,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
               for (int r = 0; r < R; ++r)
                 stmatrix4(btiles + (s * R + r) * kBTile + st_off, wa[s][r]);
             // The tensor cores read B through the async proxy, after all four warps stored it.
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            fence_proxy_async_smem();
             asm volatile("bar.sync 1, 128;\n" ::: "memory");
             wgmma_fence();
 #pragma unroll

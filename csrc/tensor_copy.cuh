@@ -32,6 +32,12 @@ __device__ __forceinline__ void mbar_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 #endif
 }
+// This thread's arrival (one of the count the barrier was made with).
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+#if QT_TENSOR_COPIES
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
 // This thread's arrival, with `bytes` more for the copies completing on the barrier to bring.
 __device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
 #if QT_TENSOR_COPIES
