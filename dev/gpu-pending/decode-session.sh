@@ -6,8 +6,9 @@
 #   here:   dev/gpu-pending/decode-session.sh pack
 #           the series applied to HEAD as a temporary commit and packed into .whl/compare
 #           (HEAD is left as it was; carry [".whl"]).
-#   there, run A (builds both trees, then in each: the kernel's own K split beside the forced
-#           ones on the shapes whose choice moves, and the kernel times beside bf16):
+#   there, run A (builds both trees, then in each: the kernel's own K split on the shapes whose
+#           choice moves, in main's tree beside the forced ones, and the kernel times beside
+#           bf16):
 #           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16
 #           dev/compare_builds.sh run .whl/compare "bash dev/gpu-pending/decode-session.sh A"
 #   there, run B (the next call, while the machine is warm: the trees stay built under
@@ -36,8 +37,14 @@ case "${1:-}" in
     ;;
   A)
     echo "series: $(series)"
+    # The forced splits are the same kernel in both trees: main's sweep has them, the series'
+    # only its own choice (column 0) beside a split of 8.
+    case "$(series)" in
+      main) forced=2,3,4,7,8 ;;
+      *) forced=8 ;;
+    esac
     timeout 150 python3 dev/experiments/decode_launches.py splits \
-      --shapes 4096x4096,6144x4096,4096x1024,4096x14336,8192x8192 --ms 1,4,16,32 --splits 2,4,7,8
+      --shapes 4096x4096,6144x4096,4096x1024,4096x14336,8192x8192 --ms 1,4,8,16,32 --splits "$forced"
     timeout 90 python3 dev/experiments/decode_launches.py times
     ;;
   B)
