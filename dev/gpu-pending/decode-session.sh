@@ -16,7 +16,9 @@
 #           $TMPDIR/compare): each series tree's decode CUDA tests (decode-splits: all of them,
 #           since the split is every launch's; decode-direct: those of a split of 1 and the
 #           epilogue's options):
-#           for t in "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh B); done
+#           and the outputs of forced splits of 1, which decode-direct must give bit for bit
+#           as main's tree (main first):
+#           for t in "$PWD" "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh B); done
 #   there, run C (the same loop with C, and "$PWD" after the trees): the fused decode loop,
 #           NVFP4 weight-only at batch 1, in every tree.
 #
@@ -69,7 +71,41 @@ case "${1:-}" in
           2>&1 | tail -n 5 ;;
       decode-direct)
         timeout 150 python3 -m pytest -m cuda -q -x tests/test_decode_gemm.py \
-          -k "one_k_range or every_split or kernel_options or matches_reference" 2>&1 | tail -n 5 ;;
+          -k "one_k_range or every_split or kernel_options or matches_reference or two_row_tiles" \
+          2>&1 | tail -n 5 ;;
+    esac
+    # Forced splits of 1 at 1, 9 and 16 tokens (one and two row tiles a warp), saved per tree:
+    # decode-direct must give main's bits (main's tree runs first and only saves them).
+    case "$(series)" in
+      main|decode-direct)
+        timeout 120 python3 - "$(series)" "${TMPDIR:-/tmp}/compare" <<'PY'
+import sys
+
+import torch
+
+sys.path.insert(0, "benchmarks")
+from bench_gemm import packed_weights  # noqa: E402
+
+from qtensor.ops import decode_mm as dmm  # noqa: E402
+
+series, where = sys.argv[1], sys.argv[2]
+g = torch.Generator(device="cuda").manual_seed(0)
+outs = {}
+for n, k in ((200, 1088), (16384, 8192)):  # the second: two row tiles a warp from 9 tokens
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    for fmt, (codes, scales, amax) in packed_weights(w).items():
+        for m in (1, 9, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+            outs[f"{n}x{k} {fmt} M={m}"] = dmm._launch(x, codes, scales, amax, None, fmt, n, k,
+                                                       448, torch.float32, splits=1).cpu()
+torch.save(outs, f"{where}/split1_{series}.pt")
+if series != "main":
+    main = torch.load(f"{where}/split1_main.pt")
+    differ = [key for key in outs if not torch.equal(outs[key], main[key])]
+    print(f"split 1, {series} against main: {len(outs) - len(differ)} of {len(outs)} outputs "
+          f"bitwise equal" + (f"; differ: {differ}" if differ else ""))
+PY
+        ;;
     esac
     ;;
   C)
