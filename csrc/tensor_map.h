@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <string>
 
+#include "checks.h"
+
 namespace qtensor {
 
 // An address in hex digits, for error messages.
@@ -83,11 +85,11 @@ inline CUtensorMap tensor_map(const MapSpec& spec, const char* what) {
       steps, CU_TENSOR_MAP_INTERLEAVE_NONE, spec.swizzle, spec.promotion,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   slot.used = r == CUDA_SUCCESS;
-  // Numbers enter the message as strings (see num() in checks.h: streaming integers into c10::str
-  // from this extension crashed libstdc++ on the GPU machine's toolchain).
+  // Numbers enter the message as strings, through num() (see checks.h).
   TORCH_CHECK(r == CUDA_SUCCESS, what, ": cuTensorMapEncodeTiled failed (error ",
-              std::to_string(static_cast<int>(r)), ") for ", std::to_string(spec.dims[1]), " rows of ",
-              std::to_string(spec.dims[0]), " elements, ", std::to_string(spec.stride), " bytes apart, at 0x",
+              num(static_cast<int>(r)), ") for ", num(static_cast<int64_t>(spec.dims[1])),
+              " rows of ", num(static_cast<int64_t>(spec.dims[0])), " elements, ",
+              num(static_cast<int64_t>(spec.stride)), " bytes apart, at 0x",
               to_hex(reinterpret_cast<uintptr_t>(spec.base)), ".");
   slot.spec = spec;
   return slot.map;
