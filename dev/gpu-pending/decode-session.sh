@@ -13,22 +13,27 @@
 #           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16
 #           dev/compare_builds.sh run .whl/compare "bash dev/gpu-pending/decode-session.sh A"
 #   there, run B (the next call, while the machine is warm: the trees stay built under
-#           $TMPDIR/compare): each series tree's decode CUDA tests (decode-splits: all of them,
-#           since the split is every launch's; decode-direct: those of a split of 1 and the
-#           epilogue's options):
-#           and the outputs of forced splits of 1, which decode-direct must give bit for bit
-#           as main's tree (main first):
+#           $TMPDIR/compare): each series tree's decode CUDA tests (decode-splits: those of
+#           the kernel's own split and every forced one; decode-direct: those of a split of 1
+#           and the epilogue's options), and the outputs of forced splits of 1, which
+#           decode-direct and both series together must give bit for bit as main's tree
+#           (main first):
 #           for t in "$PWD" "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh B); done
-#   there, run C (the same loop with C, and "$PWD" after the trees): the fused decode loop,
-#           NVFP4 weight-only at batch 1, in every tree.
+#   there, run C (the same loop with C): the fused decode loop, NVFP4 weight-only at batch 1,
+#           in every tree; in the tree of both series, every decode GEMM and decode-fusion CUDA
+#           test.
+#   `pack` packs a third tree besides the two series: both applied, the tree that lands if both
+#   do.
 #
 # Settings (read once, here): TMPDIR as for compare_builds.sh.
 set -uo pipefail
 
 # The series this tree holds, from what each adds.
 series() {
-  if grep -q "kSplitStages" csrc/decode_gemm_cuda.cu; then echo decode-splits
-  elif grep -q "store_out(" csrc/decode_gemm_cuda.cu; then echo decode-direct
+  local f=csrc/decode_gemm_cuda.cu
+  if grep -q "kSplitStages" $f && grep -q "store_out(" $f; then echo both
+  elif grep -q "kSplitStages" $f; then echo decode-splits
+  elif grep -q "store_out(" $f; then echo decode-direct
   else echo main; fi
 }
 
@@ -43,6 +48,12 @@ case "${1:-}" in
       echo "$s: ${revs[-1]}"
       git reset -q --hard "$base"
     done
+    # Both series together: the tree that lands if both do.
+    git am -q dev/gpu-pending/decode-splits/*.patch dev/gpu-pending/decode-direct/*.patch \
+      || { git am --abort; exit 1; }
+    revs+=("$(git rev-parse --short HEAD)")
+    echo "both: ${revs[-1]}"
+    git reset -q --hard "$base"
     rm -rf .whl/compare
     dev/compare_builds.sh pack .whl/compare "${revs[@]}"
     ;;
@@ -67,7 +78,8 @@ case "${1:-}" in
     echo "== series: $(series) ($PWD)"
     case "$(series)" in
       decode-splits)
-        timeout 300 python3 -m pytest -m cuda -q -x tests/test_decode_gemm.py tests/test_decode_fusion.py \
+        timeout 150 python3 -m pytest -m cuda -q -x tests/test_decode_gemm.py \
+          -k "every_split or kernel_options or matches_reference or two_row_tiles or overlapped" \
           2>&1 | tail -n 5 ;;
       decode-direct)
         timeout 150 python3 -m pytest -m cuda -q -x tests/test_decode_gemm.py \
@@ -77,7 +89,7 @@ case "${1:-}" in
     # Forced splits of 1 at 1, 9 and 16 tokens (one and two row tiles a warp), saved per tree:
     # decode-direct must give main's bits (main's tree runs first and only saves them).
     case "$(series)" in
-      main|decode-direct)
+      main|decode-direct|both)
         timeout 120 python3 - "$(series)" "${TMPDIR:-/tmp}/compare" <<'PY'
 import sys
 
@@ -112,6 +124,11 @@ PY
     echo "== series: $(series) ($PWD)"
     timeout 120 python3 benchmarks/bench_decode.py --loop-only --configs nvfp4_weight_only \
       --batches 1 --modes fused 2>&1 | tail -n 8
+    # The tree that lands if both series do: every decode GEMM and decode-fusion CUDA test.
+    if [ "$(series)" = both ]; then
+      timeout 300 python3 -m pytest -m cuda -q -x tests/test_decode_gemm.py tests/test_decode_fusion.py \
+        2>&1 | tail -n 5
+    fi
     ;;
   *)
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
