@@ -7,9 +7,9 @@
 #   here:   dev/gpu-pending/decode-session.sh pack
 #           each series applied to HEAD as a temporary commit and packed into .whl/compare
 #           (HEAD is left as it was; carry [".whl"]).
-#   there, run A (builds every tree, then in each: the kernel's own K split on the shapes whose
-#           choice moves, in main's tree beside the forced ones, and the kernel times beside
-#           bf16):
+#   there, run A (builds every tree, then in each the kernel times beside bf16; in
+#           decode-splits' tree also its own K split beside forced ones on the shapes whose
+#           choice moves):
 #           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16
 #           dev/compare_builds.sh run .whl/compare "bash dev/gpu-pending/decode-session.sh A"
 #   there, run B (the next call, while the machine is warm: the trees stay built under
@@ -59,18 +59,12 @@ case "${1:-}" in
     ;;
   A)
     echo "series: $(series)"
-    # The forced splits are the same kernel in every tree: main's sweep has them, decode-splits'
-    # only its own choice (column 0) beside a split of 8.
-    case "$(series)" in
-      main)
-        timeout 150 python3 dev/experiments/decode_launches.py splits \
-          --shapes 4096x4096,6144x4096,4096x1024,4096x14336,8192x8192 --ms 1,4,8,16,32 \
-          --splits 2,3,4,7,8 ;;
-      decode-splits)
-        timeout 60 python3 dev/experiments/decode_launches.py splits \
-          --shapes 4096x4096,6144x4096,4096x1024,4096x14336,8192x8192 --ms 1,4,8,16,32 \
-          --splits 8 ;;
-    esac
+    # A forced split runs the same kernel in every tree, so decode-splits' tree measures its own
+    # choice (column 0) beside the forced splits; the other trees only their times.
+    if [ "$(series)" = decode-splits ]; then
+      timeout 170 python3 dev/experiments/decode_launches.py splits \
+        --shapes 4096x4096,6144x4096,4096x1024,4096x14336 --ms 1,4,8,16,32 --splits 2,3,4,7,8
+    fi
     timeout 90 python3 dev/experiments/decode_launches.py times \
       --shapes 8192x8192,28672x8192,8192x28672,28672x4096,4096x4096
     ;;
