@@ -36,8 +36,12 @@
 //   cluster and sum their partial tiles through distributed shared memory, in rank order, so the
 //   result is deterministic, the reduction needs no workspace, counter or second kernel, and the
 //   epilogue runs once per element. S is the size whose clusters all fit at once (one wave) and
-//   give each CTA the fewest stages. R is 2 for the 4-bit formats from 9 tokens on weights of
-//   2**27 elements or more (a warp's activation reads feed twice the MMAs), else 1 (launch_r).
+//   give each CTA the fewest stages, or a smaller size where that one leaves each CTA few
+//   stages: the smallest that gives each CTA at most kSplitStages stages and makes at least
+//   7/8 as many CTAs as SMs (pick_splits; a CTA's cluster barriers, reduction and epilogue do
+//   not shrink with its K range). R is 2 for the 4-bit formats from 9 tokens on
+//   weights of 2**27 elements or more (a warp's activation reads feed twice the MMAs), else 1
+//   (launch_r).
 // - Streaming. A fifth warp fills a ring of kStages shared-memory stages of U super-tiles as the
 //   consumers release them, by tensor copies (cp.async.bulk.tensor, through tensor maps the
 //   launch makes): one for the weight of all the CTA's row tiles, one for their scales and one
@@ -920,15 +924,32 @@ CUtensorMap activation_map(const uint16_t* x, int m, int k, int64_t ldx) {
                     "qtensor.decode_gemm: the activation");
 }
 
-// K splits (the cluster size) when the caller leaves them to the kernel: among the sizes whose
+// The most stages pick_splits leaves a CTA when it makes the split smaller than the largest
+// one-wave split.
+constexpr int kSplitStages = 8;
+
+// K splits (the cluster size) when the caller leaves them to the kernel. Among the sizes whose
 // clusters are all resident at once (one wave: a second wave would double the time), the one
-// that gives each CTA the fewest stages, and of those the smallest (the least to reduce).
+// that gives each CTA the fewest stages, and of those the smallest (the least to reduce), is
+// the most the split goes to. A CTA also has a part that does not shrink with its K range: the
+// cluster barriers, the reduction of the partial tiles and the epilogue took 2.5 us of a
+// 4096x4096 NVFP4 launch at one token and a split of 8, against 1.6 us for the main loop over
+// its two stages (per-CTA timeline, H200). So the split is the smallest size (at most the
+// most, and one whose clusters all fit) that gives each CTA at most kSplitStages stages and
+// makes at least 7/8 as many CTAs as the device has SMs (`sms`; with fewer CTAs the memory
+// system idles). It is below the most only where that one leaves each CTA fewer than
+// kSplitStages stages: on the H200, 4096x4096 NVFP4 at one token ran 6.3 us at a split of 2 against 7.1 at
+// 8, and 6.6 against 8.9 us at 16 tokens.
 // `fits[s]` is the number of clusters of size s resident at once, from the occupancy API.
-inline int pick_splits(int groups, int chunks, const int* fits) {
-  int best = 1;
+inline int pick_splits(int groups, int chunks, int sms, const int* fits) {
+  int most = 1;
   for (int s = 2; s <= std::min(kMaxSplits, chunks); ++s)
-    if (fits[s] >= groups && (chunks + s - 1) / s < (chunks + best - 1) / best) best = s;
-  return best;
+    if (fits[s] >= groups && (chunks + s - 1) / s < (chunks + most - 1) / most) most = s;
+  const int spread = (sms * 7 / 8 + groups - 1) / groups;
+  const int stream = (chunks + kSplitStages - 1) / kSplitStages;
+  for (int s = std::max(spread, stream); s < most; ++s)
+    if (fits[s] >= groups) return s;
+  return most;
 }
 
 template <int FMT, int MT, bool HALF, int U, int R, bool WG = false>
@@ -951,8 +972,10 @@ void launch(const DecodeArgs& a, const LaunchOptions& o) {
   // Per device (up to 16) and activation rows: the resident clusters of each size, found once.
   static int fits[16][TOK + 1][kMaxSplits + 1] = {};
   static bool ready[16] = {};
+  static int sms[16] = {};
   const int d = o.device & 15;
   if (!ready[d]) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms[d], cudaDevAttrMultiProcessorCount, o.device));
     const int most = (std::max(1024 + kStages * St::bytes(TOK) + kB, kPart) + 7) / 8 * 8;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         most + 2 * kStages * 8));
@@ -966,7 +989,8 @@ void launch(const DecodeArgs& a, const LaunchOptions& o) {
       fits[d][a.M][s] = std::max(n, s == 1 ? 1 : 0);
     }
   }
-  const int splits = o.splits ? o.splits : pick_splits(groups, (a.KT + U - 1) / U, fits[d][a.M]);
+  const int splits =
+      o.splits ? o.splits : pick_splits(groups, (a.KT + U - 1) / U, sms[d], fits[d][a.M]);
   cudaLaunchConfig_t cfg = cluster_config(groups, splits, smem, o.stream, attr, o.pdl);
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, b));
 }
