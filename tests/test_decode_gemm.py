@@ -342,14 +342,19 @@ def test_kernel_matches_reference(fmt, m, n, k):
 
 @pytest.mark.cuda
 @needs_kernel
-@pytest.mark.parametrize("fmt,m", [("nvfp4", 16), ("mxfp4", 40)])
+@pytest.mark.parametrize("fmt,m", [("nvfp4", 16), ("mxfp4", 9), ("mxfp4", 40)])
 def test_kernel_on_a_weight_of_two_row_tiles_per_warp(fmt, m):
     """A 4-bit weight of 2**27 elements or more runs the tile of two row tiles per warp from 9
-    tokens on; N = 2112 leaves its last CTA half its row tiles."""
+    tokens on; N = 2112 leaves its last CTA half its row tiles. Up to 16 tokens a split of 1
+    writes from the registers of both row tiles."""
     n, k = 2112, 65536
     args = _problem(fmt, m, n, k, "cuda", seed=m)
-    assert_close_to_reference(dmm.cuda(*args, torch.float32), _reference(args, torch.float32),
-                              args)
+    ref = _reference(args, torch.float32)
+    assert_close_to_reference(dmm.cuda(*args, torch.float32), ref, args)
+    if m <= 16:
+        out = dmm._launch(*args, torch.float32, splits=1)
+        assert_close_to_reference(out, ref, args)
+        assert torch.equal(out, dmm._launch(*args, torch.float32, splits=1))
 
 
 @pytest.mark.cuda
@@ -452,6 +457,26 @@ def test_every_split_count_gives_the_same_result(splits):
     out = dmm._launch(*args, torch.float32, splits=splits)
     assert_close_to_reference(out, ref, args)
     assert torch.equal(out, dmm._launch(*args, torch.float32, splits=splits))  # deterministic
+
+
+@pytest.mark.cuda
+@needs_kernel
+@pytest.mark.parametrize("case", ["plain", "row_scaled", "bias", "fp16", "fp16_out"])
+@pytest.mark.parametrize("m", [1, 5, 9, 16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_one_k_range_writes_its_outputs_from_registers(fmt, m, case):
+    """Up to 16 tokens a split of 1 writes each output from the CTA's registers, without the
+    partial tile and the cluster barriers ([Note: decode GEMM]): every token and option of the
+    epilogue, a last CTA with rows past N (N = 200) and K in a partial last stage."""
+    if case in ("row_scaled", "fp16") and fmt != "nvfp4":
+        pytest.skip("an NVFP4 option")
+    kw = dict(row_scaled=case == "row_scaled", bias=case in ("bias", "fp16_out"),
+              x_dtype=torch.float16 if case == "fp16" else None)
+    args = _problem(fmt, m, 200, 1088, "cuda", seed=13, **kw)
+    out_dtype = torch.float16 if case == "fp16_out" else torch.float32
+    out = dmm._launch(*args, out_dtype, splits=1)
+    assert_close_to_reference(out, _reference(args, out_dtype), args)
+    assert torch.equal(out, dmm._launch(*args, out_dtype, splits=1))  # deterministic
 
 
 @pytest.mark.cuda
