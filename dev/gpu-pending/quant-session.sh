@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The measurements of the quantizer series waiting in dev/gpu-pending (quant-hybrid-ring), for one
+# The measurements of the quantizer series waiting in dev/gpu-pending (quant-hybrid-ring, and the
+# variants a session writes beside it: hybrid-ring-regs, amax-cta), for one
 # GPU session of the quantization-kernels issue in two runs. Each tree that dev/compare_builds.sh
 # builds (main's, and one per series) runs this script, which finds the series the tree holds and
 # runs what measures it.
 #
 #   here:   dev/gpu-pending/quant-session.sh pack
 #           each series applied to HEAD as a temporary commit and packed into .whl/compare
-#           (HEAD is left as it was; carry [".whl"]).
+#           (HEAD is left as it was; carry [".whl"]); or pack revisions of series written in
+#           worktrees: dev/compare_builds.sh pack .whl/compare REV...
 #   there, run A (builds every tree; in each series', the quantizers' whole CUDA suite, which
 #           hangs rather than fails if a ring's barrier is wrong; then bench_quantize without the
 #           peers in each, its table also to $OUT/bench_quantize_<series>.md):
@@ -14,7 +16,9 @@
 #           dev/compare_builds.sh run .whl/compare "bash dev/gpu-pending/quant-session.sh A"
 #   there, run B (the next call, while the machine is warm: the trees stay built under
 #           $TMPDIR/compare): a second bench pass in the reverse order, and Nsight Compute's
-#           instructions, warps resident and DRAM throughput of the tile kernels in each tree:
+#           instructions, warps resident and DRAM throughput of the tile and amax kernels in each
+#           tree (all to $OUT/ncu_all.txt), and in main's the stall, scheduler and memory sections
+#           of three transposing casts ($OUT/ncu_detail_main.txt):
 #           for t in "${TMPDIR:-/tmp}"/compare/*/ "$PWD"; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/quant-session.sh B); done
 #
 # Settings (read once, here): OUT (where the tables go; default: none), TMPDIR as for
@@ -24,7 +28,9 @@ out=${OUT:-}
 
 # The series this tree holds, from what each adds.
 series() {
-  if grep -q "kRingOf" csrc/quant_cuda.cu; then echo quant-hybrid-ring
+  if grep -q "warp_max" csrc/quant_rows_cuda.cu; then echo amax-cta
+  elif grep -q "kRingOf = NV && MXR && sizeof" csrc/quant_cuda.cu; then echo hybrid-ring-regs
+  elif grep -q "kRingOf" csrc/quant_cuda.cu; then echo quant-hybrid-ring
   else echo main; fi
 }
 
@@ -57,14 +63,18 @@ case "${1:-}" in
     echo "== series: $s ($PWD)"
     timeout 180 python3 benchmarks/bench_quantize.py --no-peers ${out:+--out "$out/bench_quantize_${s}_pass2.md"} \
       > /dev/null
-    case "$s" in
-      main|quant-hybrid-ring)
-        timeout 120 ncu --clock-control none -k regex:tile_kernel \
-          --metrics smsp__inst_executed.sum,gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed \
-          python3 benchmarks/profile_quantize.py 2>&1 \
-          | grep -E "^  [a-z0-9]|inst_executed|time_duration|warps_active|dram__" | tee "${out:-.}/ncu_$s.txt"
-        ;;
-    esac
+    echo "== ncu: $s" >> "${out:-.}/ncu_all.txt"
+    timeout 120 ncu --clock-control none -k regex:"tile_kernel|amax_all" \
+      --metrics smsp__inst_executed.sum,gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+      python3 benchmarks/profile_quantize.py 2>&1 \
+      | grep -E "^  [a-z0-9]|inst_executed|time_duration|warps_active|dram__" >> "${out:-.}/ncu_all.txt"
+    if [ "$s" = main ]; then  # where the time of the transposing casts goes, for what comes next
+      timeout 150 ncu --clock-control none -k regex:"tile_kernel|amax_all" \
+        --nvtx --nvtx-include "nvfp4 col/" --nvtx-include "mxfp8 both/" --nvtx-include "hybrid grad/" \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+        --section MemoryWorkloadAnalysis --section Occupancy \
+        python3 benchmarks/profile_quantize.py > "${out:-.}/ncu_detail_main.txt" 2>&1
+    fi
     ;;
   *)
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
