@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The measurements of the quantizer series waiting in dev/gpu-pending (quant-hybrid-ring, and the
-# variants a session writes beside it: hybrid-ring-regs, amax-cta), for one
+# variants a session writes beside it: hybrid-ring-regs, amax-cta, nv-rows-2d), for one
 # GPU session of the quantization-kernels issue in two runs. Each tree that dev/compare_builds.sh
 # builds (main's, and one per series) runs this script, which finds the series the tree holds and
 # runs what measures it.
@@ -28,7 +28,8 @@ out=${OUT:-}
 
 # The series this tree holds, from what each adds.
 series() {
-  if grep -q "warp_max" csrc/quant_rows_cuda.cu; then echo amax-cta
+  if grep -q "nv_rows_2d_kernel" csrc/quant_rows_cuda.cu; then echo nv-rows-2d
+  elif grep -q "warp_max" csrc/quant_rows_cuda.cu; then echo amax-cta
   elif grep -q "kRingOf = NV && MXR && sizeof" csrc/quant_cuda.cu; then echo hybrid-ring-regs
   elif grep -q "kRingOf" csrc/quant_cuda.cu; then echo quant-hybrid-ring
   else echo main; fi
@@ -64,7 +65,7 @@ case "${1:-}" in
     timeout 180 python3 benchmarks/bench_quantize.py --no-peers ${out:+--out "$out/bench_quantize_${s}_pass2.md"} \
       > /dev/null
     echo "== ncu: $s" >> "${out:-.}/ncu_all.txt"
-    timeout 120 ncu --clock-control none -k regex:"tile_kernel|amax_all" \
+    timeout 120 ncu --clock-control none -k regex:"tile_kernel|amax_all|rows_2d" \
       --metrics smsp__inst_executed.sum,gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       python3 benchmarks/profile_quantize.py 2>&1 \
       | grep -E "^  [a-z0-9]|inst_executed|time_duration|warps_active|dram__" >> "${out:-.}/ncu_all.txt"
