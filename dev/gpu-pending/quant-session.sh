@@ -18,7 +18,7 @@
 #           $TMPDIR/compare): a second bench pass in the reverse order, and Nsight Compute's
 #           instructions, warps resident and DRAM throughput of the tile and amax kernels in each
 #           tree (all to $OUT/ncu_all.txt), and in main's the stall, scheduler and memory sections
-#           of three transposing casts ($OUT/ncu_detail_main.txt):
+#           of its transposing casts ($OUT/ncu_detail_main.txt):
 #           for t in "${TMPDIR:-/tmp}"/compare/*/ "$PWD"; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/quant-session.sh B); done
 #
 # Settings (read once, here): OUT (where the tables go; default: none), TMPDIR as for
@@ -70,8 +70,9 @@ case "${1:-}" in
       python3 benchmarks/profile_quantize.py 2>&1 \
       | grep -E "^  [a-z0-9]|inst_executed|time_duration|warps_active|dram__" >> "${out:-.}/ncu_all.txt"
     if [ "$s" = main ]; then  # where the time of the transposing casts goes, for what comes next
-      timeout 150 ncu --clock-control none -k regex:"tile_kernel|amax_all" \
-        --nvtx --nvtx-include "nvfp4 col/" --nvtx-include "mxfp8 both/" --nvtx-include "hybrid grad/" \
+      # tile kernels in profile_quantize's order: amax after RHT, NVFP4 col, col RHT + SR, 2D,
+      # 4over6 MSE 2D, MXFP8 col, MXFP8 both, the hybrid cast (profiled: the 2nd to the 8th)
+      timeout 150 ncu --clock-control none -k regex:tile_kernel --launch-skip 1 --launch-count 7 \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
         --section MemoryWorkloadAnalysis --section Occupancy \
         python3 benchmarks/profile_quantize.py > "${out:-.}/ncu_detail_main.txt" 2>&1
