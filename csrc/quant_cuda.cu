@@ -914,10 +914,19 @@ struct TileWalk {
 // ---- the kernel --------------------------------------------------------------------------------------
 
 // CTAs per SM the register budget is cut for: 4 for 16-bit inputs (3 stages of 16 KB and 64
-// registers a thread fit 4 times), 2 for fp32 tiles (32 KB a stage) and for 4over6 (two
-// candidates per block).
-template <typename T, int FO6>
-constexpr int kMinCtas = sizeof(T) == 2 && FO6 == 0 ? 4 : 2;
+// registers a thread fit 4 times), 2 for fp32 tiles (32 KB a stage), for 4over6 (two
+// candidates per block) and for the hybrid cast (its ring and staging memory fit twice).
+template <typename T, int FO6, bool HYBRID>
+constexpr int kMinCtas = sizeof(T) == 2 && FO6 == 0 && !HYBRID ? 4 : 2;
+
+// The stages of a kernel's ring: 4 for the hybrid cast of 16-bit inputs, 3 for every other
+// kernel. The hybrid cast's static staging memory (14 KB) and 4 stages hold it to 2 CTAs an SM
+// (it had 3 of 3 stages: the same tiles loading an SM), and its register budget is cut for 2
+// (kMinCtas): 64 registers a thread had bound it. Together they took 8-9 % off both of its forms
+// at 16384x8192 on an H100 (at 8192x5120 within 2 % either way); a fourth stage would only cost
+// the 4-CTA kernels a CTA.
+template <typename T, bool NV, bool MXR>
+constexpr int kRingOf = NV && MXR && sizeof(T) == 2 ? 4 : kStages;
 
 // The stage of a kernel: NVFP4 tiles are 128 x 64, the MXFP8-only ones 64 x 128.
 template <typename T, bool NV>
@@ -932,10 +941,11 @@ constexpr bool kTensorCopies = false;
 #endif
 
 template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE>
-__global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>)
+__global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, NV && MXR>)
     tile_kernel(TileArgs a, uint32_t tiles, uint32_t tiles_k, const __grid_constant__ CUtensorMap x_map) {
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ __align__(8) uint64_t landed[kStages];  // tensor copies: a stage's tile is in
+  constexpr int kRing = kRingOf<T, NV, MXR>;
+  __shared__ __align__(8) uint64_t landed[kRing];  // tensor copies: a stage's tile is in
   __shared__ std::conditional_t<NV, NvOut, char> nv_out;
   __shared__ uint32_t mx_rs[MXC && MXR ? kMxRows : 1];
   __shared__ std::conditional_t<NV && MXR, MxRowOut, char> mx_rows;
@@ -979,7 +989,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>)
   const uint32_t step = gridDim.x;
   // The tile coordinates advance by the grid without dividing (a division per tile and thread
   // cost about 5 instructions per element): `cur` is the tile quantized, `ahead` the one
-  // refilled, kStages - 1 steps later. Tile counts, positions and their sums stay below 2**32
+  // refilled, kRing - 1 steps later. Tile counts, positions and their sums stay below 2**32
   // (set_tile_input, launch_tiles), so all of them are 32-bit; byte offsets are formed by wide().
   const TileStep by{step / tiles_k, step % tiles_k, tiles_k};
   // Tile `at` into stage `slot`: by tensor copies from thread 0, else by every thread's cp.async
@@ -1003,7 +1013,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>)
   if constexpr (tma) {  // the barriers, before any copy or wait
     if (threadIdx.x == 0) {
 #pragma unroll
-      for (int s = 0; s < kStages; ++s) mbar_init(smem_addr(&landed[s]), 1);
+      for (int s = 0; s < kRing; ++s) mbar_init(smem_addr(&landed[s]), 1);
       mbar_init_fence();
       prefetch_map(&x_map);
     }
@@ -1011,7 +1021,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>)
   }
   TileWalk ahead(blockIdx.x, tiles_k);
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {  // the ring's first tiles
+  for (int s = 0; s < kRing - 1; ++s) {  // the ring's first tiles
     fill(s, ahead, blockIdx.x + s * step < tiles);
     ahead.advance(by);
   }
@@ -1020,10 +1030,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>)
   uint32_t parity = 0u;  // of the use of the stage's `landed` barrier that brings tile t
   for (uint32_t t = blockIdx.x; t < tiles; t += step) {
     if constexpr (tma) mbar_wait(smem_addr(&landed[stage]), parity);  // tile t has landed
-    else cp_async_wait<kStages - 2>();  // this thread's copies of tile t have
+    else cp_async_wait<kRing - 2>();  // this thread's copies of tile t have
     __syncthreads();  // (cp.async: everyone's have,) and the stage refilled next is read out
-    const int refill = stage == 0 ? kStages - 1 : stage - 1;
-    fill(refill, ahead, t + (kStages - 1) * step < tiles);
+    const int refill = stage == 0 ? kRing - 1 : stage - 1;
+    fill(refill, ahead, t + (kRing - 1) * step < tiles);
     ahead.advance(by);
     unsigned char* tile = stages + stage * S::kBytes;
     const uint32_t m0 = cur.tm * S::kRows, k0 = cur.tk * S::kCols;
@@ -1047,7 +1057,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6>)
     // The MXFP8 kernels stage their codes in the tile's own stage: those writes are ordered
     // before the tensor copy that refills it (after the next CTA barrier).
     if constexpr (tma && MXC) fence_proxy_async_smem();
-    stage = stage == kStages - 1 ? 0 : stage + 1;
+    stage = stage == kRing - 1 ? 0 : stage + 1;
     if (stage == 0) parity ^= 1u;
   }
   if constexpr (!tma) cp_async_wait<0>();
@@ -1086,6 +1096,7 @@ struct TileLaunch {
 template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE = kNvAny>
 void launch_tiles(const TileArgs& a) {
   using S = TileStage<T, NV>;
+  constexpr int kRing = kRingOf<T, NV, MXR>;
   static std::array<TileLaunch, 64> how{};
   static std::array<std::once_flag, 64> found;
   const int dev = c10::cuda::current_device();
@@ -1095,7 +1106,7 @@ void launch_tiles(const TileArgs& a) {
     cudaFuncAttributes fa{};
     C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
     const bool copies = fa.ptxVersion >= 90;
-    const int smem = kStages * S::kBytes + (copies ? 1024 : 0);
+    const int smem = kRing * S::kBytes + (copies ? 1024 : 0);
     int per_sm = 0, sms = 0;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
@@ -1103,7 +1114,7 @@ void launch_tiles(const TileArgs& a) {
     how[dev] = TileLaunch{std::max(per_sm, 1) * sms, copies};
   });
   const TileLaunch h = how[dev];
-  const int smem = kStages * S::kBytes + (h.copies ? 1024 : 0);
+  const int smem = kRing * S::kBytes + (h.copies ? 1024 : 0);
   static const CUtensorMap kNoMap{};
   CUtensorMap map = kNoMap;
   if (h.copies) {
@@ -1117,7 +1128,7 @@ void launch_tiles(const TileArgs& a) {
   }
   const int64_t tiles_k = (static_cast<int64_t>(a.K) + S::kCols - 1) / S::kCols;
   const int64_t tiles = ((static_cast<int64_t>(a.M) + S::kRows - 1) / S::kRows) * tiles_k;
-  // The kernel walks tiles in 32 bits: t + (kStages - 1) * grid must stay below 2**32.
+  // The kernel walks tiles in 32 bits: t + (kRing - 1) * grid must stay below 2**32.
   TORCH_CHECK(tiles < (int64_t{1} << 30), "qtensor: the CUDA tile quantizer takes fewer than 2**30 tiles of ",
               num(S::kRows), "x", num(S::kCols), " elements; got an input of ", num(a.M), "x", num(a.K),
               ". Quantize it in row chunks.");

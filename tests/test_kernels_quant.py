@@ -479,11 +479,12 @@ def test_tile_kernel_many_tiles(device, dtype):
 @pytest.mark.parametrize("device", DEVICES[1:])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_tile_kernel_walks_many_tiles_a_cta(device, dtype):
-    # The tile kernel's persistent CTAs walk their tiles through a ring of 3 stages, refilling
-    # the stage of the tile before: 16384 x 2048 is 4096 tiles of either shape (128 x 64 NVFP4,
-    # 64 x 128 MXFP8), 7 or more a CTA on a GPU of 132 SMs, so every stage is refilled and its
-    # barrier's phase wraps. Every kernel family: NVFP4 columnwise (plain, RHT + SR, 4over6 2D),
-    # 2D, rowwise with SR, MXFP8 columnwise and both, the hybrid cast.
+    # The tile kernel's persistent CTAs walk their tiles through a ring of 3 stages (4 for the
+    # bf16 hybrid cast), refilling the stage of the tile before: 16384 x 2048 is 4096 tiles of
+    # either shape (128 x 64 NVFP4, 64 x 128 MXFP8), 7 or more a CTA on a GPU of 132 SMs, so
+    # every stage is refilled and its barrier's phase wraps. Every kernel family: NVFP4
+    # columnwise (plain, RHT + SR), 2D (4over6), rowwise with SR, MXFP8 columnwise and both, and
+    # both forms of the hybrid cast.
     x = spread_input((16384, 2048), dtype, 41).to(device)
     specs = [NVFP4Spec(columnwise=True), NVFP4Spec(block_2d=True),
              NVFP4Spec(stochastic_rounding=True),
@@ -502,11 +503,14 @@ def test_tile_kernel_walks_many_tiles_a_cta(device, dtype):
     assert_bytes_equal(cq1, col.qdata, "mx col alone")
     assert_bytes_equal(cs1, col.scale, "mx col alone scale")
     if dtype == torch.bfloat16:
-        mx, nv, _ = Q.quantize_hybrid_grad(x, "rceil", NVFP4Spec(columnwise=True), None)
-        assert_bytes_equal(mx.qdata, row.qdata, "hybrid mxfp8 data")
-        ref_nv = nvfp4.quantize(x, NVFP4Spec(columnwise=True))
-        assert_bytes_equal(nv.qdata, ref_nv.qdata, "hybrid nvfp4 codes")
-        assert_bytes_equal(nv.scale, ref_nv.scale, "hybrid nvfp4 scale")
+        for spec, sr in ((NVFP4Spec(columnwise=True), None),
+                         (NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True), SRSeed(9, 0))):
+            mx, nv, _ = Q.quantize_hybrid_grad(x, "rceil", spec, sr)
+            assert_bytes_equal(mx.qdata, row.qdata, f"hybrid mxfp8 data {spec}")
+            assert_bytes_equal(mx.scale, row.scale, f"hybrid mxfp8 scale {spec}")
+            ref_nv = nvfp4.quantize(x, spec, sr)
+            assert_bytes_equal(nv.qdata, ref_nv.qdata, f"hybrid nvfp4 codes {spec}")
+            assert_bytes_equal(nv.scale, ref_nv.scale, f"hybrid nvfp4 scale {spec}")
 
 
 @pytest.mark.parametrize("device", DEVICES[1:])
