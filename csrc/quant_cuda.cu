@@ -952,6 +952,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, NV && MXR>)
   __shared__ float enc_of[NV ? 256 : 1];
   __shared__ Fo6Byte fo6_bytes[FO6 ? 256 : 1];
   __shared__ float fo6_cols[2][FO6 ? 8 : 1][FO6 ? kThreads : 1];
+  __shared__ uint32_t warp_max[MODE == kNvAmaxRht ? kThreads / 32 : 1];
   using S = TileStage<T, NV>;
   static_assert(NV || MXC, "MXFP8 rowwise alone runs in the rows kernel");
   const T* x = static_cast<const T*>(a.x);
@@ -1062,10 +1063,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, NV && MXR>)
   }
   if constexpr (!tma) cp_async_wait<0>();
   if constexpr (kAmax) {  // integer max of magnitude bits: torch.amax's order, NaN above inf
-    uint32_t m = max(run_max & 0xFFFFu, run_max >> 16);
-#pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) m = max(m, __shfl_xor_sync(kFull, m, o));
-    if ((threadIdx.x & 31) == 0) atomicMax(a.amax_out, m << 16);
+    // One atomic a CTA (those of one address queue one after another at the kernel's end).
+    const uint32_t m = __reduce_max_sync(kFull, max(run_max & 0xFFFFu, run_max >> 16));
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      const uint32_t cta = __reduce_max_sync(kFull, threadIdx.x < kThreads / 32 ? warp_max[threadIdx.x] : 0u);
+      if (threadIdx.x == 0) atomicMax(a.amax_out, cta << 16);
+    }
   }
 }
 
