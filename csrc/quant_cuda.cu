@@ -1,6 +1,6 @@
 // CUDA kernels of every qtensor quantizer that needs a 2-D tile: NVFP4 columnwise (1D, 2D,
-// 4over6, RHT, stochastic rounding, row-scaled), NVFP4 rowwise with 2D tiles or stochastic
-// rounding, MXFP8 columnwise (alone or with rowwise), and the hybrid gradient cast (MXFP8 rowwise
+// 4over6, RHT, stochastic rounding, row-scaled), NVFP4 rowwise with stochastic rounding or 4over6
+// 2D tiles (plain 2D rowwise runs in quant_rows_cuda.cu), MXFP8 columnwise (alone or with rowwise), and the hybrid gradient cast (MXFP8 rowwise
 // + NVFP4 columnwise). One persistent kernel reads the input once: each CTA walks its tiles
 // (128 rows x 64 columns with NVFP4 outputs, 64 x 128 for MXFP8 alone), copied into a ring of
 // shared-memory stages while the tile before them is quantized (by the copy unit's tensor copies
@@ -162,8 +162,7 @@ enum NvMode : int {
   kNvCol,       // columnwise: activations
   kNvColRhtSr,  // columnwise, RHT, stochastic rounding: gradients for wgrad
   kNvRowSr,     // rowwise, stochastic rounding: gradients for dgrad
-  kNvCol2d,     // 2D, columnwise and rowwise: weights
-  kNvRow2d,
+  kNvCol2d,     // 2D, columnwise: weights (rowwise 2D runs in quant_rows_cuda.cu)
   kNvAmaxRht,   // no codes: the amax after RHT of the runs down the columns (bf16), for the scale
 };
 
@@ -174,7 +173,6 @@ constexpr NvFlags kNvModeFlags[] = {
     {true, false, true, true, false},
     {false, false, false, true, false},
     {true, true, false, false, false},
-    {false, true, false, false, false},
     {true, false, true, false, false},
 };
 
@@ -186,7 +184,7 @@ __device__ __forceinline__ NvFlags nv_flags(const NvFlags& f) {
 
 // The quantizing mode whose fixed flags are f's, else kNvAny.
 inline int nv_mode(const NvFlags& f) {
-  for (int m = kNvAny + 1; m <= kNvRow2d; ++m) {
+  for (int m = kNvAny + 1; m <= kNvCol2d; ++m) {
     const NvFlags& g = kNvModeFlags[m];
     if (g.col == f.col && g.b2d == f.b2d && g.rht == f.rht && g.sr == f.sr && g.row_scaled == f.row_scaled)
       return m;
@@ -502,7 +500,7 @@ __device__ __forceinline__ void nv_col_stage(NvOut& out, const NvColCodes& c) {
   out.s[NvOut::sbyte(2 * p + 1, w)] = c.sb[1];
 }
 
-// ---- NVFP4 rowwise with 2D tiles or stochastic rounding ---------------------------------------------
+// ---- NVFP4 rowwise with stochastic rounding or 4over6 2D tiles --------------------------------------
 
 // Lane l of warp w takes column block l % 4 (16 columns) of the rows 16w + l / 4 and
 // 16w + l / 4 + 8. The four lanes of a row hold its four blocks of the tile, so codes (8 bytes a
@@ -1159,7 +1157,6 @@ void launch_nv_mode(const TileArgs& a, bool mxr) {
     case kNvColRhtSr: return launch_tiles<T, true, 0, false, false, kNvColRhtSr>(a);
     case kNvRowSr: return launch_tiles<T, true, 0, false, false, kNvRowSr>(a);
     case kNvCol2d: return launch_tiles<T, true, 0, false, false, kNvCol2d>(a);
-    case kNvRow2d: return launch_tiles<T, true, 0, false, false, kNvRow2d>(a);
     default: return launch_tiles<T, true, 0, false, false>(a);
   }
 }
@@ -1237,8 +1234,9 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cuda(const at::Tensor& x, cons
   at::Tensor sc = at::empty({s.R, s.C / 16}, x.options().dtype(at::kByte));
   const at::Tensor a = amax.contiguous();
   const int64_t* sr = sr_state_ptr(x, stochastic, sr_state, op);
-  if (!columnwise && !block_2d && !rht && !stochastic) {  // 1x16 rowwise blocks: no tile needed
-    nvfp4_rows_cuda(as_aligned_2d(x), a, fourover6, bound, q, sc);
+  if (!columnwise && !rht && !stochastic && (!block_2d || fourover6 == 0)) {  // rowwise: no tile needed
+    if (block_2d) nvfp4_rows_2d_cuda(as_aligned_2d(x), a, bound, q, sc);  // one tensor amax (check_nv_options)
+    else nvfp4_rows_cuda(as_aligned_2d(x), a, fourover6, bound, q, sc);
     return {q, sc.view(at::kFloat8_e4m3fn)};
   }
   TileArgs args = nv_args(a, columnwise, block_2d, fourover6, bound, rht, stochastic, sr, q, sc);

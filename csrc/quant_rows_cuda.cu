@@ -1,5 +1,6 @@
 // Rowwise quantizers and the amax pass at memory speed. A rowwise block (16 elements NVFP4, 32
-// MXFP8) is contiguous in the input, so no shared-memory tile is needed: each thread reads its own
+// MXFP8) is contiguous in the input, so no shared-memory tile is needed (NVFP4's 16x16 2D tiles
+// neither: the 4 lanes of a tile join their amaxes by shuffles): each thread reads its own
 // 16 elements with 16-byte read-only loads, kSlots blocks per thread issued before any math so
 // 64 B per thread are in flight, and writes its codes with one vector store (a warp's stores
 // cover 256 contiguous bytes of NVFP4 codes, 512 of MXFP8). The math is quant_math.h's, plus
@@ -127,6 +128,58 @@ __global__ void __launch_bounds__(kThreads) nv_rows_fo6_kernel(const T* x, int64
       s[b] = fo6_block_tab<MSE, kThreads>(v, u2f(in.absmax(u)), ts, six_b, bytes, col6, col4, &codes, words);
       q[b] = make_uint2(codes.x, codes.y);
     }
+  }
+}
+
+// Rowwise codes under one scale per 16x16 tile (2D), without a shared-memory stage: warp g takes
+// the panel of 16 rows x 128 columns at rows 16 (g / panels_k).., columns 128 (g % panels_k)..;
+// lane l the 4 rows 4 (l % 4).. of the tile at columns 16 (l / 4)... Each lane reads its 4 rows
+// of 16 elements (4 x 32 bytes of bf16 in flight) before any math, joins the tile's amax with the
+// tile's 3 other lanes by two shuffles and forms the tile's scale once; a warp's stores then cover
+// 64 contiguous code bytes and 8 scale bytes of each of 4 rows. M % 16 == 0 (nv_shape) and
+// K % 16 == 0 make every tile whole; a panel past K has lanes with no tile.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) nv_rows_2d_kernel(const T* x, int64_t K, int64_t panels,
+                                                              int64_t panels_k, const float* amax, int bound,
+                                                              uint2* q, uint8_t* s) {
+  constexpr int kC = 16 / Vec<T>::kN;  // 16-byte loads a row of the tile
+  const int l = threadIdx.x & 31;
+  const int64_t g = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
+  if (g >= panels) return;  // whole warps: every lane of a panel takes part in the shuffles
+  const int64_t r0 = (g / panels_k) * 16 + 4 * (l & 3), col = (g % panels_k) * 128 + 16 * (l >> 2);
+  const bool in = col < K;
+  uint4 raw[4][kC];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const T* p = x + ((r0 + i) * K + col);
+#pragma unroll
+    for (int c = 0; c < kC; ++c)
+      raw[i][c] = in ? __ldg(reinterpret_cast<const uint4*>(p + c * Vec<T>::kN)) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  uint32_t m = 0u;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int c = 0; c < kC; ++c) m = absmax_word<T>(m, raw[i][c]);
+  }
+  uint32_t bits = absmax_bits<T>(m);  // the tile's max |element| bits (NaN above inf)
+  bits = max(bits, __shfl_xor_sync(kFull, bits, 1));
+  bits = max(bits, __shfl_xor_sync(kFull, bits, 2));
+  if (!in) return;
+  const NvScale ts = nv_scale(amax[0], bound);
+  const float bam = u2f(bits);
+  const uint8_t sb = e4m3_scale_bits(bam * ts.s_enc_c6);
+  const float enc = nv_block_enc(sb, ts.s_dec);
+  const int64_t bpr = K / 16;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float v[16];
+#pragma unroll
+    for (int c = 0; c < kC; ++c) Vec<T>::unpack(raw[i][c], v + c * Vec<T>::kN);
+    const Codes codes = nv_codes(v, bam, enc);
+    const int64_t b = (r0 + i) * bpr + col / 16;
+    q[b] = make_uint2(codes.x, codes.y);
+    s[b] = sb;
   }
 }
 
@@ -268,6 +321,18 @@ void nvfp4_rows_cuda(const at::Tensor& x2, const at::Tensor& amax, int64_t fouro
     using T = decltype(tag);
     if (amax.dim() == 1) launch_nv<T, true>(x2, a, fourover6, static_cast<int>(bound), qp, sp);
     else launch_nv<T, false>(x2, a, fourover6, static_cast<int>(bound), qp, sp);
+  });
+}
+
+void nvfp4_rows_2d_cuda(const at::Tensor& x2, const at::Tensor& amax, int64_t bound, at::Tensor& q, at::Tensor& s) {
+  const int64_t M = x2.size(0), K = x2.size(1);
+  const int64_t panels_k = ceil_div(K, 128), panels = (M / 16) * panels_k;
+  dispatch_float(x2.scalar_type(), "qtensor.nvfp4_quantize", [&](auto tag) {
+    using T = decltype(tag);
+    nv_rows_2d_kernel<T><<<ceil_div(panels, kThreads / 32), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        x2.const_data_ptr<T>(), K, panels, panels_k, amax.const_data_ptr<float>(), static_cast<int>(bound),
+        reinterpret_cast<uint2*>(q.data_ptr<uint8_t>()), s.data_ptr<uint8_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 

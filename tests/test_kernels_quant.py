@@ -116,7 +116,7 @@ def test_nvfp4_all_bf16_patterns_row_scaled(device, columnwise):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("spec", [NVFP4Spec(), NVFP4Spec(fourover6="mse", e4m3_bound=256),
+@pytest.mark.parametrize("spec", [NVFP4Spec(), NVFP4Spec(fourover6="mse", e4m3_bound=256), NVFP4Spec(block_2d=True),
                                   NVFP4Spec(fourover6="mae", block_2d=True)], ids=str)
 def test_nvfp4_all_finite_bf16_patterns(device, spec):
     p = all_bf16_patterns()
@@ -347,7 +347,7 @@ def test_nvfp4_views_3d_zeros_outliers(device):
                                            torch.tensor(3e38, dtype=torch.bfloat16, device=device)),
     }
     for name, x in cases.items():
-        for spec in (NVFP4Spec(), NVFP4Spec(columnwise=True), NVFP4Spec(row_scaled=True),
+        for spec in (NVFP4Spec(), NVFP4Spec(columnwise=True), NVFP4Spec(row_scaled=True), NVFP4Spec(block_2d=True),
                      NVFP4Spec(fourover6="mae", e4m3_bound=256)):
             if spec.columnwise and x.dim() != 2:
                 continue
