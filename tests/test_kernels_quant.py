@@ -547,6 +547,25 @@ def test_fourover6_rows_persistent_grid(device, spec):
     assert 0.05 < map4 < 0.95, f"map-to-4 blocks: {map4:.3f} of all"
 
 
+@pytest.mark.parametrize("device", DEVICES[1:])
+@pytest.mark.parametrize("spec", [NVFP4Spec(block_2d=True), NVFP4Spec(fourover6="mae", block_2d=True),
+                                  NVFP4Spec(fourover6="mse", block_2d=True, e4m3_bound=256)], ids=str)
+def test_2d_rows_many_panels(device, spec):
+    # Plain 2D rowwise takes a panel of 16 rows x 128 columns a warp (the rows kernel), 4over6 2D
+    # the tile kernel's persistent grid: 16384 x 2000 is 16384 panels and 8192 tiles, more than a
+    # GPU holds warps or CTAs, and its last 80 columns leave lanes with no tile. Both 4over6
+    # candidates must win thousands of tiles.
+    x = spread_input((16384, 2000), torch.bfloat16, 33)
+    x[:, 1024:] = torch.randn(16384, 976, generator=torch.Generator().manual_seed(34)).bfloat16()
+    x = x.to(device)
+    check_nvfp4(x, spec)
+    if spec.fourover6:
+        chosen = nvfp4.quantize(x, spec).scale.float()
+        six = nvfp4.quantize(x, NVFP4Spec(block_2d=True, e4m3_bound=spec.e4m3_bound)).scale.float()
+        map4 = (chosen != six).float().mean().item()
+        assert 0.02 < map4 < 0.98, f"map-to-4 tiles: {map4:.3f} of all"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_hybrid_cast_many_tiles(device):
     x = spread_input((1056, 800), torch.bfloat16, 23).to(device)
