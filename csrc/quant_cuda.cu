@@ -911,20 +911,22 @@ struct TileWalk {
 
 // ---- the kernel --------------------------------------------------------------------------------------
 
+// The hybrid cast of 16-bit inputs without RHT runs a ring of 4 stages (every other kernel 3) and
+// a register budget for 2 CTAs an SM: its static staging memory (14 KB) and 4 stages hold it to 2
+// CTAs an SM (it had 3 of 3 stages: the same tiles loading an SM), and 64 registers a thread had
+// bound it. That took 7 % off it at 16384x8192 on an H200 (1 % at 8192x5120); its RHT + SR form
+// gained 4 % at 16384x8192 but lost 5 % at 8192x5120, and the 4-CTA kernels would only lose a CTA.
+template <typename T, bool NV, bool MXR, int MODE>
+constexpr bool kDeepRing = NV && MXR && MODE != kNvColRhtSr && sizeof(T) == 2;
+
 // CTAs per SM the register budget is cut for: 4 for 16-bit inputs (3 stages of 16 KB and 64
 // registers a thread fit 4 times), 2 for fp32 tiles (32 KB a stage), for 4over6 (two
-// candidates per block) and for the hybrid cast (its ring and staging memory fit twice).
-template <typename T, int FO6, bool HYBRID>
-constexpr int kMinCtas = sizeof(T) == 2 && FO6 == 0 && !HYBRID ? 4 : 2;
+// candidates per block) and for the deep ring's hybrid cast.
+template <typename T, int FO6, bool DEEP>
+constexpr int kMinCtas = sizeof(T) == 2 && FO6 == 0 && !DEEP ? 4 : 2;
 
-// The stages of a kernel's ring: 4 for the hybrid cast of 16-bit inputs, 3 for every other
-// kernel. The hybrid cast's static staging memory (14 KB) and 4 stages hold it to 2 CTAs an SM
-// (it had 3 of 3 stages: the same tiles loading an SM), and its register budget is cut for 2
-// (kMinCtas): 64 registers a thread had bound it. Together they took 8-9 % off both of its forms
-// at 16384x8192 on an H100 (at 8192x5120 within 2 % either way); a fourth stage would only cost
-// the 4-CTA kernels a CTA.
-template <typename T, bool NV, bool MXR>
-constexpr int kRingOf = NV && MXR && sizeof(T) == 2 ? 4 : kStages;
+template <bool DEEP>
+constexpr int kRingOf = DEEP ? 4 : kStages;
 
 // The stage of a kernel: NVFP4 tiles are 128 x 64, the MXFP8-only ones 64 x 128.
 template <typename T, bool NV>
@@ -939,10 +941,10 @@ constexpr bool kTensorCopies = false;
 #endif
 
 template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE>
-__global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, NV && MXR>)
+__global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MXR, MODE>>)
     tile_kernel(TileArgs a, uint32_t tiles, uint32_t tiles_k, const __grid_constant__ CUtensorMap x_map) {
   extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int kRing = kRingOf<T, NV, MXR>;
+  constexpr int kRing = kRingOf<kDeepRing<T, NV, MXR, MODE>>;
   __shared__ __align__(8) uint64_t landed[kRing];  // tensor copies: a stage's tile is in
   __shared__ std::conditional_t<NV, NvOut, char> nv_out;
   __shared__ uint32_t mx_rs[MXC && MXR ? kMxRows : 1];
@@ -1099,7 +1101,7 @@ struct TileLaunch {
 template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE = kNvAny>
 void launch_tiles(const TileArgs& a) {
   using S = TileStage<T, NV>;
-  constexpr int kRing = kRingOf<T, NV, MXR>;
+  constexpr int kRing = kRingOf<kDeepRing<T, NV, MXR, MODE>>;
   static std::array<TileLaunch, 64> how{};
   static std::array<std::once_flag, 64> found;
   const int dev = c10::cuda::current_device();
