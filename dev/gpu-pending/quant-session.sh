@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# The measurements of the quantizer series waiting in dev/gpu-pending (quant-hybrid-ring, and the
-# variants a session writes beside it: hybrid-ring-regs, amax-cta, nv-rows-2d), for one
+# The measurements of the quantizer series waiting in dev/gpu-pending (quant-rows-2d-fo6), for one
 # GPU session of the quantization-kernels issue in two runs. Each tree that dev/compare_builds.sh
 # builds (main's, and one per series) runs this script, which finds the series the tree holds and
 # runs what measures it.
@@ -28,10 +27,7 @@ out=${OUT:-}
 
 # The series this tree holds, from what each adds.
 series() {
-  if grep -q "nv_rows_2d_kernel" csrc/quant_rows_cuda.cu; then echo nv-rows-2d
-  elif grep -q "warp_max" csrc/quant_rows_cuda.cu; then echo amax-cta
-  elif grep -q "kRingOf = NV && MXR && sizeof" csrc/quant_cuda.cu; then echo hybrid-ring-regs
-  elif grep -q "kRingOf" csrc/quant_cuda.cu; then echo quant-hybrid-ring
+  if grep -q "nv_rows_2d_fo6_kernel" csrc/quant_rows_cuda.cu; then echo quant-rows-2d-fo6
   else echo main; fi
 }
 
@@ -40,7 +36,7 @@ case "${1:-}" in
     git diff --quiet && git diff --cached --quiet || { echo "quant-session: commit first" >&2; exit 1; }
     base=$(git rev-parse HEAD)
     revs=()
-    for series in quant-hybrid-ring; do
+    for series in quant-rows-2d-fo6; do
       git am -q "dev/gpu-pending/$series"/*.patch || { git am --abort; exit 1; }
       revs+=("$(git rev-parse --short HEAD)")
       echo "$series: ${revs[-1]}"
@@ -70,8 +66,9 @@ case "${1:-}" in
       python3 benchmarks/profile_quantize.py 2>&1 \
       | grep -E "^  [a-z0-9]|inst_executed|time_duration|warps_active|dram__" >> "${out:-.}/ncu_all.txt"
     if [ "$s" = main ]; then  # where the time of the transposing casts goes, for what comes next
-      # tile kernels in profile_quantize's order: amax after RHT, NVFP4 col, col RHT + SR, 2D,
-      # 4over6 MSE 2D, MXFP8 col, MXFP8 both, the hybrid cast (profiled: the 2nd to the 8th)
+      # tile kernels in profile_quantize's order: amax after RHT, NVFP4 col, col RHT + SR,
+      # 4over6 MSE 2D, MXFP8 col, MXFP8 both, the hybrid cast and its RHT + SR form (profiled:
+      # the 2nd to the 8th)
       timeout 150 ncu --clock-control none -k regex:tile_kernel --launch-skip 1 --launch-count 7 \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
         --section MemoryWorkloadAnalysis --section Occupancy \
