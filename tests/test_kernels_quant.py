@@ -116,7 +116,8 @@ def test_nvfp4_all_bf16_patterns_row_scaled(device, columnwise):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("spec", [NVFP4Spec(), NVFP4Spec(fourover6="mse", e4m3_bound=256), NVFP4Spec(block_2d=True),
+@pytest.mark.parametrize("spec", [NVFP4Spec(), NVFP4Spec(fourover6="mse", e4m3_bound=256),
+                                  NVFP4Spec(block_2d=True),
                                   NVFP4Spec(fourover6="mae", block_2d=True)], ids=str)
 def test_nvfp4_all_finite_bf16_patterns(device, spec):
     p = all_bf16_patterns()
@@ -347,8 +348,8 @@ def test_nvfp4_views_3d_zeros_outliers(device):
                                            torch.tensor(3e38, dtype=torch.bfloat16, device=device)),
     }
     for name, x in cases.items():
-        for spec in (NVFP4Spec(), NVFP4Spec(columnwise=True), NVFP4Spec(row_scaled=True), NVFP4Spec(block_2d=True),
-                     NVFP4Spec(fourover6="mae", e4m3_bound=256)):
+        for spec in (NVFP4Spec(), NVFP4Spec(columnwise=True), NVFP4Spec(row_scaled=True),
+                     NVFP4Spec(block_2d=True), NVFP4Spec(fourover6="mae", e4m3_bound=256)):
             if spec.columnwise and x.dim() != 2:
                 continue
             check_nvfp4(x, spec)
@@ -521,8 +522,8 @@ def test_tile_kernel_walks_many_tiles_a_cta(device, dtype):
     assert_bytes_equal(cq1, col.qdata, "mx col alone")
     assert_bytes_equal(cs1, col.scale, "mx col alone scale")
     if dtype == torch.bfloat16:
-        for spec, sr in ((NVFP4Spec(columnwise=True), None),
-                         (NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True), SRSeed(9, 0))):
+        rht_sr = NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)
+        for spec, sr in ((NVFP4Spec(columnwise=True), None), (rht_sr, SRSeed(9, 0))):
             mx, nv, _ = Q.quantize_hybrid_grad(x, "rceil", spec, sr)
             assert_bytes_equal(mx.qdata, row.qdata, f"hybrid mxfp8 data {spec}")
             assert_bytes_equal(mx.scale, row.scale, f"hybrid mxfp8 scale {spec}")
@@ -548,8 +549,10 @@ def test_fourover6_rows_persistent_grid(device, spec):
 
 
 @pytest.mark.parametrize("device", DEVICES[1:])
-@pytest.mark.parametrize("spec", [NVFP4Spec(block_2d=True), NVFP4Spec(fourover6="mae", block_2d=True),
-                                  NVFP4Spec(fourover6="mse", block_2d=True, e4m3_bound=256)], ids=str)
+@pytest.mark.parametrize("spec", [NVFP4Spec(block_2d=True),
+                                  NVFP4Spec(fourover6="mae", block_2d=True),
+                                  NVFP4Spec(fourover6="mse", block_2d=True, e4m3_bound=256)],
+                         ids=str)
 def test_2d_rows_many_panels(device, spec):
     # Plain 2D rowwise takes a panel of 16 rows x 128 columns a warp (the rows kernel), 4over6 2D
     # the tile kernel's persistent grid: 16384 x 2000 is 16384 panels and 8192 tiles, more than a
