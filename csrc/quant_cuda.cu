@@ -1,15 +1,16 @@
 // CUDA kernels of every qtensor quantizer that needs a 2-D tile: NVFP4 columnwise (1D, 2D,
 // 4over6, RHT, stochastic rounding, row-scaled), NVFP4 rowwise with stochastic rounding or 4over6
-// 2D tiles (plain 2D rowwise runs in quant_rows_cuda.cu), MXFP8 columnwise (alone or with rowwise), and the hybrid gradient cast (MXFP8 rowwise
-// + NVFP4 columnwise). One persistent kernel reads the input once: each CTA walks its tiles
-// (128 rows x 64 columns with NVFP4 outputs, 64 x 128 for MXFP8 alone), copied into a ring of
-// shared-memory stages while the tile before them is quantized (by the copy unit's tensor copies
-// from sm_90 on, else by every thread's cp.async), and writes every output asked for from that
-// one read. NVFP4 rowwise codes leave as whole sectors straight from
-// registers (the lanes of one output row hold its consecutive blocks); NVFP4 columnwise codes and
-// scales, and MXFP8 codes and row scales, are staged in shared memory and leave as whole rows of
-// the tile, so that each store request carries as many bytes as the tile row holds.
-// The 1x16 / 1x32 rowwise modes need no tile: quant_rows_cuda.cu. The math is quant_math.h and
+// 2D tiles (plain 2D rowwise runs in quant_rows_cuda.cu), MXFP8 columnwise (alone or with
+// rowwise), and the hybrid gradient cast (MXFP8 rowwise + NVFP4 columnwise). One persistent
+// kernel reads the input once: each CTA walks its tiles (128 rows x 64 columns with NVFP4
+// outputs, 64 x 128 for MXFP8 alone), copied into a ring of shared-memory stages while the tile
+// before them is quantized (by the copy unit's tensor copies from sm_90 on, else by every
+// thread's cp.async), and writes every output asked for from that one read. NVFP4 rowwise codes
+// leave as whole sectors straight from registers (the lanes of one output row hold its
+// consecutive blocks); NVFP4 columnwise codes and scales, and MXFP8 codes and row scales, are
+// staged in shared memory and leave as whole rows of the tile, so that each store request carries
+// as many bytes as the tile row holds. The 1x16 / 1x32 and plain 2D rowwise modes need no tile:
+// quant_rows_cuda.cu. The math is quant_math.h and
 // quant_rows_math.h, shared with the CPU kernels; built with --fmad=false so every fp32 operation
 // rounds like the reference.
 #include <ATen/ATen.h>
