@@ -20,10 +20,13 @@ times: each format's kernel as decode_mm launches it beside bf16 F.linear, one l
 and M: the short table to compare builds with (dev/compare_builds.sh runs it in each build; the
 kernel's whole benchmark, with its checks and other rows, is bench_gemm.py --decode).
 
-profile: three launches of each format alone, for Nsight Compute (the first warms up). With
-ncu's `--section SourceCounters --page source --print-source sass --csv` instead of the sections
-above, `benchmarks/ncu_sass_regions.py` splits each kernel's instructions and stall samples into
-its straight-line regions (which wait the stall samples sit at: a stage's mbarrier, a shared load).
+profile: three launches of each format alone, for Nsight Compute (the first warms up); with
+--bf16, F.linear's three first, so that a wider filter (`-k regex:"decode_gemm|gemv|gemm"`)
+profiles cuBLAS's kernel beside the decode kernel (`--section MemoryWorkloadAnalysis` gives both
+kernels' DRAM and L2 throughput). With ncu's `--section SourceCounters --page source
+--print-source sass --csv` instead of the sections above, `benchmarks/ncu_sass_regions.py` splits
+each kernel's instructions and stall samples into its straight-line regions (which wait the stall
+samples sit at: a stage's mbarrier, a shared load).
 
 Results, with date and device, are in benchmarks/RESULTS.md and docs/decode.md ("Status").
 """
@@ -134,6 +137,11 @@ def profile(args) -> None:
         packed = packed_weights(w)  # one copy each: the profiler times launches alone
         for m in (int(v) for v in args.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            if args.bf16:  # cuBLAS's kernel on the same weight: the rate to compare with
+                for _ in range(3):
+                    F.linear(x, w)
+                torch.cuda.synchronize()
+                print(f"bf16 {n}x{k} M={m}: 3 launches")
             for fmt, weight in packed.items():
                 for _ in range(3):
                     launch(x, weight, fmt, n, k)
@@ -158,6 +166,8 @@ def main() -> None:
     r = sub.add_parser("profile", help="launches alone, for Nsight Compute")
     r.add_argument("--shapes", default="28672x8192")
     r.add_argument("--ms", default="1,16")
+    r.add_argument("--bf16", action="store_true",
+                   help="also F.linear's bf16 kernel (widen ncu's -k filter to take it)")
     args = p.parse_args()
     {"fixed-cost": fixed_cost, "splits": splits, "times": times, "profile": profile}[args.what](args)
 

@@ -1,61 +1,96 @@
 #!/usr/bin/env bash
-# The measurements of the decode series waiting in dev/gpu-pending (decode-split-five), for one
-# GPU session in two runs. Each tree that dev/compare_builds.sh builds (main's, and the
-# series') runs this script, which finds what the tree holds and runs what measures it.
+# The measurements of the decode series waiting in dev/gpu-pending (decode-split-five,
+# decode-x3d), for one GPU session in three runs. Each tree that dev/compare_builds.sh builds
+# (main's in the working tree; split-five; x3d; x3d with its ring-of-four experiment) runs this
+# script, which finds what the tree holds and runs what measures it.
 #
 #   here:   dev/gpu-pending/decode-session.sh pack
-#           the series applied to HEAD as a temporary commit and packed into .whl/compare
-#           (HEAD is left as it was; carry [".whl"]).
-#   there, run A (builds both trees; in each the kernel times beside bf16, and in the series'
-#           tree its own K split beside forced ones on the weights whose choice moves and on
-#           those it must leave alone):
+#           each series applied to HEAD as temporary commits and packed into .whl/compare
+#           (HEAD is left as it was; carry [".whl"] with the torchao and expecttest wheels).
+#   there, run A (about 8 minutes: builds the four trees, then in each the kernel times beside
+#           bf16, and in the x3d tree its decode CUDA tests of ragged K, strides and splits):
 #           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16
 #           dev/compare_builds.sh run .whl/compare "bash dev/gpu-pending/decode-session.sh A"
 #   there, run B (the next call, while the machine is warm: the trees stay built under
-#           $TMPDIR/compare): the series tree's decode CUDA tests of the kernel's own split and
-#           of every forced one, and the fused decode loop in both trees:
-#           for t in "$PWD" "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh B); done
+#           $TMPDIR/compare), about 7 minutes: every decode CUDA test and the quantizers' (which
+#           share csrc/tensor_map.h) in the x3d tree, and split-five's own split beside forced ones:
+#           for t in "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh B); done
+#   there, run C: where the stream's rate goes, in main's tree (Nsight Compute on cuBLAS's bf16
+#           kernel and the NVFP4 decode kernel at one token, whose rate on the H200 is 3.35
+#           TB/s against bf16's 3.95 while on the H100 they match), and the fused decode loop in
+#           main's and the x3d tree:
+#           bash dev/gpu-pending/decode-session.sh C
+#           for t in "$PWD" "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh L); done
 #
 # Settings (read once, here): TMPDIR as for compare_builds.sh.
 set -uo pipefail
 
 # The series this tree holds, from what it adds.
 series() {
-  if grep -q "kShortStages" csrc/decode_gemm_cuda.cu; then echo decode-split-five
-  else echo main; fi
+  local s=main
+  grep -q "tensor_copy_3d" csrc/decode_gemm_cuda.cu && s=x3d
+  grep -q "^constexpr int kStages = 4;" csrc/decode_gemm_cuda.cu && s="$s+ring4"
+  grep -q "kShortStages" csrc/decode_gemm_cuda.cu && s="$s+split-five"
+  echo "$s"
+}
+
+# Applies the patches given to HEAD as temporary commits, prints the last one's short hash.
+apply() {
+  local base
+  base=$(git rev-parse HEAD)
+  git am -q "$@" || { git am --abort; git reset -q --hard "$base"; return 1; }
+  git rev-parse --short HEAD
 }
 
 case "${1:-}" in
   pack)
     git diff --quiet && git diff --cached --quiet || { echo "decode-session: commit first" >&2; exit 1; }
     base=$(git rev-parse HEAD)
-    git am -q dev/gpu-pending/decode-split-five/*.patch || { git am --abort; exit 1; }
-    rev=$(git rev-parse --short HEAD)
-    echo "decode-split-five: $rev"
+    five=$(apply dev/gpu-pending/decode-split-five/*.patch) || exit 1
     git reset -q --hard "$base"
+    x3d=$(apply dev/gpu-pending/decode-x3d/0001-*.patch) || exit 1
+    ring=$(apply dev/gpu-pending/decode-x3d/0002-*.patch) || exit 1
+    git reset -q --hard "$base"
+    echo "split-five: $five, x3d: $x3d, x3d+ring4: $ring"
     rm -rf .whl/compare
-    dev/compare_builds.sh pack .whl/compare "$rev"
+    dev/compare_builds.sh pack .whl/compare "$five" "$x3d" "$ring"
     ;;
   A)
     echo "series: $(series)"
-    # A forced split runs the same kernel in both trees, so the series' tree measures its own
-    # choice (column 0) beside them; main's column 0 is in its `times`.
-    if [ "$(series)" = decode-split-five ]; then
-      timeout 150 python3 dev/experiments/decode_launches.py splits \
-        --shapes 4096x4096,6144x4096,4096x14336,8192x8192 --ms 1,16,32 --splits 2,4,7,8
+    timeout 100 python3 dev/experiments/decode_launches.py times \
+      --shapes 8192x8192,28672x8192,8192x28672,4096x4096,4096x14336 --ms 1,4,16,64
+    if [ "$(series)" = x3d ]; then
+      timeout 120 python3 -m pytest -m cuda -q -x tests/test_decode_gemm.py \
+        -k "matches_reference or strided or past_k or every_split" 2>&1 | tail -n 4
     fi
-    timeout 90 python3 dev/experiments/decode_launches.py times \
-      --shapes 4096x4096,6144x4096,4096x14336,8192x8192,28672x8192 --ms 1,4,16,32,64
     ;;
   B)
     echo "== series: $(series)"
-    if [ "$(series)" = decode-split-five ]; then
-      timeout 150 python3 -m pytest -m cuda -q -x tests/test_decode_gemm.py \
-        -k "every_split or kernel_options or matches_reference or two_row_tiles or overlapped or one_k_range" \
-        2>&1 | tail -n 5
-    fi
-    timeout 120 python3 benchmarks/bench_decode.py --loop-only --configs nvfp4_weight_only \
-      --batches 1 --modes fused 2>&1 | tail -n 3
+    case "$(series)" in
+      x3d)
+        timeout 330 python3 -m pytest -m cuda -q tests/test_decode_gemm.py \
+          tests/test_decode_weight.py tests/test_decode_fusion.py tests/test_kernels_quant.py \
+          tests/test_hybrid_gradient_cast.py 2>&1 | tail -n 5 ;;
+      split-five)
+        timeout 100 python3 dev/experiments/decode_launches.py splits \
+          --shapes 4096x4096,6144x4096,4096x14336 --ms 1,16,32 --splits 2,4,7,8 ;;
+    esac
+    ;;
+  C)
+    echo "series: $(series)"
+    timeout 150 ncu --clock-control none -k regex:"decode_gemm|gemv|gemm" \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+      --section SchedulerStats --section Occupancy \
+      python3 dev/experiments/decode_launches.py profile --shapes 28672x8192,8192x8192 --ms 1 \
+      --bf16 2>&1 | grep -v "^==PROF==" | tail -n 400
+    ;;
+  L)
+    case "$(series)" in
+      main | x3d)
+        echo "== series: $(series)"
+        timeout 120 python3 benchmarks/bench_decode.py --loop-only --configs nvfp4_weight_only \
+          --batches 1 --modes fused 2>&1 | tail -n 3 ;;
+    esac
     ;;
   *)
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
