@@ -17,7 +17,7 @@
 #           for t in "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh B); done
 #   there, run C: where the stream's rate goes, in main's tree (Nsight Compute on cuBLAS's bf16
 #           kernel and the NVFP4 decode kernel at one token, whose rate on the H200 is 3.35
-#           TB/s against bf16's 3.95 while on the H100 they match), and the fused decode loop in
+#           TB/s against bf16's 4.30 while on the H100 they match), and the fused decode loop in
 #           main's and the x3d tree:
 #           bash dev/gpu-pending/decode-session.sh C
 #           for t in "$PWD" "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh L); done
