@@ -17,8 +17,9 @@ splits: each format's kernel with the K split it chooses (every cluster resident
 with each forced split (one whose clusters do not all fit runs in more than one wave).
 
 times: each format's kernel as decode_mm launches it beside bf16 F.linear, one line per weight
-and M: the short table to compare builds with (dev/compare_builds.sh runs it in each build; the
-kernel's whole benchmark, with its checks and other rows, is bench_gemm.py --decode).
+and M, with the rate at which each streams its weight's bytes: the short table to compare builds
+with (dev/compare_builds.sh runs it in each build; the kernel's whole benchmark, with its checks
+and other rows, is bench_gemm.py --decode).
 
 profile: three launches of each format alone, for Nsight Compute (the first warms up); with
 --bf16, F.linear's three first, so that a wider filter (`-k regex:"decode_gemm|gemv|gemm"`)
@@ -116,7 +117,8 @@ def splits(args) -> None:
 
 
 def times(args) -> None:
-    print(f"# {torch.cuda.get_device_name()}: decode GEMM us from a CUDA graph (x bf16 F.linear)")
+    print(f"# {torch.cuda.get_device_name()}: decode GEMM us from a CUDA graph (x bf16 F.linear, "
+          "the weight's bytes a second)")
     for n, k in shapes(args.shapes):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         _, wb_next = rotating(lambda i: w.roll(i, 0).contiguous(), n * k * 2)
@@ -124,10 +126,11 @@ def times(args) -> None:
         for m in (int(v) for v in args.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             base = graph_ms(lambda: F.linear(x, wb_next())) * 1e3
-            cells = [f"bf16 {base:.1f}"]
-            for fmt, (_, nxt) in packed.items():
+            cells = [f"bf16 {base:.1f} ({n * k * 2 / base / 1e6:.2f} TB/s)"]
+            for fmt, (copies, nxt) in packed.items():
                 us = graph_ms(lambda nxt=nxt, fmt=fmt: launch(x, nxt(), fmt, n, k)) * 1e3
-                cells.append(f"{fmt} {us:.1f} ({base / us:.2f}x)")
+                size = copies[0][0].numel() + copies[0][1].numel()  # the codes and scales
+                cells.append(f"{fmt} {us:.1f} ({base / us:.2f}x, {size / us / 1e6:.2f} TB/s)")
             print(f"{n}x{k} M={m}: " + " | ".join(cells), flush=True)
 
 
@@ -169,7 +172,8 @@ def main() -> None:
     r.add_argument("--bf16", action="store_true",
                    help="also F.linear's bf16 kernel (widen ncu's -k filter to take it)")
     args = p.parse_args()
-    {"fixed-cost": fixed_cost, "splits": splits, "times": times, "profile": profile}[args.what](args)
+    run = {"fixed-cost": fixed_cost, "splits": splits, "times": times, "profile": profile}
+    run[args.what](args)
 
 
 if __name__ == "__main__":
