@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
 # The measurements of the decode series waiting in dev/gpu-pending (decode-split-five,
 # decode-x3d), for one GPU session in three runs. Each tree that dev/compare_builds.sh builds
-# (main's in the working tree; split-five; x3d; x3d with its ring-of-four experiment) runs this
-# script, which finds what the tree holds and runs what measures it.
+# runs this script, which finds what the tree holds and runs what measures it. The trees stack:
+# main's (the working tree); split-five; split-five and x3d (what would land); and that with
+# x3d's ring-of-four experiment.
 #
 #   here:   dev/gpu-pending/decode-session.sh pack
-#           each series applied to HEAD as temporary commits and packed into .whl/compare
+#           the series applied to HEAD as temporary commits and packed into .whl/compare
 #           (HEAD is left as it was; carry [".whl"] with the torchao and expecttest wheels).
 #   there, run A (about 8 minutes: builds the four trees, then in each the kernel times beside
 #           bf16, and in the x3d tree its decode CUDA tests of ragged K, strides and splits):
 #           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16
 #           dev/compare_builds.sh run .whl/compare "bash dev/gpu-pending/decode-session.sh A"
 #   there, run B (the next call, while the machine is warm: the trees stay built under
-#           $TMPDIR/compare), about 7 minutes: every decode CUDA test and the quantizers' (which
-#           share csrc/tensor_map.h) in the x3d tree, and split-five's own split beside forced ones:
+#           $TMPDIR/compare), about 7 minutes: in the x3d tree every decode CUDA test and the
+#           quantizers' (which share csrc/tensor_map.h), and the kernel's own split beside forced
+#           ones on the weights whose choice split-five moves and on those it must leave alone:
 #           for t in "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh B); done
 #   there, run C: where the stream's rate goes, in main's tree (Nsight Compute on cuBLAS's bf16
 #           kernel and the NVFP4 decode kernel at one token, whose rate on the H200 is 3.35
 #           TB/s against bf16's 4.30 while on the H100 they match), and the fused decode loop in
-#           main's and the x3d tree:
+#           main's tree and the x3d tree:
 #           bash dev/gpu-pending/decode-session.sh C
 #           for t in "$PWD" "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh L); done
 #
@@ -47,11 +49,10 @@ case "${1:-}" in
     git diff --quiet && git diff --cached --quiet || { echo "decode-session: commit first" >&2; exit 1; }
     base=$(git rev-parse HEAD)
     five=$(apply dev/gpu-pending/decode-split-five/*.patch) || exit 1
-    git reset -q --hard "$base"
     x3d=$(apply dev/gpu-pending/decode-x3d/0001-*.patch) || exit 1
     ring=$(apply dev/gpu-pending/decode-x3d/0002-*.patch) || exit 1
     git reset -q --hard "$base"
-    echo "split-five: $five, x3d: $x3d, x3d+ring4: $ring"
+    echo "split-five: $five, and x3d: $x3d, and ring4: $ring"
     rm -rf .whl/compare
     dev/compare_builds.sh pack .whl/compare "$five" "$x3d" "$ring"
     ;;
@@ -59,7 +60,7 @@ case "${1:-}" in
     echo "series: $(series)"
     timeout 100 python3 dev/experiments/decode_launches.py times \
       --shapes 8192x8192,28672x8192,8192x28672,4096x4096,4096x14336 --ms 1,4,16,64
-    if [ "$(series)" = x3d ]; then
+    if [ "$(series)" = x3d+split-five ]; then
       timeout 120 python3 -m pytest -m cuda -q -x tests/test_decode_gemm.py \
         -k "matches_reference or strided or past_k or every_split" 2>&1 | tail -n 4
     fi
@@ -67,11 +68,10 @@ case "${1:-}" in
   B)
     echo "== series: $(series)"
     case "$(series)" in
-      x3d)
+      x3d+split-five)
         timeout 330 python3 -m pytest -m cuda -q tests/test_decode_gemm.py \
           tests/test_decode_weight.py tests/test_decode_fusion.py tests/test_kernels_quant.py \
-          tests/test_hybrid_gradient_cast.py 2>&1 | tail -n 5 ;;
-      split-five)
+          tests/test_hybrid_gradient_cast.py 2>&1 | tail -n 5
         timeout 100 python3 dev/experiments/decode_launches.py splits \
           --shapes 4096x4096,6144x4096,4096x14336 --ms 1,16,32 --splits 2,4,7,8 ;;
     esac
@@ -86,7 +86,7 @@ case "${1:-}" in
     ;;
   L)
     case "$(series)" in
-      main | x3d)
+      main | x3d+split-five)
         echo "== series: $(series)"
         timeout 120 python3 benchmarks/bench_decode.py --loop-only --configs nvfp4_weight_only \
           --batches 1 --modes fused 2>&1 | tail -n 3 ;;
