@@ -48,10 +48,12 @@ case "${1:-}" in
   pack)
     git diff --quiet && git diff --cached --quiet || { echo "decode-session: commit first" >&2; exit 1; }
     base=$(git rev-parse HEAD)
-    five=$(apply dev/gpu-pending/decode-split-five/*.patch) || exit 1
-    x3d=$(apply dev/gpu-pending/decode-x3d/0001-*.patch) || exit 1
-    ring=$(apply dev/gpu-pending/decode-x3d/0002-*.patch) || exit 1
+    five=$(apply dev/gpu-pending/decode-split-five/*.patch) &&
+      x3d=$(apply dev/gpu-pending/decode-x3d/0001-*.patch) &&
+      ring=$(apply dev/gpu-pending/decode-x3d/0002-*.patch)
+    ok=$?
     git reset -q --hard "$base"
+    [ "$ok" -eq 0 ] || exit 1
     echo "split-five: $five, and x3d: $x3d, and ring4: $ring"
     rm -rf .whl/compare
     dev/compare_builds.sh pack .whl/compare "$five" "$x3d" "$ring"
