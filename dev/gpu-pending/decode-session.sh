@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The measurements of the decode series waiting in dev/gpu-pending (decode-split-five,
-# decode-x3d), for one GPU session in three runs. Each tree that dev/compare_builds.sh builds
-# runs this script, which finds what the tree holds and runs what measures it. The trees stack:
-# main's (the working tree); split-five; split-five and x3d (what would land); and that with
-# x3d's ring-of-four experiment.
+# decode-x3d, decode-probes), for one GPU session in four runs. Each tree that
+# dev/compare_builds.sh builds runs this script, which finds what the tree holds and runs what
+# measures it. The trees stack: main's (the working tree); split-five; split-five and x3d (what
+# would land); and that with x3d's ring-of-four experiment. The two probes sit on the tree that
+# would land, packed apart for run D.
 #
 #   here:   dev/gpu-pending/decode-session.sh pack
-#           the series applied to HEAD as temporary commits and packed into .whl/compare
-#           (HEAD is left as it was; carry [".whl"] with the torchao and expecttest wheels).
+#           the series applied to HEAD as temporary commits and packed into .whl/compare and
+#           .whl/probes (HEAD is left as it was; carry [".whl"] with the torchao and expecttest
+#           wheels).
 #   there, run A (about 8 minutes: builds the four trees, then in each the kernel times beside
 #           bf16, and in the x3d tree its decode CUDA tests of ragged K, strides and splits):
 #           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16
@@ -23,6 +25,11 @@
 #           main's tree and the x3d tree:
 #           bash dev/gpu-pending/decode-session.sh C
 #           for t in "$PWD" "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh L); done
+#   there, run D (about 5 minutes; decode-probes, experiments that never land): the x3d tree with
+#           its consumers reduced to waiting for each stage (the stream alone), and with its
+#           producer copying one stage that the consumers decode over and over (the consumers
+#           alone), their times beside main's and bf16's: which side bounds the rate.
+#           dev/compare_builds.sh run .whl/probes "bash dev/gpu-pending/decode-session.sh P"
 #
 # Settings (read once, here): TMPDIR as for compare_builds.sh.
 set -uo pipefail
@@ -33,6 +40,8 @@ series() {
   grep -q "tensor_copy_3d" csrc/decode_gemm_cuda.cu && s=x3d
   grep -q "^constexpr int kStages = 4;" csrc/decode_gemm_cuda.cu && s="$s+ring4"
   grep -q "kShortStages" csrc/decode_gemm_cuda.cu && s="$s+split-five"
+  grep -q "^constexpr int kProbe = 1;" csrc/decode_gemm_cuda.cu && s="probe-stream"
+  grep -q "^constexpr int kProbe = 2;" csrc/decode_gemm_cuda.cu && s="probe-consumers"
   echo "$s"
 }
 
@@ -50,13 +59,17 @@ case "${1:-}" in
     base=$(git rev-parse HEAD)
     five=$(apply dev/gpu-pending/decode-split-five/*.patch) &&
       x3d=$(apply dev/gpu-pending/decode-x3d/0001-*.patch) &&
-      ring=$(apply dev/gpu-pending/decode-x3d/0002-*.patch)
+      ring=$(apply dev/gpu-pending/decode-x3d/0002-*.patch) &&
+      git reset -q --hard "$x3d" &&
+      stream=$(apply dev/gpu-pending/decode-probes/0001-*.patch) &&
+      consumers=$(apply dev/gpu-pending/decode-probes/0002-*.patch)
     ok=$?
     git reset -q --hard "$base"
     [ "$ok" -eq 0 ] || exit 1
-    echo "split-five: $five, and x3d: $x3d, and ring4: $ring"
-    rm -rf .whl/compare
+    echo "split-five: $five, and x3d: $x3d, and ring4: $ring; probes: $stream, $consumers"
+    rm -rf .whl/compare .whl/probes
     dev/compare_builds.sh pack .whl/compare "$five" "$x3d" "$ring"
+    dev/compare_builds.sh pack .whl/probes "$stream" "$consumers"
     ;;
   A)
     echo "series: $(series)"
@@ -85,6 +98,11 @@ case "${1:-}" in
       --section SchedulerStats --section Occupancy \
       python3 dev/experiments/decode_launches.py profile --shapes 28672x8192,8192x8192 --ms 1 \
       --bf16 2>&1 | grep -v "^==PROF==" | tail -n 400
+    ;;
+  P)
+    echo "series: $(series)"
+    timeout 100 python3 dev/experiments/decode_launches.py times \
+      --shapes 28672x8192,8192x8192,4096x4096 --ms 1,16
     ;;
   L)
     case "$(series)" in
