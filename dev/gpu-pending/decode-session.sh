@@ -23,7 +23,7 @@
 #           kernel and the NVFP4 decode kernel at one token, whose rate on the H200 is 3.35
 #           TB/s against bf16's 4.30 while on the H100 they match), and the fused decode loop in
 #           main's tree and the x3d tree:
-#           bash dev/gpu-pending/decode-session.sh C
+#           PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh C
 #           for t in "$PWD" "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh L); done
 #   there, run D (about 5 minutes; decode-probes, experiments that never land): the x3d tree with
 #           its consumers reduced to waiting for each stage (the stream alone), and with its
