@@ -1,35 +1,41 @@
 #!/usr/bin/env bash
 # The measurements of the decode series waiting in dev/gpu-pending (decode-split-five,
-# decode-x3d, decode-probes), for one GPU session in four runs. Each tree that
-# dev/compare_builds.sh builds runs this script, which finds what the tree holds and runs what
-# measures it. The trees stack: main's (the working tree); split-five; split-five and x3d (what
-# would land); and that with x3d's ring-of-four experiment. The two probes sit on the tree that
-# would land, packed apart for run D.
+# decode-x3d, decode-probes), for one GPU session. Each tree that dev/compare_builds.sh builds
+# runs this script, which finds what the tree holds and runs what measures it. Runs A and B
+# decide the landing and need about 12 minutes of device time with the start; C, D and E are
+# measurements for a session with time left, in that order. The trees: main's (the working
+# tree); split-five and x3d's first patch together (what would land), packed into .whl/compare;
+# split-five alone and the tree that would land with x3d's ring-of-four experiment, packed
+# apart into .whl/extra; the two probes, on the tree that would land, in .whl/probes.
 #
 #   here:   dev/gpu-pending/decode-session.sh pack
-#           the series applied to HEAD as temporary commits and packed into .whl/compare and
-#           .whl/probes (HEAD is left as it was; carry [".whl"] with the torchao and expecttest
-#           wheels).
-#   there, run A (about 8 minutes: builds the four trees, then in each the kernel times beside
-#           bf16, and in the x3d tree its decode CUDA tests of ragged K, strides and splits):
+#           the series applied to HEAD as temporary commits and packed (HEAD is left as it
+#           was; carry [".whl"] with the torchao and expecttest wheels).
+#   there, run A (about 6 minutes: builds main and the tree that would land at once, then in
+#           each the kernel times beside bf16, and in the tree that would land its decode CUDA
+#           tests of ragged K, strides and splits and the quantizers' CUDA tests, which share
+#           csrc/tensor_map.h):
 #           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16
 #           dev/compare_builds.sh run .whl/compare "bash dev/gpu-pending/decode-session.sh A"
 #   there, run B (the next call, while the machine is warm: the trees stay built under
-#           $TMPDIR/compare), about 7 minutes: in the x3d tree every decode CUDA test and the
-#           quantizers' (which share csrc/tensor_map.h), and the kernel's own split beside forced
-#           ones on the weights whose choice split-five moves and on those it must leave alone:
+#           $TMPDIR/compare), about 6 minutes: in the tree that would land every decode CUDA
+#           test, and the kernel's own K split beside forced ones on the weights whose choice
+#           split-five moves and on those it must leave alone:
 #           for t in "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh B); done
 #   there, run C: where the stream's rate goes, in main's tree (Nsight Compute on cuBLAS's bf16
 #           kernel and the NVFP4 decode kernel at one token, whose rate on the H200 is 3.35
 #           TB/s against bf16's 4.30 while on the H100 they match), and the fused decode loop in
-#           main's tree and the x3d tree:
+#           main's tree and the tree that would land:
 #           PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh C
 #           for t in "$PWD" "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh L); done
-#   there, run D (about 5 minutes; decode-probes, experiments that never land): the x3d tree with
-#           its consumers reduced to waiting for each stage (the stream alone), and with its
-#           producer copying one stage that the consumers decode over and over (the consumers
-#           alone), their times beside main's and bf16's: which side bounds the rate.
+#   there, run D (about 5 minutes; decode-probes, experiments that never land): the tree that
+#           would land with its consumers reduced to waiting for each stage (the stream alone),
+#           and with its producer copying one stage that the consumers decode over and over (the
+#           consumers alone), their times beside main's and bf16's: which side bounds the rate.
 #           dev/compare_builds.sh run .whl/probes "bash dev/gpu-pending/decode-session.sh P"
+#   there, run E (about 6 minutes): split-five alone and the ring of four, their times beside
+#           main's (run A's table for the two series apart, and x3d's second patch):
+#           dev/compare_builds.sh run .whl/extra "bash dev/gpu-pending/decode-session.sh A"
 #
 # Settings (read once, here): TMPDIR as for compare_builds.sh.
 set -uo pipefail
@@ -67,8 +73,9 @@ case "${1:-}" in
     git reset -q --hard "$base"
     [ "$ok" -eq 0 ] || exit 1
     echo "split-five: $five, and x3d: $x3d, and ring4: $ring; probes: $stream, $consumers"
-    rm -rf .whl/compare .whl/probes
-    dev/compare_builds.sh pack .whl/compare "$five" "$x3d" "$ring"
+    rm -rf .whl/compare .whl/extra .whl/probes
+    dev/compare_builds.sh pack .whl/compare "$x3d"
+    dev/compare_builds.sh pack .whl/extra "$five" "$ring"
     dev/compare_builds.sh pack .whl/probes "$stream" "$consumers"
     ;;
   A)
@@ -78,15 +85,16 @@ case "${1:-}" in
     if [ "$(series)" = x3d+split-five ]; then
       timeout 120 python3 -m pytest -m cuda -q -x tests/test_decode_gemm.py \
         -k "matches_reference or strided or past_k or every_split" 2>&1 | tail -n 4
+      timeout 90 python3 -m pytest -m cuda -q tests/test_kernels_quant.py \
+        tests/test_hybrid_gradient_cast.py 2>&1 | tail -n 4
     fi
     ;;
   B)
     echo "== series: $(series)"
     case "$(series)" in
       x3d+split-five)
-        timeout 330 python3 -m pytest -m cuda -q tests/test_decode_gemm.py \
-          tests/test_decode_weight.py tests/test_decode_fusion.py tests/test_kernels_quant.py \
-          tests/test_hybrid_gradient_cast.py 2>&1 | tail -n 5
+        timeout 300 python3 -m pytest -m cuda -q tests/test_decode_gemm.py \
+          tests/test_decode_weight.py tests/test_decode_fusion.py 2>&1 | tail -n 5
         timeout 100 python3 dev/experiments/decode_launches.py splits \
           --shapes 4096x4096,6144x4096,4096x14336 --ms 1,16,32 --splits 2,4,7,8 ;;
     esac
