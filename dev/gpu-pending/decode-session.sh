@@ -91,13 +91,12 @@ case "${1:-}" in
     ;;
   B)
     echo "== series: $(series)"
-    case "$(series)" in
-      x3d+split-five)
-        timeout 300 python3 -m pytest -m cuda -q tests/test_decode_gemm.py \
-          tests/test_decode_weight.py tests/test_decode_fusion.py 2>&1 | tail -n 5
-        timeout 100 python3 dev/experiments/decode_launches.py splits \
-          --shapes 4096x4096,6144x4096,4096x14336 --ms 1,16,32 --splits 2,4,7,8 ;;
-    esac
+    if [ "$(series)" = x3d+split-five ]; then
+      timeout 300 python3 -m pytest -m cuda -q tests/test_decode_gemm.py \
+        tests/test_decode_weight.py tests/test_decode_fusion.py 2>&1 | tail -n 5
+      timeout 100 python3 dev/experiments/decode_launches.py splits \
+        --shapes 4096x4096,6144x4096,4096x14336 --ms 1,16,32 --splits 2,4,7,8
+    fi
     ;;
   C)
     echo "series: $(series)"
