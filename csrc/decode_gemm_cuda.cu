@@ -973,8 +973,8 @@ CUtensorMap activation_map(const uint16_t* x, int m, int k, int64_t ldx) {
 }
 
 // The most stages pick_splits leaves a CTA when it makes the split smaller than the largest
-// one-wave split.
-constexpr int kSplitStages = 8;
+// one-wave split, and the most a CTA of that split may have for pick_splits to look below it.
+constexpr int kSplitStages = 8, kShortStages = 5;
 
 // K splits (the cluster size) when the caller leaves them to the kernel. Among the sizes whose
 // clusters are all resident at once (one wave: a second wave would double the time), the one
@@ -985,16 +985,17 @@ constexpr int kSplitStages = 8;
 // its two stages (per-CTA timeline, H200). So the split is the smallest size (at most the
 // most, and one whose clusters all fit) that gives each CTA at most kSplitStages stages and
 // makes at least 7/8 as many CTAs as the device has SMs (`sms`; with fewer CTAs the memory
-// system idles). It is below the most only where that one leaves each CTA at most half of
-// kSplitStages stages: on the H200, 4096x4096 NVFP4 at one token ran 6.3 us at a split of 2
-// against 7.1 at 8, and 6.6 against 8.9 us at 16 tokens; but on the H100, 4096x14336 4-bit
-// weights, whose split of 8 leaves each CTA 7 stages, ran 3 % slower at a split of 7.
+// system idles). It is below the most only where that one leaves each CTA at most
+// kShortStages stages: on the H200, 4096x4096 NVFP4 at one token ran 6.3 us at a split of 2
+// against 7.1 at 8, 6.6 against 8.9 us at 16 tokens, and at 32 tokens (5 stages a CTA at a
+// split of 7) 10.9 us at 4 against 13.1 at 7; but 4096x14336 4-bit weights, whose split of 8
+// leaves each CTA 7 stages, ran 3 % (H100) and 8 % (H200) slower at a split of 7.
 // `fits[s]` is the number of clusters of size s resident at once, from the occupancy API.
 inline int pick_splits(int groups, int chunks, int sms, const int* fits) {
   int most = 1;
   for (int s = 2; s <= std::min(kMaxSplits, chunks); ++s)
     if (fits[s] >= groups && (chunks + s - 1) / s < (chunks + most - 1) / most) most = s;
-  if ((chunks + most - 1) / most > kSplitStages / 2) return most;
+  if ((chunks + most - 1) / most > kShortStages) return most;
   const int spread = (sms * 7 / 8 + groups - 1) / groups;
   const int stream = (chunks + kSplitStages - 1) / kSplitStages;
   for (int s = std::max(spread, stream); s < most; ++s)
