@@ -1,41 +1,32 @@
 #!/usr/bin/env bash
-# The measurements of the decode series waiting in dev/gpu-pending (decode-split-five,
-# decode-x3d, decode-probes), for one GPU session. Each tree that dev/compare_builds.sh builds
-# runs this script, which finds what the tree holds and runs what measures it. Runs A and B
-# decide the landing and need about 12 minutes of device time with the start; C, D and E are
-# measurements for a session with time left, in that order. The trees: main's (the working
-# tree); split-five and x3d's first patch together (what would land), packed into .whl/compare;
-# split-five alone and the tree that would land with x3d's ring-of-four experiment, packed
-# apart into .whl/extra; the two probes, on the tree that would land, in .whl/probes.
+# The measurements of the decode series waiting in dev/gpu-pending (decode-chains,
+# decode-probes), for one GPU session. Each tree that dev/compare_builds.sh builds runs this
+# script, which finds what the tree holds and runs what measures it. Run A decides the landing
+# of decode-chains and needs about 7 minutes of device time with the start; C and D are
+# measurements for a session with time left, in that order (on an H200 where one is lent: the
+# probes ask why the H200's rate trails bf16's while the H100's matches it). The trees: main's
+# (the working tree); decode-chains on main, packed into .whl/compare; the two probes on main,
+# packed into .whl/probes.
 #
 #   here:   dev/gpu-pending/decode-session.sh pack
 #           the series applied to HEAD as temporary commits and packed (HEAD is left as it
 #           was; carry [".whl"] with the torchao and expecttest wheels).
-#   there, run A (about 6 minutes: builds main and the tree that would land at once, then in
-#           each the kernel times beside bf16, and in the tree that would land its decode CUDA
-#           tests of ragged K, strides and splits and the quantizers' CUDA tests, which share
-#           csrc/tensor_map.h):
+#   there, run A (about 6 minutes: builds main and decode-chains at once, then in each the
+#           kernel times beside bf16, and in decode-chains every decode CUDA test):
 #           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16
 #           dev/compare_builds.sh run .whl/compare "bash dev/gpu-pending/decode-session.sh A"
-#   there, run B (the next call, while the machine is warm: the trees stay built under
-#           $TMPDIR/compare), about 6 minutes: in the tree that would land every decode CUDA
-#           test, and the kernel's own K split beside forced ones on the weights whose choice
-#           split-five moves and on those it must leave alone:
-#           for t in "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh B); done
-#   there, run C: where the stream's rate goes, in main's tree (Nsight Compute on cuBLAS's bf16
-#           kernel and the NVFP4 decode kernel at one token, whose rate on the H200 is 3.35
-#           TB/s against bf16's 4.30 while on the H100 they match), and the fused decode loop in
-#           main's tree and the tree that would land:
+#   there, run C (the next call, while the machine is warm: the trees stay built under
+#           $TMPDIR/compare): where the stream's rate goes, in main's tree (Nsight Compute on
+#           cuBLAS's bf16 kernel and the NVFP4 decode kernel at one token, whose rate on the
+#           H200 is 3.35 TB/s against bf16's 4.30 while on the H100 they match), and the fused
+#           decode loop in main's tree and decode-chains':
 #           PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh C
 #           for t in "$PWD" "${TMPDIR:-/tmp}"/compare/*/; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh L); done
-#   there, run D (about 5 minutes; decode-probes, experiments that never land): the tree that
-#           would land with its consumers reduced to waiting for each stage (the stream alone),
-#           and with its producer copying one stage that the consumers decode over and over (the
-#           consumers alone), their times beside main's and bf16's: which side bounds the rate.
+#   there, run D (about 5 minutes; decode-probes, experiments that never land): main's kernel
+#           with its consumers reduced to waiting for each stage (the stream alone), and with its
+#           producer copying one stage that the consumers decode over and over (the consumers
+#           alone), their times beside main's and bf16's: which side bounds the rate.
 #           dev/compare_builds.sh run .whl/probes "bash dev/gpu-pending/decode-session.sh P"
-#   there, run E (about 6 minutes): split-five alone and the ring of four, their times beside
-#           main's (run A's table for the two series apart, and x3d's second patch):
-#           dev/compare_builds.sh run .whl/extra "bash dev/gpu-pending/decode-session.sh A"
 #
 # Settings (read once, here): TMPDIR as for compare_builds.sh.
 set -uo pipefail
@@ -43,9 +34,7 @@ set -uo pipefail
 # The series this tree holds, from what it adds.
 series() {
   local s=main
-  grep -q "tensor_copy_3d" csrc/decode_gemm_cuda.cu && s=x3d
-  grep -q "^constexpr int kStages = 4;" csrc/decode_gemm_cuda.cu && s="$s+ring4"
-  grep -q "kShortStages" csrc/decode_gemm_cuda.cu && s="$s+split-five"
+  grep -q "summed into chain 0, in chain order" csrc/decode_gemm_cuda.cu && s=chains
   grep -q "^constexpr int kProbe = 1;" csrc/decode_gemm_cuda.cu && s="probe-stream"
   grep -q "^constexpr int kProbe = 2;" csrc/decode_gemm_cuda.cu && s="probe-consumers"
   echo "$s"
@@ -63,39 +52,25 @@ case "${1:-}" in
   pack)
     git diff --quiet && git diff --cached --quiet || { echo "decode-session: commit first" >&2; exit 1; }
     base=$(git rev-parse HEAD)
-    five=$(apply dev/gpu-pending/decode-split-five/*.patch) &&
-      x3d=$(apply dev/gpu-pending/decode-x3d/0001-*.patch) &&
-      ring=$(apply dev/gpu-pending/decode-x3d/0002-*.patch) &&
-      git reset -q --hard "$x3d" &&
+    chains=$(apply dev/gpu-pending/decode-chains/*.patch) &&
+      git reset -q --hard "$base" &&
       stream=$(apply dev/gpu-pending/decode-probes/0001-*.patch) &&
       consumers=$(apply dev/gpu-pending/decode-probes/0002-*.patch)
     ok=$?
     git reset -q --hard "$base"
     [ "$ok" -eq 0 ] || exit 1
-    echo "split-five: $five, and x3d: $x3d, and ring4: $ring; probes: $stream, $consumers"
-    rm -rf .whl/compare .whl/extra .whl/probes
-    dev/compare_builds.sh pack .whl/compare "$x3d"
-    dev/compare_builds.sh pack .whl/extra "$five" "$ring"
+    echo "chains: $chains; probes: $stream, $consumers"
+    rm -rf .whl/compare .whl/probes
+    dev/compare_builds.sh pack .whl/compare "$chains"
     dev/compare_builds.sh pack .whl/probes "$stream" "$consumers"
     ;;
   A)
     echo "series: $(series)"
     timeout 100 python3 dev/experiments/decode_launches.py times \
       --shapes 8192x8192,28672x8192,8192x28672,4096x4096,4096x14336 --ms 1,4,16,64
-    if [ "$(series)" = x3d+split-five ]; then
-      timeout 120 python3 -m pytest -m cuda -q -x tests/test_decode_gemm.py \
-        -k "matches_reference or strided or past_k or every_split" 2>&1 | tail -n 4
-      timeout 90 python3 -m pytest -m cuda -q tests/test_kernels_quant.py \
-        tests/test_hybrid_gradient_cast.py 2>&1 | tail -n 4
-    fi
-    ;;
-  B)
-    echo "== series: $(series)"
-    if [ "$(series)" = x3d+split-five ]; then
+    if [ "$(series)" = chains ]; then
       timeout 300 python3 -m pytest -m cuda -q tests/test_decode_gemm.py \
         tests/test_decode_weight.py tests/test_decode_fusion.py 2>&1 | tail -n 5
-      timeout 100 python3 dev/experiments/decode_launches.py splits \
-        --shapes 4096x4096,6144x4096,4096x14336 --ms 1,16,32 --splits 2,4,7,8
     fi
     ;;
   C)
@@ -113,10 +88,10 @@ case "${1:-}" in
     ;;
   L)
     case "$(series)" in
-      main | x3d+split-five)
+      main | chains)
         echo "== series: $(series)"
         timeout 120 python3 benchmarks/bench_decode.py --loop-only --configs nvfp4_weight_only \
-          --batches 1 --modes fused 2>&1 | tail -n 3 ;;
+          --batches 1 --modes fused 2>&1 | grep "^|" ;;
     esac
     ;;
   *)
