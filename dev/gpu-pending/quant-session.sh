@@ -27,7 +27,10 @@ out=${OUT:-}
 
 # The series this tree holds, from what each adds.
 series() {
-  if grep -q "nv_rows_2d_fo6_kernel" csrc/quant_rows_cuda.cu; then echo quant-rows-2d-fo6
+  if grep -q "__launch_bounds__(kThreads, 3) nv_rows_2d_fo6_kernel" csrc/quant_rows_cuda.cu; then
+    echo quant-fo6-capped
+  elif grep -q "nv_rows_2d_fo6_kernel" csrc/quant_rows_cuda.cu; then echo quant-rows-2d-fo6
+  elif grep -q "kAmaxLoads = 8" csrc/quant_rows_cuda.cu; then echo quant-rows-deeper
   else echo main; fi
 }
 
