@@ -104,6 +104,18 @@ __device__ __forceinline__ uint32_t absmax_word(uint32_t m, uint4 r) {
   }
 }
 
+// The largest v of a CTA of WARPS whole warps, on its thread 0 (0 on the others); every thread
+// calls it, and scratch holds a word a warp. The amax kernels issue one atomic a CTA with it:
+// the atomics of one address are served one after another at the kernel's end.
+template <int WARPS>
+__device__ __forceinline__ uint32_t cta_max(uint32_t v, uint32_t* scratch) {
+  v = __reduce_max_sync(kFull, v);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  if (threadIdx.x >= 32) return 0u;
+  return __reduce_max_sync(kFull, threadIdx.x < WARPS ? scratch[threadIdx.x] : 0u);
+}
+
 // fp32 bits of the running max (exact widening: bf16 by a shift, fp16 by the conversion).
 template <typename T>
 __device__ __forceinline__ uint32_t absmax_bits(uint32_t m) {

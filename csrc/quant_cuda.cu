@@ -1064,14 +1064,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MX
   }
   if constexpr (!tma) cp_async_wait<0>();
   if constexpr (kAmax) {  // integer max of magnitude bits: torch.amax's order, NaN above inf
-    // One atomic a CTA (those of one address queue one after another at the kernel's end).
-    const uint32_t m = __reduce_max_sync(kFull, max(run_max & 0xFFFFu, run_max >> 16));
-    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      const uint32_t cta = __reduce_max_sync(kFull, threadIdx.x < kThreads / 32 ? warp_max[threadIdx.x] : 0u);
-      if (threadIdx.x == 0) atomicMax(a.amax_out, cta << 16);
-    }
+    const uint32_t cta = cta_max<kThreads / 32>(max(run_max & 0xFFFFu, run_max >> 16), warp_max);
+    if (threadIdx.x == 0) atomicMax(a.amax_out, cta << 16);  // one atomic a CTA
   }
 }
 

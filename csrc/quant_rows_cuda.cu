@@ -214,9 +214,7 @@ __global__ void __launch_bounds__(kThreads) mx_rows_kernel(const T* x, int64_t n
 
 constexpr int kAmaxLoads = 4;  // 16-byte loads in flight per thread and iteration
 
-// One amax of n 16-byte words: a grid-stride loop, one atomicMax per CTA. The atomics of one
-// address are served one after another, and every CTA ends at about the same time: a warp's own
-// atomic (8 a CTA, some 8,000 a call) queued for microseconds after the last load.
+// One amax of n 16-byte words: a grid-stride loop, one atomicMax per CTA (cta_max).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) amax_all_kernel(const uint4* x, int64_t n, unsigned* out) {
   __shared__ uint32_t warp_max[kThreads / 32];
@@ -229,13 +227,8 @@ __global__ void __launch_bounds__(kThreads) amax_all_kernel(const uint4* x, int6
 #pragma unroll
     for (int u = 0; u < kAmaxLoads; ++u) m = absmax_word<T>(m, r[u]);
   }
-  const uint32_t bits = __reduce_max_sync(kFull, absmax_bits<T>(m));
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = bits;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    const uint32_t cta = __reduce_max_sync(kFull, threadIdx.x < kThreads / 32 ? warp_max[threadIdx.x] : 0u);
-    if (threadIdx.x == 0 && cta != 0u) atomicMax(out, cta);
-  }
+  const uint32_t cta = cta_max<kThreads / 32>(absmax_bits<T>(m), warp_max);
+  if (threadIdx.x == 0 && cta != 0u) atomicMax(out, cta);
 }
 
 // One amax per row of `words` 16-byte words: 2**lanes_log2 lanes (<= 32, aligned in the warp)
