@@ -502,10 +502,10 @@ def test_tile_kernel_walks_many_tiles_a_cta(device, dtype):
     # bf16 hybrid cast without RHT), refilling the stage of the tile before: 16384 x 2048 is
     # 4096 tiles of either shape (128 x 64 NVFP4, 64 x 128 MXFP8), 7 or more a CTA on a GPU of
     # 132 SMs, so every stage is refilled and its barrier's phase wraps. Every kernel family:
-    # NVFP4 columnwise (plain, RHT + SR), 2D (4over6), rowwise with SR, MXFP8 columnwise and
-    # both, and both forms of the hybrid cast.
+    # NVFP4 columnwise (plain, 2D, RHT + SR), 2D rowwise with 4over6 (the rows kernel), rowwise
+    # with SR, MXFP8 columnwise and both, and both forms of the hybrid cast.
     x = spread_input((16384, 2048), dtype, 41).to(device)
-    specs = [NVFP4Spec(columnwise=True), NVFP4Spec(block_2d=True),
+    specs = [NVFP4Spec(columnwise=True), NVFP4Spec(block_2d=True, columnwise=True),
              NVFP4Spec(stochastic_rounding=True),
              NVFP4Spec(block_2d=True, fourover6="mse", e4m3_bound=256)]
     if dtype == torch.bfloat16:
