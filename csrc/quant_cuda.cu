@@ -1,6 +1,6 @@
 // CUDA kernels of every qtensor quantizer that needs a 2-D tile: NVFP4 columnwise (1D, 2D,
-// 4over6, RHT, stochastic rounding, row-scaled), NVFP4 rowwise with stochastic rounding or 4over6
-// 2D tiles (plain 2D rowwise runs in quant_rows_cuda.cu), MXFP8 columnwise (alone or with
+// 4over6, RHT, stochastic rounding, row-scaled), NVFP4 rowwise with stochastic rounding (1D or
+// 2D; round-to-nearest rowwise runs in quant_rows_cuda.cu), MXFP8 columnwise (alone or with
 // rowwise), and the hybrid gradient cast (MXFP8 rowwise + NVFP4 columnwise). One persistent
 // kernel reads the input once: each CTA walks its tiles (128 rows x 64 columns with NVFP4
 // outputs, 64 x 128 for MXFP8 alone), copied into a ring of shared-memory stages while the tile
@@ -9,8 +9,8 @@
 // leave as whole sectors straight from registers (the lanes of one output row hold its
 // consecutive blocks); NVFP4 columnwise codes and scales, and MXFP8 codes and row scales, are
 // staged in shared memory and leave as whole rows of the tile, so that each store request carries
-// as many bytes as the tile row holds. The 1x16 / 1x32 and plain 2D rowwise modes need no tile:
-// quant_rows_cuda.cu. The math is quant_math.h and
+// as many bytes as the tile row holds. The 1x16 / 1x32 and round-to-nearest 2D rowwise modes
+// need no tile: quant_rows_cuda.cu. The math is quant_math.h and
 // quant_rows_math.h, shared with the CPU kernels; built with --fmad=false so every fp32 operation
 // rounds like the reference.
 #include <ATen/ATen.h>
@@ -501,16 +501,15 @@ __device__ __forceinline__ void nv_col_stage(NvOut& out, const NvColCodes& c) {
   out.s[NvOut::sbyte(2 * p + 1, w)] = c.sb[1];
 }
 
-// ---- NVFP4 rowwise with stochastic rounding or 4over6 2D tiles --------------------------------------
+// ---- NVFP4 rowwise with stochastic rounding ---------------------------------------------------------
 
 // Lane l of warp w takes column block l % 4 (16 columns) of the rows 16w + l / 4 and
 // 16w + l / 4 + 8. The four lanes of a row hold its four blocks of the tile, so codes (8 bytes a
 // block) leave as whole 32-byte sectors and scale bytes as 4 contiguous bytes, straight from
 // registers. A 2D tile (16x16) is the 8 lanes of one l % 4, two rows each.
-template <typename T, int FO6>
+template <typename T>
 __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const NvFlags& f, const unsigned char* tile,
                                              const NvShared& nv, uint32_t m0, uint32_t k0) {
-  const NvScale& ts = nv.ts;  // the rowwise tile modes exclude row scaling
   const int l = threadIdx.x & 31, w = threadIdx.x >> 5, cb = l & 3, r0 = 16 * w + (l >> 2);
   const uint32_t R = a.M, C = a.K, col = k0 + 16 * cb;
   // Both blocks' amaxes first, on the packed words (a 2D tile needs both), then each block is
@@ -528,52 +527,13 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const NvFlags& f
   if (f.b2d) bam[0] = bam[1] = lanes_absmax<4, 8>(u2f(max(f2u(bam[0]), f2u(bam[1]))));
   uint8_t sb[2];
   Codes codes[2];
-  if constexpr (FO6 == 0) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      float v[16];
-      load16<T>(tile, r0 + 8 * j, 16 * cb, v);
-      const uint32_t qrow = m0 + r0 + 8 * j;
-      const float enc = nv_block_scale(a, nv, false, qrow, R, bam[j], &sb[j]);
-      codes[j] = nv_block_codes(nv, f.sr, v, sign_nibbles(v), bam[j], enc, qrow * C + col);  // mod 2**32
-    }
-  } else {  // 4over6 here is 2D (1D rowwise runs in quant_rows_cuda.cu)
-    constexpr bool kMse = FO6 == 2;
-    const float six_b = static_cast<float>(6 * a.bound);
-    // No branch on s6 == s4 before the shuffles: see nv_col_phase.
-    const Fo6Cand t = fo6_prepare<kThreads>(bam[0], ts, nv.fo6, nv.col6, nv.col4);
-    const uint8_t s6 = t.s6, s4 = t.s4;
-    Codes c6[2], c4[2];
-    float e6[2], e4[2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      constexpr int kN = Vec<T>::kN;
-      uint4 raw[16 / kN];
-      float v[16];
-      load16_raw<T>(tile, r0 + 8 * j, 16 * cb, raw);
-#pragma unroll
-      for (int i = 0; i < 16 / kN; ++i) Vec<T>::unpack(raw[i], v + i * kN);
-      const uint32_t* words16 = sizeof(T) == 2 ? reinterpret_cast<const uint32_t*>(raw) : nullptr;
-      const Fo6Pair r = fo6_pair<kMse, kThreads>(t, v, ts, six_b, nv.col6, nv.col4, words16);
-      e6[j] = r.e6;
-      e4[j] = r.e4;
-      c6[j] = r.c6;
-      c4[j] = r.c4;
-    }
-    // The reference's tree over the tile's 16 rows r = l / 4 + 8 j: r + 8 is this lane's j = 1,
-    // then r + 4, r + 2 and r + 1 are lanes l + 16, l + 8 and l + 4; the sum ends in lane l % 4.
-    float t6 = e6[0] + e6[1], t4 = e4[0] + e4[1];
-#pragma unroll
-    for (int o = 16; o >= 4; o >>= 1) {
-      t6 = t6 + __shfl_down_sync(kFull, t6, o);
-      t4 = t4 + __shfl_down_sync(kFull, t4, o);
-    }
-    const bool map4 = __shfl_sync(kFull, t4, cb) < __shfl_sync(kFull, t6, cb);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      codes[j] = map4 ? c4[j] : c6[j];
-      sb[j] = map4 ? s4 : s6;
-    }
+  for (int j = 0; j < 2; ++j) {
+    float v[16];
+    load16<T>(tile, r0 + 8 * j, 16 * cb, v);
+    const uint32_t qrow = m0 + r0 + 8 * j;
+    const float enc = nv_block_scale(a, nv, false, qrow, R, bam[j], &sb[j]);
+    codes[j] = nv_block_codes(nv, f.sr, v, sign_nibbles(v), bam[j], enc, qrow * C + col);  // mod 2**32
   }
   // K % 16 == 0 makes a block wholly in or out, and aligns its 8 code bytes.
   if (col >= C) return;
@@ -1052,8 +1012,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MX
         __syncthreads();  // behind the staged NVFP4 columns and MXFP8 rows
         store_staged(a, nv_out, k0, m0, a.K, a.M);
         if constexpr (MXR) mx_row_store(a, mx_rows, m0, k0);
-      } else {
-        nv_row_phase<T, FO6>(a, f, tile, nv, m0, k0);
+      } else if constexpr (FO6 == 0) {  // rowwise 4over6 runs in quant_rows_cuda.cu: run_tiles checks
+        nv_row_phase<T>(a, f, tile, nv, m0, k0);
       }
     }
     // The MXFP8 kernels stage their codes in the tile's own stage: those writes are ordered
@@ -1176,6 +1136,7 @@ void run_tiles(const at::Tensor& x2, TileArgs& a, bool nv, bool mxr, bool mxc) {
     using T = decltype(tag);
     if (nv && a.nv_4o6) {
       TORCH_CHECK(!mxr && !mxc, "qtensor: 4over6 is not fused with MXFP8 outputs.");
+      TORCH_CHECK(a.nv.col, "qtensor: the tile quantizer's 4over6 is columnwise; rowwise runs in the rows kernels.");
       if (a.nv_4o6 == 2) launch_tiles<T, true, 2, false, false>(a);
       else launch_tiles<T, true, 1, false, false>(a);
     } else if (nv) {
@@ -1231,8 +1192,8 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cuda(const at::Tensor& x, cons
   at::Tensor sc = at::empty({s.R, s.C / 16}, x.options().dtype(at::kByte));
   const at::Tensor a = amax.contiguous();
   const int64_t* sr = sr_state_ptr(x, stochastic, sr_state, op);
-  if (!columnwise && !rht && !stochastic && (!block_2d || fourover6 == 0)) {  // rowwise: no tile needed
-    if (block_2d) nvfp4_rows_2d_cuda(as_aligned_2d(x), a, bound, q, sc);  // one tensor amax (check_nv_options)
+  if (!columnwise && !stochastic) {  // rowwise, round to nearest (RHT is columnwise): no tile needed
+    if (block_2d) nvfp4_rows_2d_cuda(as_aligned_2d(x), a, fourover6, bound, q, sc);  // one tensor amax
     else nvfp4_rows_cuda(as_aligned_2d(x), a, fourover6, bound, q, sc);
     return {q, sc.view(at::kFloat8_e4m3fn)};
   }

@@ -1,7 +1,7 @@
 // Rowwise CUDA quantizers (quant_rows_cuda.cu): blocks along the contiguous last dim need no
 // shared-memory tile, so each thread reads its own blocks with 16-byte loads and writes its codes
 // with one vector store. quant_cuda.cu validates the arguments, allocates the outputs and routes
-// here; every other mode (columnwise, RHT, stochastic rounding, 4over6 2D, fused MXFP8) stays there.
+// here; every other mode (columnwise, RHT, stochastic rounding, fused MXFP8) stays there.
 // The amax ops of convert_cuda.cu call in here too.
 #pragma once
 
@@ -14,9 +14,11 @@ namespace qtensor {
 void nvfp4_rows_cuda(const at::Tensor& x2, const at::Tensor& amax, int64_t fourover6, int64_t bound,
                      at::Tensor& q, at::Tensor& s);
 
-// NVFP4 rowwise codes under one scale per 16x16 tile (block_2d, plain rounding) of x2 [M, K]
-// (M % 16 == 0, K % 16 == 0), one tensor amax. q [M, K/2], s [M, K/16] uint8.
-void nvfp4_rows_2d_cuda(const at::Tensor& x2, const at::Tensor& amax, int64_t bound, at::Tensor& q, at::Tensor& s);
+// NVFP4 rowwise codes under one scale per 16x16 tile (block_2d, round to nearest) of x2 [M, K]
+// (M % 16 == 0, K % 16 == 0), one tensor amax: plain (fourover6 0) or 4over6 (1 MAE, 2 MSE).
+// q [M, K/2], s [M, K/16] uint8.
+void nvfp4_rows_2d_cuda(const at::Tensor& x2, const at::Tensor& amax, int64_t fourover6, int64_t bound,
+                        at::Tensor& q, at::Tensor& s);
 
 // MXFP8 rowwise of x2 (K % 32 == 0): q [M, K] and s [M, K/32] uint8, any shape with those numels.
 void mxfp8_rows_cuda(const at::Tensor& x2, int64_t rule, at::Tensor& q, at::Tensor& s);

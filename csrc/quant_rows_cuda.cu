@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <array>
 
+#include "checks.h"
 #include "cuda_vec.cuh"
 #include "quant_math.h"
 #include "quant_rows.h"
@@ -134,52 +135,127 @@ __global__ void __launch_bounds__(kThreads) nv_rows_fo6_kernel(const T* x, int64
 // Rowwise codes under one scale per 16x16 tile (2D), without a shared-memory stage: warp g takes
 // the panel of 16 rows x 128 columns at rows 16 (g / panels_k).., columns 128 (g % panels_k)..;
 // lane l the 4 rows 4 (l % 4).. of the tile at columns 16 (l / 4)... Each lane reads its 4 rows
-// of 16 elements (4 x 32 bytes of bf16 in flight) before any math, joins the tile's amax with the
-// tile's 3 other lanes by two shuffles and forms the tile's scale once; a warp's stores then cover
-// 64 contiguous code bytes and 8 scale bytes of each of 4 rows. M % 16 == 0 (nv_shape) and
-// K % 16 == 0 make every tile whole; a panel past K has lanes with no tile.
+// of 16 elements (4 x 32 bytes of bf16 in flight) before any math and joins the tile's amax with
+// the tile's 3 other lanes by two shuffles; a warp's stores then cover 64 contiguous code bytes
+// and 8 scale bytes of each of 4 rows. M % 16 == 0 (nv_shape) and K % 16 == 0 make every tile
+// whole; the lanes of a panel past K read zeros and store nothing.
+template <typename T>
+struct Panel2d {
+  static constexpr int kC = 16 / Vec<T>::kN;  // 16-byte loads a row of the tile
+  uint4 raw[4][kC];
+  int64_t r0, col;
+  bool in;
+  __device__ Panel2d(const T* x, int64_t K, int64_t panels_k, int64_t g) {
+    const int l = threadIdx.x & 31;
+    r0 = (g / panels_k) * 16 + 4 * (l & 3);
+    col = (g % panels_k) * 128 + 16 * (l >> 2);
+    in = col < K;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const T* p = x + ((r0 + i) * K + col);
+#pragma unroll
+      for (int c = 0; c < kC; ++c)
+        raw[i][c] = in ? __ldg(reinterpret_cast<const uint4*>(p + c * Vec<T>::kN)) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  // The tile's max |element| (NaN above inf), on every lane of the tile.
+  __device__ float tile_absmax() const {
+    uint32_t m = 0u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int c = 0; c < kC; ++c) m = absmax_word<T>(m, raw[i][c]);
+    }
+    uint32_t bits = absmax_bits<T>(m);
+    bits = max(bits, __shfl_xor_sync(kFull, bits, 1));
+    return u2f(max(bits, __shfl_xor_sync(kFull, bits, 2)));
+  }
+  __device__ void unpack(int i, float* v) const {
+#pragma unroll
+    for (int c = 0; c < kC; ++c) Vec<T>::unpack(raw[i][c], v + c * Vec<T>::kN);
+  }
+  // Row i's codes and the tile's scale byte, at block (r0 + i, col / 16) of q and s.
+  __device__ void store(int i, int64_t K, Codes codes, uint8_t sb, uint2* q, uint8_t* s) const {
+    const int64_t b = (r0 + i) * (K / 16) + col / 16;
+    q[b] = make_uint2(codes.x, codes.y);
+    s[b] = sb;
+  }
+};
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads) nv_rows_2d_kernel(const T* x, int64_t K, int64_t panels,
                                                               int64_t panels_k, const float* amax, int bound,
                                                               uint2* q, uint8_t* s) {
-  constexpr int kC = 16 / Vec<T>::kN;  // 16-byte loads a row of the tile
-  const int l = threadIdx.x & 31;
   const int64_t g = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   if (g >= panels) return;  // whole warps: every lane of a panel takes part in the shuffles
-  const int64_t r0 = (g / panels_k) * 16 + 4 * (l & 3), col = (g % panels_k) * 128 + 16 * (l >> 2);
-  const bool in = col < K;
-  uint4 raw[4][kC];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const T* p = x + ((r0 + i) * K + col);
-#pragma unroll
-    for (int c = 0; c < kC; ++c)
-      raw[i][c] = in ? __ldg(reinterpret_cast<const uint4*>(p + c * Vec<T>::kN)) : make_uint4(0u, 0u, 0u, 0u);
-  }
-  uint32_t m = 0u;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-#pragma unroll
-    for (int c = 0; c < kC; ++c) m = absmax_word<T>(m, raw[i][c]);
-  }
-  uint32_t bits = absmax_bits<T>(m);  // the tile's max |element| bits (NaN above inf)
-  bits = max(bits, __shfl_xor_sync(kFull, bits, 1));
-  bits = max(bits, __shfl_xor_sync(kFull, bits, 2));
-  if (!in) return;
+  const Panel2d<T> in(x, K, panels_k, g);
+  const float bam = in.tile_absmax();
+  if (!in.in) return;
   const NvScale ts = nv_scale(amax[0], bound);
-  const float bam = u2f(bits);
   const uint8_t sb = e4m3_scale_bits(bam * ts.s_enc_c6);
   const float enc = nv_block_enc(sb, ts.s_dec);
-  const int64_t bpr = K / 16;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     float v[16];
+    in.unpack(i, v);
+    in.store(i, K, nv_codes(v, bam, enc), sb, q, s);
+  }
+}
+
+// 4over6 over 16x16 tiles: the panels of nv_rows_2d_kernel in a grid-stride loop, so the CTA's
+// table of the 256 scale bytes (fo6_byte) is built once for many panels, as in nv_rows_fo6_kernel.
+// Both candidates of the tile are evaluated on each of the lane's 4 rows; the tile's error is the
+// reference's tree over its 16 row errors (row r = 4 (l % 4) + i): r + 8 is lane l + 2, r + 4
+// lane l + 1, r + 2 and r + 1 this lane's i + 2 and i + 1. Map-to-4 wins where its error is
+// strictly lower (equal candidates give equal errors: map-to-6).
+template <typename T, bool MSE>
+__global__ void __launch_bounds__(kThreads) nv_rows_2d_fo6_kernel(const T* x, int64_t K, int64_t panels,
+                                                                  int64_t panels_k, const float* amax, int bound,
+                                                                  uint2* q, uint8_t* s) {
+  __shared__ Fo6Byte bytes[256];
+  __shared__ float cols[2][8][kThreads];
+  static_assert(kThreads == 256, "one scale byte a thread");
+  const float six_b = static_cast<float>(6 * bound);
+  const NvScale ts = nv_scale(amax[0], bound);
+  bytes[threadIdx.x] = fo6_byte(static_cast<uint8_t>(threadIdx.x), ts, six_b);
+  __syncthreads();
+  float* col6 = &cols[0][0][threadIdx.x];
+  float* col4 = &cols[1][0][threadIdx.x];
+  fo6_zero(col6);
+  fo6_zero(col4);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
+  for (int64_t g = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5; g < panels; g += warps) {
+    const Panel2d<T> in(x, K, panels_k, g);
+    const Fo6Cand t = fo6_prepare<kThreads>(in.tile_absmax(), ts, bytes, col6, col4);
+    float e6[4], e4[4];
+    Codes c6[4], c4[4];
 #pragma unroll
-    for (int c = 0; c < kC; ++c) Vec<T>::unpack(raw[i][c], v + c * Vec<T>::kN);
-    const Codes codes = nv_codes(v, bam, enc);
-    const int64_t b = (r0 + i) * bpr + col / 16;
-    q[b] = make_uint2(codes.x, codes.y);
-    s[b] = sb;
+    for (int i = 0; i < 4; ++i) {
+      float v[16];
+      in.unpack(i, v);
+      const uint32_t* words16 = sizeof(T) == 2 ? reinterpret_cast<const uint32_t*>(in.raw[i]) : nullptr;
+      const Fo6Pair r = fo6_pair<MSE, kThreads>(t, v, ts, six_b, col6, col4, words16);
+      e6[i] = r.e6;
+      e4[i] = r.e4;
+      c6[i] = r.c6;
+      c4[i] = r.c4;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // + 8: rows of lanes q = 0, 1 take those of q + 2
+      e6[i] = e6[i] + __shfl_down_sync(kFull, e6[i], 2, 4);
+      e4[i] = e4[i] + __shfl_down_sync(kFull, e4[i], 2, 4);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // + 4: lane q = 0 takes q = 1's
+      e6[i] = e6[i] + __shfl_down_sync(kFull, e6[i], 1, 4);
+      e4[i] = e4[i] + __shfl_down_sync(kFull, e4[i], 1, 4);
+    }
+    const float t6 = (e6[0] + e6[2]) + (e6[1] + e6[3]), t4 = (e4[0] + e4[2]) + (e4[1] + e4[3]);  // + 2, + 1
+    const bool map4 = __shfl_sync(kFull, t4, 0, 4) < __shfl_sync(kFull, t6, 0, 4);
+    if (in.in) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) in.store(i, K, map4 ? c4[i] : c6[i], map4 ? t.s4 : t.s6, q, s);
+    }
   }
 }
 
@@ -265,17 +341,17 @@ int sm_count() {
   return sms;
 }
 
-// The 4over6 kernel's persistent grid: at most the CTAs resident at once (read once per device),
-// so each builds its byte table once and walks its chunks.
-template <typename T, bool MSE>
-int64_t fo6_grid(int64_t chunks) {
+// The persistent grid of a 4over6 kernel: at most the CTAs of `kernel` resident at once (read once
+// per device), so each builds its byte table once and walks its chunks.
+template <typename K>
+int64_t resident_grid(K* kernel, int64_t chunks) {
   static std::array<int, 64> resident{};
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
-  TORCH_CHECK(dev < static_cast<int>(resident.size()), "qtensor: device index ", dev, " is out of range.");
+  TORCH_CHECK(dev < static_cast<int>(resident.size()), "qtensor: device index ", num(dev), " is out of range.");
   if (resident[dev] == 0) {
     int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, nv_rows_fo6_kernel<T, MSE>, kThreads, 0));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
     resident[dev] = std::max(per_sm, 1) * sm_count();
   }
   return std::min<int64_t>(chunks, resident[dev]);
@@ -296,9 +372,9 @@ void launch_nv(const at::Tensor& x2, const float* amax, int64_t fourover6, int b
     else
       nv_rows_kernel<T, true, 1><<<grid, kThreads, 0, stream>>>(x, nblocks, bpr, idx32, amax, bound, q, s);
   } else if (fourover6 == 2) {
-    nv_rows_fo6_kernel<T, true><<<fo6_grid<T, true>(grid), kThreads, 0, stream>>>(x, nblocks, amax, bound, q, s);
+    nv_rows_fo6_kernel<T, true><<<resident_grid(nv_rows_fo6_kernel<T, true>, grid), kThreads, 0, stream>>>(x, nblocks, amax, bound, q, s);
   } else {
-    nv_rows_fo6_kernel<T, false><<<fo6_grid<T, false>(grid), kThreads, 0, stream>>>(x, nblocks, amax, bound, q, s);
+    nv_rows_fo6_kernel<T, false><<<resident_grid(nv_rows_fo6_kernel<T, false>, grid), kThreads, 0, stream>>>(x, nblocks, amax, bound, q, s);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -317,14 +393,27 @@ void nvfp4_rows_cuda(const at::Tensor& x2, const at::Tensor& amax, int64_t fouro
   });
 }
 
-void nvfp4_rows_2d_cuda(const at::Tensor& x2, const at::Tensor& amax, int64_t bound, at::Tensor& q, at::Tensor& s) {
+void nvfp4_rows_2d_cuda(const at::Tensor& x2, const at::Tensor& amax, int64_t fourover6, int64_t bound,
+                        at::Tensor& q, at::Tensor& s) {
   const int64_t M = x2.size(0), K = x2.size(1);
-  const int64_t panels_k = ceil_div(K, 128), panels = (M / 16) * panels_k;
+  const int64_t panels_k = ceil_div(K, 128), panels = (M / 16) * panels_k, grid = ceil_div(panels, kThreads / 32);
+  const float* a = amax.const_data_ptr<float>();
+  auto* qp = reinterpret_cast<uint2*>(q.data_ptr<uint8_t>());
+  uint8_t* sp = s.data_ptr<uint8_t>();
+  const int b = static_cast<int>(bound);
+  auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch_float(x2.scalar_type(), "qtensor.nvfp4_quantize", [&](auto tag) {
     using T = decltype(tag);
-    nv_rows_2d_kernel<T><<<ceil_div(panels, kThreads / 32), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        x2.const_data_ptr<T>(), K, panels, panels_k, amax.const_data_ptr<float>(), static_cast<int>(bound),
-        reinterpret_cast<uint2*>(q.data_ptr<uint8_t>()), s.data_ptr<uint8_t>());
+    const T* x = x2.const_data_ptr<T>();
+    if (fourover6 == 0) {
+      nv_rows_2d_kernel<T><<<grid, kThreads, 0, stream>>>(x, K, panels, panels_k, a, b, qp, sp);
+    } else if (fourover6 == 2) {
+      nv_rows_2d_fo6_kernel<T, true><<<resident_grid(nv_rows_2d_fo6_kernel<T, true>, grid), kThreads, 0, stream>>>(
+          x, K, panels, panels_k, a, b, qp, sp);
+    } else {
+      nv_rows_2d_fo6_kernel<T, false><<<resident_grid(nv_rows_2d_fo6_kernel<T, false>, grid), kThreads, 0, stream>>>(
+          x, K, panels, panels_k, a, b, qp, sp);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

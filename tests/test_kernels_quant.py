@@ -554,10 +554,10 @@ def test_fourover6_rows_persistent_grid(device, spec):
                                   NVFP4Spec(fourover6="mse", block_2d=True, e4m3_bound=256)],
                          ids=str)
 def test_2d_rows_many_panels(device, spec):
-    # Plain 2D rowwise takes a panel of 16 rows x 128 columns a warp (the rows kernel), 4over6 2D
-    # the tile kernel's persistent grid: 16384 x 2000 is 16384 panels and 8192 tiles, more than a
-    # GPU holds warps or CTAs, and its last 80 columns leave lanes with no tile. Both 4over6
-    # candidates must win thousands of tiles.
+    # The 2D rowwise kernels take a panel of 16 rows x 128 columns a warp, 4over6's in a
+    # persistent grid: 16384 x 2000 is 16384 panels, more than a GPU holds warps, and its last
+    # panel column has 80 columns (lanes with no tile). Both 4over6 candidates must win
+    # thousands of tiles.
     x = spread_input((16384, 2000), torch.bfloat16, 33)
     x[:, 1024:] = torch.randn(16384, 976, generator=torch.Generator().manual_seed(34)).bfloat16()
     x = x.to(device)
