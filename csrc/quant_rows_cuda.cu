@@ -138,17 +138,20 @@ __global__ void __launch_bounds__(kThreads) nv_rows_fo6_kernel(const T* x, int64
 // of 16 elements (4 x 32 bytes of bf16 in flight) before any math and joins the tile's amax with
 // the tile's 3 other lanes by two shuffles; a warp's stores then cover 64 contiguous code bytes
 // and 8 scale bytes of each of 4 rows. M % 16 == 0 (nv_shape) and K % 16 == 0 make every tile
-// whole; the lanes of a panel past K read zeros and store nothing.
+// whole; the lanes of a panel past K read zeros and store nothing. Panel indices are 32-bit
+// (nvfp4_rows_2d_cuda bounds the count): a 64-bit division per panel would cost a lane about 2
+// instructions an element.
 template <typename T>
 struct Panel2d {
   static constexpr int kC = 16 / Vec<T>::kN;  // 16-byte loads a row of the tile
   uint4 raw[4][kC];
   int64_t r0, col;
   bool in;
-  __device__ Panel2d(const T* x, int64_t K, int64_t panels_k, int64_t g) {
+  __device__ Panel2d(const T* x, int64_t K, uint32_t panels_k, uint32_t g) {
     const int l = threadIdx.x & 31;
-    r0 = (g / panels_k) * 16 + 4 * (l & 3);
-    col = (g % panels_k) * 128 + 16 * (l >> 2);
+    const uint32_t pr = g / panels_k;
+    r0 = static_cast<int64_t>(pr) * 16 + 4 * (l & 3);
+    col = static_cast<int64_t>(g - pr * panels_k) * 128 + 16 * (l >> 2);
     in = col < K;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -183,10 +186,10 @@ struct Panel2d {
 };
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) nv_rows_2d_kernel(const T* x, int64_t K, int64_t panels,
-                                                              int64_t panels_k, const float* amax, int bound,
+__global__ void __launch_bounds__(kThreads) nv_rows_2d_kernel(const T* x, int64_t K, uint32_t panels,
+                                                              uint32_t panels_k, const float* amax, int bound,
                                                               uint2* q, uint8_t* s) {
-  const int64_t g = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
+  const uint32_t g = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5);
   if (g >= panels) return;  // whole warps: every lane of a panel takes part in the shuffles
   const Panel2d<T> in(x, K, panels_k, g);
   const float bam = in.tile_absmax();
@@ -209,8 +212,8 @@ __global__ void __launch_bounds__(kThreads) nv_rows_2d_kernel(const T* x, int64_
 // lane l + 1, r + 2 and r + 1 this lane's i + 2 and i + 1. Map-to-4 wins where its error is
 // strictly lower (equal candidates give equal errors: map-to-6).
 template <typename T, bool MSE>
-__global__ void __launch_bounds__(kThreads) nv_rows_2d_fo6_kernel(const T* x, int64_t K, int64_t panels,
-                                                                  int64_t panels_k, const float* amax, int bound,
+__global__ void __launch_bounds__(kThreads) nv_rows_2d_fo6_kernel(const T* x, int64_t K, uint32_t panels,
+                                                                  uint32_t panels_k, const float* amax, int bound,
                                                                   uint2* q, uint8_t* s) {
   __shared__ Fo6Byte bytes[256];
   __shared__ float cols[2][8][kThreads];
@@ -223,9 +226,8 @@ __global__ void __launch_bounds__(kThreads) nv_rows_2d_fo6_kernel(const T* x, in
   float* col4 = &cols[1][0][threadIdx.x];
   fo6_zero(col6);
   fo6_zero(col4);
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
-  for (int64_t g = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5; g < panels; g += warps) {
-    const Panel2d<T> in(x, K, panels_k, g);
+  // One panel: both candidates on each of the lane's 4 rows, the tile's tree, the choice, the stores.
+  auto evaluate = [&](const Panel2d<T>& in) {
     const Fo6Cand t = fo6_prepare<kThreads>(in.tile_absmax(), ts, bytes, col6, col4);
     float e6[4], e4[4];
     Codes c6[4], c4[4];
@@ -256,6 +258,22 @@ __global__ void __launch_bounds__(kThreads) nv_rows_2d_fo6_kernel(const T* x, in
 #pragma unroll
       for (int i = 0; i < 4; ++i) in.store(i, K, map4 ? c4[i] : c6[i], map4 ? t.s4 : t.s6, q, s);
     }
+  };
+  const uint32_t warps = gridDim.x * (kThreads / 32);  // panels + warps < 2**32
+  uint32_t g = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5);
+  if constexpr (sizeof(T) == 2) {
+    // The next panel's words are read before this one is evaluated, so a warp's loads overlap its
+    // own long evaluation (2 CTAs an SM leave too few warps to hide them otherwise). Not for
+    // fp32: its panels take twice the registers, and two of them would leave 1 CTA an SM.
+    if (g >= panels) return;  // whole warps (no barrier follows)
+    Panel2d<T> ahead(x, K, panels_k, g);
+    for (; g < panels; g += warps) {
+      const Panel2d<T> in = ahead;
+      if (g + warps < panels) ahead = Panel2d<T>(x, K, panels_k, g + warps);
+      evaluate(in);
+    }
+  } else {
+    for (; g < panels; g += warps) evaluate(Panel2d<T>(x, K, panels_k, g));
   }
 }
 
@@ -397,6 +415,9 @@ void nvfp4_rows_2d_cuda(const at::Tensor& x2, const at::Tensor& amax, int64_t fo
                         at::Tensor& q, at::Tensor& s) {
   const int64_t M = x2.size(0), K = x2.size(1);
   const int64_t panels_k = ceil_div(K, 128), panels = (M / 16) * panels_k, grid = ceil_div(panels, kThreads / 32);
+  TORCH_CHECK(panels < (int64_t{1} << 31), "qtensor.nvfp4_quantize: the CUDA 2D rowwise kernels take fewer than "
+              "2**31 panels of 16x128 elements; got an input of ", num(M), "x", num(K), ". Quantize it in row chunks.");
+  const uint32_t np = static_cast<uint32_t>(panels), npk = static_cast<uint32_t>(panels_k);
   const float* a = amax.const_data_ptr<float>();
   auto* qp = reinterpret_cast<uint2*>(q.data_ptr<uint8_t>());
   uint8_t* sp = s.data_ptr<uint8_t>();
@@ -406,13 +427,13 @@ void nvfp4_rows_2d_cuda(const at::Tensor& x2, const at::Tensor& amax, int64_t fo
     using T = decltype(tag);
     const T* x = x2.const_data_ptr<T>();
     if (fourover6 == 0) {
-      nv_rows_2d_kernel<T><<<grid, kThreads, 0, stream>>>(x, K, panels, panels_k, a, b, qp, sp);
+      nv_rows_2d_kernel<T><<<grid, kThreads, 0, stream>>>(x, K, np, npk, a, b, qp, sp);
     } else if (fourover6 == 2) {
       nv_rows_2d_fo6_kernel<T, true><<<resident_grid(nv_rows_2d_fo6_kernel<T, true>, grid), kThreads, 0, stream>>>(
-          x, K, panels, panels_k, a, b, qp, sp);
+          x, K, np, npk, a, b, qp, sp);
     } else {
       nv_rows_2d_fo6_kernel<T, false><<<resident_grid(nv_rows_2d_fo6_kernel<T, false>, grid), kThreads, 0, stream>>>(
-          x, K, panels, panels_k, a, b, qp, sp);
+          x, K, np, npk, a, b, qp, sp);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
