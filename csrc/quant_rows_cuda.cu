@@ -113,10 +113,14 @@ __global__ void __launch_bounds__(kThreads) nv_rows_fo6_kernel(const T* x, int64
   fo6_zero(col6);
   fo6_zero(col4);
   constexpr int64_t kChunk = kThreads * kSlots;
-  for (int64_t first = static_cast<int64_t>(blockIdx.x) * kChunk + threadIdx.x; first < nblocks;
-       first += static_cast<int64_t>(gridDim.x) * kChunk) {
-    Slots<T> in;
-    in.load(x, first, nblocks);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kChunk;
+  // The next chunk's words are read before this one is evaluated, so a thread's loads overlap its
+  // own long evaluation (out-of-range slots load zeros and are never evaluated).
+  Slots<T> ahead;
+  ahead.load(x, static_cast<int64_t>(blockIdx.x) * kChunk + threadIdx.x, nblocks);
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * kChunk + threadIdx.x; first < nblocks; first += stride) {
+    const Slots<T> in = ahead;
+    ahead.load(x, first + stride, nblocks);
 #pragma unroll
     for (int u = 0; u < kSlots; ++u) {
       const int64_t b = first + u * kThreads;
