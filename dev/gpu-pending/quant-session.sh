@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The measurements of the quantizer series waiting in dev/gpu-pending (quant-rows-2d-fo6), for one
-# GPU session of the quantization-kernels issue in two runs. Each tree that dev/compare_builds.sh
-# builds (main's, and one per series) runs this script, which finds the series the tree holds and
-# runs what measures it.
+# The measurements of the quantizer series waiting in dev/gpu-pending (its quant-*/ folders), for
+# one GPU session of the quantization-kernels issue in two runs. Each tree that
+# dev/compare_builds.sh builds (main's, and one per series) runs this script, which finds the
+# series the tree holds and runs what measures it.
 #
 #   here:   dev/gpu-pending/quant-session.sh pack
 #           each series applied to HEAD as a temporary commit and packed into .whl/compare
@@ -25,13 +25,11 @@
 set -uo pipefail
 out=${OUT:-}
 
-# The series this tree holds, from what each adds.
+# The series this tree holds: the name its pack recorded, else (a revision packed by hand) the
+# tree's folder under compare/, else main.
 series() {
-  if grep -q "__launch_bounds__(kThreads, 3) nv_rows_2d_fo6_kernel" csrc/quant_rows_cuda.cu; then
-    echo quant-fo6-capped
-  elif grep -q "nv_rows_2d_fo6_kernel" csrc/quant_rows_cuda.cu; then echo quant-rows-2d-fo6
-  elif grep -q "kAmaxLoads = 8" csrc/quant_rows_cuda.cu; then echo quant-rows-deeper
-  else echo main; fi
+  if [ -f .qtensor-series ]; then cat .qtensor-series
+  else case "$PWD" in */compare/*) basename "$PWD" ;; *) echo main ;; esac; fi
 }
 
 case "${1:-}" in
@@ -39,8 +37,12 @@ case "${1:-}" in
     git diff --quiet && git diff --cached --quiet || { echo "quant-session: commit first" >&2; exit 1; }
     base=$(git rev-parse HEAD)
     revs=()
-    for series in quant-rows-2d-fo6; do
-      git am -q "dev/gpu-pending/$series"/*.patch || { git am --abort; exit 1; }
+    for dir in dev/gpu-pending/quant-*/; do
+      [ -d "$dir" ] || { echo "quant-session: no quant-* series in dev/gpu-pending" >&2; exit 1; }
+      series=$(basename "$dir")
+      git am -q "$dir"*.patch || { git am --abort; exit 1; }
+      echo "$series" > .qtensor-series
+      git add -f .qtensor-series && git commit -q -m "series $series"
       revs+=("$(git rev-parse --short HEAD)")
       echo "$series: ${revs[-1]}"
       git reset -q --hard "$base"
