@@ -815,21 +815,28 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
   // before the epilogue reads amax and bias and writes the output.
   let_next_kernel_start();
   wait_previous_kernel();
+  // Each accumulator's chains summed into chain 0, in chain order, for both ways out below.
+  if constexpr (!WG) {
+    if (warp < kWarps) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int c = 1; c < C; ++c)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[r][0][i][e] += acc[r][c][i][e];
+    }
+  }
   // Up to 16 tokens a CTA that holds the whole K range (a split of 1, a cluster of one) writes
   // its outputs from its registers: no partial tile, no cluster barrier and no reduction, which
   // took 1.8 us of a 22.5 us launch on 28672x4096 at one token (the per-CTA timeline, H200).
-  // The chains are summed as below, so the bits are those of the partial tiles' path.
+  // It applies the epilogue of the reduction path to the same sums, so it gives the same bits.
   if constexpr (!WG && MT <= 2) {
     if (splits == 1) {
       if (warp < kWarps) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-#pragma unroll
-          for (int i = 0; i < MT; ++i)
-#pragma unroll
-            for (int c = 1; c < C; ++c)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) acc[r][0][i][e] += acc[r][c][i][e];
           // Fragment element 2h + b: row g + 8h, token 8i + 2t + b.
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
@@ -869,10 +876,6 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<FMT, MT, R, WG>))
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
-#pragma unroll
-        for (int c = 1; c < C; ++c)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[r][0][i][e] += acc[r][c][i][e];
         float* r0 = part + ((warp * R + r) * kTileRows + g) * TOK + 8 * i + 2 * t;
         r0[0] = acc[r][0][i][0];
         r0[1] = acc[r][0][i][1];
