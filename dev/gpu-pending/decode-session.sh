@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# The measurements of the decode series waiting in dev/gpu-pending (decode-probes), for one GPU
-# session, best on an H200: the probes ask why the H200's rate trails bf16's while the H100's
-# matches it (on the H100 the stream bounds the kernel; on the H200 the consumers likely do).
-# Each tree that dev/compare_builds.sh builds runs this script, which finds what the tree holds
-# and runs what measures it. The trees: main's (the working tree); the two probes on main,
-# packed into .whl/probes.
+# The measurements of the decode series waiting in dev/gpu-pending (decode-half-stages,
+# decode-probes), for one GPU session, best on an H200: the probes ask why the H200's rate
+# trails bf16's while the H100's matches it (on the H100 the stream bounds the kernel; on the
+# H200 the consumers likely do), and decode-half-stages gives the consumers twice the warps at
+# one token. Each tree that dev/compare_builds.sh builds runs this script, which finds what the
+# tree holds and runs what measures it. The trees: main's (the working tree); decode-half-stages
+# and the two probes on main, packed into .whl/decode.
 #
 #   here:   dev/gpu-pending/decode-session.sh pack
-#           the probes applied to HEAD as temporary commits and packed (HEAD is left as it
+#           the series applied to HEAD as temporary commits and packed (HEAD is left as it
 #           was; carry [".whl"] with the torchao and expecttest wheels).
-#   there, run D (about 4 minutes with the build): main's kernel with its consumers reduced to
-#           waiting for each stage (the stream alone), and with its producer copying one stage
-#           that the consumers decode over and over (the consumers alone), their times beside
-#           main's and bf16's: which side bounds the rate.
+#   there, run D (about 7 minutes with the build of four trees): each tree's times beside
+#           bf16's: main's, half-stages', main's kernel with its consumers reduced to waiting
+#           for each stage (the stream alone), and with its producer copying one stage that the
+#           consumers decode over and over (the consumers alone): which side bounds the rate.
 #           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16
-#           dev/compare_builds.sh run .whl/probes "bash dev/gpu-pending/decode-session.sh P"
+#           dev/compare_builds.sh run .whl/decode "bash dev/gpu-pending/decode-session.sh P"
+#   there, run T (the next call, while the machine is warm: the trees stay built under
+#           $TMPDIR/compare; about 5 minutes): every decode CUDA test in half-stages' tree:
+#           bash dev/gpu-pending/decode-session.sh T
 #   there, run C (the next call, while the machine is warm: the trees stay built under
 #           $TMPDIR/compare): Nsight Compute on cuBLAS's bf16 kernel and the NVFP4 decode kernel
 #           at one token in main's tree, and the fused decode loop:
@@ -27,6 +31,7 @@ set -uo pipefail
 # The series this tree holds, from what it adds.
 series() {
   local s=main
+  grep -q "MT == 1 && FMT != kMxfp8 ? 2 : 1" csrc/decode_gemm_cuda.cu && s="half-stages"
   grep -q "^constexpr int kProbe = 1;" csrc/decode_gemm_cuda.cu && s="probe-stream"
   grep -q "^constexpr int kProbe = 2;" csrc/decode_gemm_cuda.cu && s="probe-consumers"
   echo "$s"
@@ -44,15 +49,18 @@ case "${1:-}" in
   pack)
     git diff --quiet && git diff --cached --quiet || { echo "decode-session: commit first" >&2; exit 1; }
     base=$(git rev-parse HEAD)
-    stream=$(apply dev/gpu-pending/decode-probes/0001-*.patch) &&
+    half=$(apply dev/gpu-pending/decode-half-stages/*.patch) &&
+      git reset -q --hard "$base" &&
+      stream=$(apply dev/gpu-pending/decode-probes/0001-*.patch) &&
       consumers=$(apply dev/gpu-pending/decode-probes/0002-*.patch)
     ok=$?
     git reset -q --hard "$base"
     [ "$ok" -eq 0 ] || exit 1
-    echo "probes: $stream, $consumers"
-    rm -rf .whl/probes
-    dev/compare_builds.sh pack .whl/probes "$stream" "$consumers"
+    echo "half-stages: $half; probes: $stream, $consumers"
+    rm -rf .whl/decode
+    dev/compare_builds.sh pack .whl/decode "$half" "$stream" "$consumers"
     ;;
+
   C)
     echo "series: $(series)"
     timeout 150 ncu --clock-control none -k regex:"decode_gemm|gemv|gemm" \
@@ -64,7 +72,16 @@ case "${1:-}" in
   P)
     echo "series: $(series)"
     timeout 100 python3 dev/experiments/decode_launches.py times \
-      --shapes 28672x8192,8192x8192,4096x4096 --ms 1,16
+      --shapes 28672x8192,8192x8192,8192x28672,4096x4096,4096x14336 --ms 1,4,16
+    ;;
+  T)
+    for t in "${TMPDIR:-/tmp}"/compare/*/; do
+      (cd "$t" && [ "$(series)" = half-stages ] || exit 0
+       echo "== series: $(series)"
+       PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 330 python3 -m pytest -m cuda -q \
+         tests/test_decode_gemm.py tests/test_decode_weight.py tests/test_decode_fusion.py 2>&1 |
+         tail -n 5)
+    done
     ;;
   L)
     echo "== series: $(series)"
