@@ -94,6 +94,25 @@ __global__ void __launch_bounds__(kThreads) nv_rows_kernel(const T* x, int64_t n
   }
 }
 
+// A 4over6 CTA's tables under one tensor scale, built before its first block: fo6_byte of the
+// 256 scale bytes (one a thread, three divisions each), and this thread's column of each
+// candidate's value table in shared memory (a warp's lanes in distinct banks), entry 0 set here.
+struct Fo6Tables {
+  const Fo6Byte* bytes;
+  float *col6, *col4;
+};
+
+__device__ __forceinline__ Fo6Tables fo6_tables(Fo6Byte* bytes, float (&cols)[2][8][kThreads], const NvScale& ts,
+                                                float six_b) {
+  static_assert(kThreads == 256, "one scale byte a thread");
+  bytes[threadIdx.x] = fo6_byte(static_cast<uint8_t>(threadIdx.x), ts, six_b);
+  __syncthreads();
+  const Fo6Tables t{bytes, &cols[0][0][threadIdx.x], &cols[1][0][threadIdx.x]};
+  fo6_zero(t.col6);
+  fo6_zero(t.col4);
+  return t;
+}
+
 // 4over6 under one tensor scale: a grid-stride loop over chunks of kThreads * kSlots blocks, so
 // the CTA's table of the 256 scale bytes (fo6_byte: block factor and candidate values, three
 // divisions each) is built once for many chunks. Each thread keeps a value table per candidate in
@@ -103,15 +122,9 @@ __global__ void __launch_bounds__(kThreads) nv_rows_fo6_kernel(const T* x, int64
                                                                int bound, uint2* q, uint8_t* s) {
   __shared__ Fo6Byte bytes[256];
   __shared__ float cols[2][8][kThreads];
-  static_assert(kThreads == 256, "one scale byte a thread");
   const float six_b = static_cast<float>(6 * bound);
   const NvScale ts = nv_scale(amax[0], bound);
-  bytes[threadIdx.x] = fo6_byte(static_cast<uint8_t>(threadIdx.x), ts, six_b);
-  __syncthreads();
-  float* col6 = &cols[0][0][threadIdx.x];
-  float* col4 = &cols[1][0][threadIdx.x];
-  fo6_zero(col6);
-  fo6_zero(col4);
+  const Fo6Tables tab = fo6_tables(bytes, cols, ts, six_b);
   constexpr int64_t kChunk = kThreads * kSlots;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kChunk;
   // The next chunk's words are read before this one is evaluated, so a thread's loads overlap its
@@ -130,7 +143,8 @@ __global__ void __launch_bounds__(kThreads) nv_rows_fo6_kernel(const T* x, int64
       Codes codes;
       const uint32_t* words = nullptr;  // bf16: the packed words, for the sign nibbles
       if constexpr (std::is_same_v<T, at::BFloat16>) words = reinterpret_cast<const uint32_t*>(in.raw[u]);
-      s[b] = fo6_block_tab<MSE, kThreads>(v, u2f(in.absmax(u)), ts, six_b, bytes, col6, col4, &codes, words);
+      s[b] = fo6_block_tab<MSE, kThreads>(v, u2f(in.absmax(u)), ts, six_b, tab.bytes, tab.col6, tab.col4, &codes,
+                                           words);
       q[b] = make_uint2(codes.x, codes.y);
     }
   }
@@ -221,18 +235,12 @@ __global__ void __launch_bounds__(kThreads) nv_rows_2d_fo6_kernel(const T* x, in
                                                                   uint2* q, uint8_t* s) {
   __shared__ Fo6Byte bytes[256];
   __shared__ float cols[2][8][kThreads];
-  static_assert(kThreads == 256, "one scale byte a thread");
   const float six_b = static_cast<float>(6 * bound);
   const NvScale ts = nv_scale(amax[0], bound);
-  bytes[threadIdx.x] = fo6_byte(static_cast<uint8_t>(threadIdx.x), ts, six_b);
-  __syncthreads();
-  float* col6 = &cols[0][0][threadIdx.x];
-  float* col4 = &cols[1][0][threadIdx.x];
-  fo6_zero(col6);
-  fo6_zero(col4);
+  const Fo6Tables tab = fo6_tables(bytes, cols, ts, six_b);
   // One panel: both candidates on each of the lane's 4 rows, the tile's tree, the choice, the stores.
   auto evaluate = [&](const Panel2d<T>& in) {
-    const Fo6Cand t = fo6_prepare<kThreads>(in.tile_absmax(), ts, bytes, col6, col4);
+    const Fo6Cand t = fo6_prepare<kThreads>(in.tile_absmax(), ts, tab.bytes, tab.col6, tab.col4);
     float e6[4], e4[4];
     Codes c6[4], c4[4];
 #pragma unroll
@@ -240,7 +248,7 @@ __global__ void __launch_bounds__(kThreads) nv_rows_2d_fo6_kernel(const T* x, in
       float v[16];
       in.unpack(i, v);
       const uint32_t* words16 = sizeof(T) == 2 ? reinterpret_cast<const uint32_t*>(in.raw[i]) : nullptr;
-      const Fo6Pair r = fo6_pair<MSE, kThreads>(t, v, ts, six_b, col6, col4, words16);
+      const Fo6Pair r = fo6_pair<MSE, kThreads>(t, v, ts, six_b, tab.col6, tab.col4, words16);
       e6[i] = r.e6;
       e4[i] = r.e4;
       c6[i] = r.c6;
@@ -321,7 +329,8 @@ __global__ void __launch_bounds__(kThreads) amax_all_kernel(const uint4* x, int6
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride * kAmaxLoads) {
     uint4 r[kAmaxLoads];
 #pragma unroll
-    for (int u = 0; u < kAmaxLoads; ++u) r[u] = i + u * stride < n ? __ldcs(x + i + u * stride) : make_uint4(0u, 0u, 0u, 0u);
+    for (int u = 0; u < kAmaxLoads; ++u)
+      r[u] = i + u * stride < n ? __ldcs(x + i + u * stride) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
     for (int u = 0; u < kAmaxLoads; ++u) m = absmax_word<T>(m, r[u]);
   }
@@ -363,17 +372,18 @@ int sm_count() {
   return sms;
 }
 
-// The persistent grid of a 4over6 kernel: at most the CTAs of `kernel` resident at once (read once
-// per device), so each builds its byte table once and walks its chunks.
-template <typename K>
-int64_t resident_grid(K* kernel, int64_t chunks) {
+// The persistent grid of a 4over6 kernel: at most the CTAs of `Kernel` resident at once (read once
+// per device and kernel: kernels of one signature differ in registers), so each builds its byte
+// table once and walks its chunks.
+template <auto* Kernel>
+int64_t resident_grid(int64_t chunks) {
   static std::array<int, 64> resident{};
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   TORCH_CHECK(dev < static_cast<int>(resident.size()), "qtensor: device index ", num(dev), " is out of range.");
   if (resident[dev] == 0) {
     int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, 0));
     resident[dev] = std::max(per_sm, 1) * sm_count();
   }
   return std::min<int64_t>(chunks, resident[dev]);
@@ -394,9 +404,11 @@ void launch_nv(const at::Tensor& x2, const float* amax, int64_t fourover6, int b
     else
       nv_rows_kernel<T, true, 1><<<grid, kThreads, 0, stream>>>(x, nblocks, bpr, idx32, amax, bound, q, s);
   } else if (fourover6 == 2) {
-    nv_rows_fo6_kernel<T, true><<<resident_grid(nv_rows_fo6_kernel<T, true>, grid), kThreads, 0, stream>>>(x, nblocks, amax, bound, q, s);
+    constexpr auto kernel = nv_rows_fo6_kernel<T, true>;
+    kernel<<<resident_grid<kernel>(grid), kThreads, 0, stream>>>(x, nblocks, amax, bound, q, s);
   } else {
-    nv_rows_fo6_kernel<T, false><<<resident_grid(nv_rows_fo6_kernel<T, false>, grid), kThreads, 0, stream>>>(x, nblocks, amax, bound, q, s);
+    constexpr auto kernel = nv_rows_fo6_kernel<T, false>;
+    kernel<<<resident_grid<kernel>(grid), kThreads, 0, stream>>>(x, nblocks, amax, bound, q, s);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -433,11 +445,11 @@ void nvfp4_rows_2d_cuda(const at::Tensor& x2, const at::Tensor& amax, int64_t fo
     if (fourover6 == 0) {
       nv_rows_2d_kernel<T><<<grid, kThreads, 0, stream>>>(x, K, np, npk, a, b, qp, sp);
     } else if (fourover6 == 2) {
-      nv_rows_2d_fo6_kernel<T, true><<<resident_grid(nv_rows_2d_fo6_kernel<T, true>, grid), kThreads, 0, stream>>>(
-          x, K, np, npk, a, b, qp, sp);
+      constexpr auto kernel = nv_rows_2d_fo6_kernel<T, true>;
+      kernel<<<resident_grid<kernel>(grid), kThreads, 0, stream>>>(x, K, np, npk, a, b, qp, sp);
     } else {
-      nv_rows_2d_fo6_kernel<T, false><<<resident_grid(nv_rows_2d_fo6_kernel<T, false>, grid), kThreads, 0, stream>>>(
-          x, K, np, npk, a, b, qp, sp);
+      constexpr auto kernel = nv_rows_2d_fo6_kernel<T, false>;
+      kernel<<<resident_grid<kernel>(grid), kThreads, 0, stream>>>(x, K, np, npk, a, b, qp, sp);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
