@@ -9,7 +9,8 @@
 // leave as whole sectors straight from registers (the lanes of one output row hold its
 // consecutive blocks); NVFP4 columnwise codes and scales, and MXFP8 codes and row scales, are
 // staged in shared memory and leave as whole rows of the tile, so that each store request carries
-// as many bytes as the tile row holds. The 1x16 / 1x32 and round-to-nearest 2D rowwise modes
+// as many bytes as the tile row holds (the NVFP4 columnwise kernels stage two tiles at a time,
+// whose result rows make whole 128-byte lines). The 1x16 / 1x32 and round-to-nearest 2D rowwise modes
 // need no tile: quant_rows_cuda.cu. The math is quant_math.h and
 // quant_rows_math.h, shared with the CPU kernels; built with --fmad=false so every fp32 operation
 // rounds like the reference.
@@ -208,12 +209,13 @@ struct TileArgs {
   uint8_t *mxr_q, *mxr_s, *mxc_q, *mxc_s;
 };
 
-// Staging of one tile's NVFP4 columnwise outputs, 8 blocks x 64 result rows. The 8-byte code
-// words are block-major ([block][row of the result]), so each thread's writes are contiguous. The
-// scale bytes are row-major, a result row's 8 bytes one 8-byte group, so that a thread reads a
-// row's bytes at once; the groups of rows 16..31 (mod 32) are swapped in pairs, and the two
-// halves of the groups of rows 32..63 are swapped, so that the 32 bytes written by one
-// instruction (byte w of rows 2p or 2p + 1, p the lane) fall in 32 distinct banks.
+// Staging of one tile's NVFP4 columnwise outputs in the hybrid cast (the other NVFP4 kernels stage
+// two tiles in a stage: NvPairOut), 8 blocks x 64 result rows. The 8-byte code words are
+// block-major ([block][row of the result]), so each thread's writes are contiguous. The scale
+// bytes are row-major, a result row's 8 bytes one 8-byte group, so that a thread reads a row's
+// bytes at once; the groups of rows 16..31 (mod 32) are swapped in pairs, and the two halves of
+// the groups of rows 32..63 are swapped, so that the 32 bytes written by one instruction (byte w
+// of rows 2p or 2p + 1, p the lane) fall in 32 distinct banks.
 struct alignas(16) NvOut {
   uint2 q[8 * 64];
   uint8_t s[64 * 8];
@@ -337,8 +339,8 @@ struct NvColCodes {
 };
 
 // Lane p takes columns 2p and 2p+1, warp w the 16 rows 16w.. of the tile: one block of each of
-// two result rows. A 2D tile is 8 lanes (16 columns) of one warp. The codes and scales go to the
-// staging buffer (nv_col_stage), then leave as 16-byte rows of the result (store_staged).
+// two result rows. A 2D tile is 8 lanes (16 columns) of one warp. The codes and scales are staged
+// (nv_pair_stage; the hybrid cast's nv_col_stage), then leave as rows of the result.
 template <typename T, int FO6>
 __device__ __forceinline__ NvColCodes nv_col_codes(const TileArgs& a, const NvFlags& f, const unsigned char* tile,
                                                    const NvShared& nv, uint32_t m0, uint32_t k0) {
@@ -499,6 +501,71 @@ __device__ __forceinline__ void nv_col_stage(NvOut& out, const NvColCodes& c) {
   reinterpret_cast<uint4*>(out.q)[w * 32 + p] = make_uint4(c.q[0].x, c.q[0].y, c.q[1].x, c.q[1].y);
   out.s[NvOut::sbyte(2 * p, w)] = c.sb[0];
   out.s[NvOut::sbyte(2 * p + 1, w)] = c.sb[1];
+}
+
+// ---- NVFP4 columnwise by pairs of tiles --------------------------------------------------------------
+
+// Tiles (2i, k) and (2i + 1, k) hold the two 64-byte halves of the 128-byte code lines of their
+// 64 result rows. Stored by one tile each, 64-byte pieces of 64 rows, the codes made the
+// columnwise cast's stores, not its reads or math, its largest cost. So the kernels without the
+// hybrid's MXFP8 rows walk the tiles by such pairs: the first tile's codes wait in registers,
+// and both tiles' outputs are staged in the second tile's stage once every thread has read it,
+// then stored as whole 128-byte rows of codes and 16 scale bytes a row. The stage (16 KB) then
+// holds 16 blocks x 64 result rows of codes (8-byte words, block-major; the rows of block b at
+// row ^ pair_swizzle(b), so that the reads of a store phase, 4 rows x 8 block pairs, fall 2 a
+// bank pair) and their scale bytes, block-major after them.
+struct NvPairOut {
+  static constexpr int kScales = 16 * 64 * 8;  // byte offset of the scale bytes
+  __device__ static int pair_swizzle(int b) { return 4 * ((b >> 1) & 3); }
+  __device__ static int word(int b, int r) { return b * 64 + (r ^ pair_swizzle(b)); }
+};
+
+// This thread's codes of tile `half` of the pair (block 8 half + w, result rows 2p and 2p + 1,
+// adjacent under the swizzle) and their scale bytes, into the stage `out`.
+__device__ __forceinline__ void nv_pair_stage(unsigned char* out, const NvColCodes& c, int half) {
+  const int p = threadIdx.x & 31, b = 8 * half + (threadIdx.x >> 5);
+  *reinterpret_cast<uint4*>(out + 8 * NvPairOut::word(b, 2 * p)) = make_uint4(c.q[0].x, c.q[0].y, c.q[1].x, c.q[1].y);
+  *reinterpret_cast<uint16_t*>(out + NvPairOut::kScales + 64 * b + 2 * p) =
+      static_cast<uint16_t>(c.sb[0] | (c.sb[1] << 8));
+}
+
+// The staged pair to the result [R, C]: its 64 result rows from r0, 16 blocks of 16 from c0 (the
+// first tile's). Codes leave two blocks a thread, 8 threads a row, as one 16-byte store where the
+// pair is whole and aligned; scale bytes a row a thread, as two 8-byte words where the row's
+// blocks are whole.
+__device__ __forceinline__ void nv_pair_store(const TileArgs& a, const unsigned char* out, uint32_t r0, uint32_t c0,
+                                              uint32_t R, uint32_t C) {
+  const uint2* q = reinterpret_cast<const uint2*>(out);
+  const int j = threadIdx.x & 7;  // blocks 2j, 2j + 1
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int rr = 32 * pass + (threadIdx.x >> 3);
+    const uint32_t row = r0 + rr, col = c0 + 32 * j;
+    if (row < R && col < C) {
+      const uint2 lo = q[NvPairOut::word(2 * j, rr)], hi = q[NvPairOut::word(2 * j + 1, rr)];
+      uint8_t* dst = a.nv_q + (wide(row, C / 2) + col / 2);
+      if (col + 16 < C && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+      } else {
+        *reinterpret_cast<uint2*>(dst) = lo;
+        if (col + 16 < C) *reinterpret_cast<uint2*>(dst + 8) = hi;
+      }
+    }
+  }
+  if (threadIdx.x < 64) {
+    const int rr = threadIdx.x;
+    const uint32_t row = r0 + rr;
+    if (row < R) {
+      const uint8_t* sc = out + NvPairOut::kScales + rr;
+      uint64_t half[2] = {0u, 0u};
+#pragma unroll
+      for (int b = 0; b < 16; ++b) half[b >> 3] |= static_cast<uint64_t>(sc[64 * b]) << (8 * (b & 7));
+      const uint32_t nb = (C - c0) / 16 < 16 ? (C - c0) / 16 : 16;
+      uint8_t* dst = a.nv_s + (wide(row, C / 16) + c0 / 16);
+      store_scale_bytes(dst, half[0], nb < 8 ? nb : 8);
+      if (nb > 8) store_scale_bytes(dst + 8, half[1], nb - 8);
+    }
+  }
 }
 
 // ---- NVFP4 rowwise with stochastic rounding ---------------------------------------------------------
@@ -870,6 +937,25 @@ struct TileWalk {
   }
 };
 
+// A CTA's sequence of tiles: units u, u + grid, ... of a grid of units tiles_k wide, a unit one
+// tile, or with PAIRS the two tiles (2 tm, tk) and (2 tm + 1, tk) in turn.
+template <bool PAIRS>
+struct Walk {
+  TileWalk unit;
+  uint32_t u, half;
+  __device__ Walk(uint32_t first, uint32_t tiles_k) : unit(first, tiles_k), u(first), half(0u) {}
+  __device__ __forceinline__ uint32_t tm() const { return PAIRS ? 2u * unit.tm + half : unit.tm; }
+  __device__ __forceinline__ void advance(const TileStep& by, uint32_t step) {
+    if (PAIRS && half == 0u) {
+      half = 1u;
+      return;
+    }
+    half = 0u;
+    unit.advance(by);
+    u += step;
+  }
+};
+
 // ---- the kernel --------------------------------------------------------------------------------------
 
 // The hybrid cast of 16-bit inputs without RHT runs a ring of 4 stages (every other kernel 3) and
@@ -889,6 +975,10 @@ constexpr int kMinCtas = sizeof(T) == 2 && FO6 == 0 && !DEEP ? 4 : 2;
 template <bool DEEP>
 constexpr int kRingOf = DEEP ? 4 : kStages;
 
+// The NVFP4 kernels but the hybrid cast's and the amax's walk their tiles by pairs (NvPairOut).
+template <bool NV, bool MXR, int MODE>
+constexpr bool kPairsOf = NV && !MXR && MODE != kNvAmaxRht;
+
 // The stage of a kernel: NVFP4 tiles are 128 x 64, the MXFP8-only ones 64 x 128.
 template <typename T, bool NV>
 using TileStage = Stage<T, NV ? kRows : kMxRows, NV ? kCols : kMxCols>;
@@ -903,11 +993,13 @@ constexpr bool kTensorCopies = false;
 
 template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE>
 __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MXR, MODE>>)
-    tile_kernel(TileArgs a, uint32_t tiles, uint32_t tiles_k, const __grid_constant__ CUtensorMap x_map) {
+    tile_kernel(TileArgs a, uint32_t units, uint32_t tiles_m, uint32_t tiles_k,
+                const __grid_constant__ CUtensorMap x_map) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kRing = kRingOf<kDeepRing<T, NV, MXR, MODE>>;
+  constexpr bool kPairs = kPairsOf<NV, MXR, MODE>;
   __shared__ __align__(8) uint64_t landed[kRing];  // tensor copies: a stage's tile is in
-  __shared__ std::conditional_t<NV, NvOut, char> nv_out;
+  __shared__ std::conditional_t<NV && MXR, NvOut, char> nv_out;
   __shared__ uint32_t mx_rs[MXC && MXR ? kMxRows : 1];
   __shared__ std::conditional_t<NV && MXR, MxRowOut, char> mx_rows;
   __shared__ float enc_of[NV ? 256 : 1];
@@ -955,20 +1047,27 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MX
   // (set_tile_input, launch_tiles), so all of them are 32-bit; byte offsets are formed by wide().
   const TileStep by{step / tiles_k, step % tiles_k, tiles_k};
   // Tile `at` into stage `slot`: by tensor copies from thread 0, else by every thread's cp.async
-  // (a commit per slot, even an empty one, so that the groups count slots).
-  auto fill = [&](int slot, const TileWalk& at, bool exists) {
+  // (a commit per slot, even an empty one, so that the groups count slots). The second tile of
+  // the last pair of an odd number of tile rows lies past x: its stage keeps what it held (the
+  // barrier's phase completes without copies), and the pair's stores skip its columns.
+  auto fill = [&](int slot, const Walk<kPairs>& at) {
+    const bool unit = at.u < units, in = unit && (!kPairs || at.tm() < tiles_m);
     if constexpr (tma) {
-      if (exists && threadIdx.x == 0) {
+      if (unit && threadIdx.x == 0) {
         const uint32_t bar = smem_addr(&landed[slot]), dst = base + slot * S::kBytes;
-        mbar_expect(bar, S::kBytes);  // boxes past the tensor's edges count in full, as zeros
+        if (in) {
+          mbar_expect(bar, S::kBytes);  // boxes past the tensor's edges count in full, as zeros
 #pragma unroll
-        for (int g = 0; g < S::kGroups; ++g) {
-          const int col = static_cast<int>(at.tk * S::kCols + g * S::kGroupCols);
-          tensor_copy(dst + g * S::kRows * S::kPitch, &x_map, col, static_cast<int>(at.tm * S::kRows), bar);
+          for (int g = 0; g < S::kGroups; ++g) {
+            const int col = static_cast<int>(at.unit.tk * S::kCols + g * S::kGroupCols);
+            tensor_copy(dst + g * S::kRows * S::kPitch, &x_map, col, static_cast<int>(at.tm() * S::kRows), bar);
+          }
+        } else {
+          mbar_arrive(bar);
         }
       }
     } else {
-      if (exists) load_tile<S>(x, a.M, a.K, at.tm * S::kRows, at.tk * S::kCols, base + slot * S::kBytes);
+      if (in) load_tile<S>(x, a.M, a.K, at.tm() * S::kRows, at.unit.tk * S::kCols, base + slot * S::kBytes);
       cp_async_commit();
     }
   };
@@ -981,25 +1080,26 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MX
     }
     __syncthreads();
   }
-  TileWalk ahead(blockIdx.x, tiles_k);
+  Walk<kPairs> ahead(blockIdx.x, tiles_k);
 #pragma unroll
   for (int s = 0; s < kRing - 1; ++s) {  // the ring's first tiles
-    fill(s, ahead, blockIdx.x + s * step < tiles);
-    ahead.advance(by);
+    fill(s, ahead);
+    ahead.advance(by, step);
   }
-  TileWalk cur(blockIdx.x, tiles_k);
+  Walk<kPairs> cur(blockIdx.x, tiles_k);
+  NvColCodes held{};  // kPairs: the codes of the pair's first tile
   int stage = 0;
-  uint32_t parity = 0u;  // of the use of the stage's `landed` barrier that brings tile t
-  for (uint32_t t = blockIdx.x; t < tiles; t += step) {
-    if constexpr (tma) mbar_wait(smem_addr(&landed[stage]), parity);  // tile t has landed
-    else cp_async_wait<kRing - 2>();  // this thread's copies of tile t have
+  uint32_t parity = 0u;  // of the use of the stage's `landed` barrier that brings the tile
+  while (cur.u < units) {
+    if constexpr (tma) mbar_wait(smem_addr(&landed[stage]), parity);  // the tile has landed
+    else cp_async_wait<kRing - 2>();  // this thread's copies of the tile have
     __syncthreads();  // (cp.async: everyone's have,) and the stage refilled next is read out
     const int refill = stage == 0 ? kRing - 1 : stage - 1;
-    fill(refill, ahead, t + (kRing - 1) * step < tiles);
-    ahead.advance(by);
+    fill(refill, ahead);
+    ahead.advance(by, step);
     unsigned char* tile = stages + stage * S::kBytes;
-    const uint32_t m0 = cur.tm * S::kRows, k0 = cur.tk * S::kCols;
-    cur.advance(by);
+    const uint32_t m0 = cur.tm() * S::kRows, k0 = cur.unit.tk * S::kCols, half = cur.half;
+    cur.advance(by, step);
     if constexpr (MXC) {
       mx_patch_phase<T, MXR>(a, tile, mx_rs, m0, k0);
     } else if constexpr (kAmax) {
@@ -1007,11 +1107,23 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MX
     } else if constexpr (NV) {
       if (MXR || f.col) {  // the hybrid cast (MXR) is columnwise: run_tiles checks
         const NvColCodes c = nv_col_codes<T, FO6>(a, f, tile, nv, m0, k0);
-        if constexpr (MXR) mx_row_stage(mx_rows, mx_row_codes<T>(a, tile));
-        nv_col_stage(nv_out, c);
-        __syncthreads();  // behind the staged NVFP4 columns and MXFP8 rows
-        store_staged(a, nv_out, k0, m0, a.K, a.M);
-        if constexpr (MXR) mx_row_store(a, mx_rows, m0, k0);
+        if constexpr (MXR) {
+          mx_row_stage(mx_rows, mx_row_codes<T>(a, tile));
+          nv_col_stage(nv_out, c);
+          __syncthreads();  // behind the staged NVFP4 columns and MXFP8 rows
+          store_staged(a, nv_out, k0, m0, a.K, a.M);
+          mx_row_store(a, mx_rows, m0, k0);
+        } else if (half == 0u) {
+          held = c;
+        } else {
+          __syncthreads();  // every thread has read the tile: its stage takes the pair's outputs
+          nv_pair_stage(tile, held, 0);
+          nv_pair_stage(tile, c, 1);
+          // Those writes before the tensor copy that refills the stage (after the next CTA barrier).
+          if constexpr (tma) fence_proxy_async_smem();
+          __syncthreads();
+          nv_pair_store(a, tile, k0, m0 - S::kRows, a.K, a.M);
+        }
       } else if constexpr (FO6 == 0) {  // rowwise 4over6 runs in quant_rows_cuda.cu: run_tiles checks
         nv_row_phase<T>(a, f, tile, nv, m0, k0);
       }
@@ -1087,14 +1199,17 @@ void launch_tiles(const TileArgs& a) {
     map = tile_input_map<S, T>(a);
   }
   const int64_t tiles_k = (static_cast<int64_t>(a.K) + S::kCols - 1) / S::kCols;
-  const int64_t tiles = ((static_cast<int64_t>(a.M) + S::kRows - 1) / S::kRows) * tiles_k;
-  // The kernel walks tiles in 32 bits: t + (kRing - 1) * grid must stay below 2**32.
+  const int64_t tiles_m = (static_cast<int64_t>(a.M) + S::kRows - 1) / S::kRows;
+  const int64_t tiles = tiles_m * tiles_k;
+  // The kernel walks its units (tiles, or pairs of tiles) in 32 bits: u + kRing * grid must stay
+  // below 2**32.
   TORCH_CHECK(tiles < (int64_t{1} << 30), "qtensor: the CUDA tile quantizer takes fewer than 2**30 tiles of ",
               num(S::kRows), "x", num(S::kCols), " elements; got an input of ", num(a.M), "x", num(a.K),
               ". Quantize it in row chunks.");
-  const int64_t grid = std::min<int64_t>(tiles, h.resident);
-  kernel<<<grid, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(a, static_cast<uint32_t>(tiles),
-                                                                       static_cast<uint32_t>(tiles_k), map);
+  const int64_t units = kPairsOf<NV, MXR, MODE> ? (tiles_m + 1) / 2 * tiles_k : tiles;
+  const int64_t grid = std::min<int64_t>(units, h.resident);
+  kernel<<<grid, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
+      a, static_cast<uint32_t>(units), static_cast<uint32_t>(tiles_m), static_cast<uint32_t>(tiles_k), map);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
