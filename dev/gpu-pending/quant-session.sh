@@ -19,9 +19,10 @@
 #           tree (all to $OUT/ncu_all.txt), and in main's the stall, scheduler and memory sections
 #           of its transposing casts ($OUT/ncu_detail_main.txt):
 #           for t in "${TMPDIR:-/tmp}"/compare/*/ "$PWD"; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/quant-session.sh B); done
-#   there, S RANGE... (in one tree): Nsight Compute's per-instruction SASS counters and stall
-#           reasons of the kernels of profile_quantize's named ranges (e.g. "nvfp4 col"), as one
-#           CSV, $OUT/ncu_src_<series>.csv, for benchmarks/ncu_sass_regions.py (--reasons):
+#   there, S RANGE... (in one built tree, from its root): Nsight Compute's per-instruction SASS
+#           counters and stall reasons of the kernels of profile_quantize's named ranges (e.g.
+#           "nvfp4 col"), as one gzipped CSV (about 2 MB a kernel unpacked),
+#           $OUT/ncu_src_<series>.csv.gz, for benchmarks/ncu_sass_regions.py:
 #           bash dev/gpu-pending/quant-session.sh S "nvfp4 col" "mxfp8 both"
 #
 # Settings (read once, here): OUT (where the tables go; default: none), TMPDIR as for
@@ -90,10 +91,12 @@ case "${1:-}" in
     s=$(series)
     include=()
     for r in "$@"; do include+=(--nvtx-include "$r/"); done
-    timeout 300 ncu --clock-control none --nvtx "${include[@]}" --section SourceCounters \
-      --page source --print-source sass --csv python3 benchmarks/profile_quantize.py \
-      > "${out:-.}/ncu_src_$s.csv" 2> "${out:-.}/ncu_src_$s.err"
-    echo "S: $s, exit $?, $(grep -c '^"Kernel Name"' "${out:-.}/ncu_src_$s.csv") kernels"
+    csv="${out:-.}/ncu_src_$s.csv"
+    PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 300 ncu --clock-control none --nvtx "${include[@]}" \
+      --section SourceCounters --page source --print-source sass --csv python3 benchmarks/profile_quantize.py \
+      > "$csv" 2> "${out:-.}/ncu_src_$s.err"
+    echo "S: $s, exit $?, $(grep -c '^"Kernel Name"' "$csv") kernel tables"
+    gzip -f "$csv"
     ;;
   *)
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
