@@ -45,6 +45,7 @@ case "${1:-}" in
     for dir in dev/gpu-pending/quant-*/; do
       [ -d "$dir" ] || { echo "quant-session: no quant-* series in dev/gpu-pending" >&2; exit 1; }
       series=$(basename "$dir")
+      [ "$series" = quant-probes ] && continue  # experiments, each patch alone: its README
       git am -q "$dir"*.patch || { git am --abort; exit 1; }
       echo "$series" > .qtensor-series
       git add -f .qtensor-series && git commit -q -m "series $series"
