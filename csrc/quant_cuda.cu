@@ -208,20 +208,6 @@ struct TileArgs {
   uint8_t *mxr_q, *mxr_s, *mxc_q, *mxc_s;
 };
 
-// Staging of one tile's NVFP4 columnwise outputs in the hybrid cast (the other NVFP4 kernels stage
-// two tiles in a stage: NvPairOut), 8 blocks x 64 result rows. The 8-byte code words are
-// block-major ([block][row of the result]), so each thread's writes are contiguous. The scale
-// bytes are row-major, a result row's 8 bytes one 8-byte group, so that a thread reads a row's
-// bytes at once; the groups of rows 16..31 (mod 32) are swapped in pairs, and the two halves of
-// the groups of rows 32..63 are swapped, so that the 32 bytes written by one instruction (byte w
-// of rows 2p or 2p + 1, p the lane) fall in 32 distinct banks.
-struct alignas(16) NvOut {
-  uint2 q[8 * 64];
-  uint8_t s[64 * 8];
-  __device__ static int group(int r) { return r ^ ((r >> 4) & 1); }
-  __device__ static int sbyte(int r, int b) { return 8 * group(r) + (b ^ (((r >> 5) & 1) << 2)); }
-};
-
 // ---- NVFP4 blocks ----------------------------------------------------------------------------------
 
 // What the NVFP4 blocks of one CTA share, set up once before its first tile: the tensor scale,
@@ -292,43 +278,6 @@ __device__ __forceinline__ void store_scale_bytes(uint8_t* dst, W bytes, uint32_
   }
 }
 
-// The staged columnwise outputs of one tile to the result [R, C]: its 64 result rows from r0, 8
-// blocks of 16 from c0 in each. Codes leave two blocks a thread, as one 16-byte store where the
-// pair is whole and aligned; scale bytes a row a thread, as one 8-byte word where the row's blocks
-// are whole.
-__device__ __forceinline__ void store_staged(const TileArgs& a, const NvOut& out, uint32_t r0, uint32_t c0,
-                                             uint32_t R, uint32_t C) {
-  constexpr int kBlocks = 8, kResultRows = 64;
-  static_assert(kResultRows * kBlocks / 2 == kThreads, "two blocks of a result row a thread");
-  {
-    const int rr = threadIdx.x / (kBlocks / 2), h = threadIdx.x % (kBlocks / 2);
-    const uint32_t row = r0 + rr, col = c0 + 32 * h;
-    if (row < R && col < C) {
-      const uint2 lo = out.q[(2 * h) * kResultRows + rr], hi = out.q[(2 * h + 1) * kResultRows + rr];
-      uint8_t* dst = a.nv_q + (wide(row, C / 2) + col / 2);
-      if (col + 16 < C && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
-      } else {
-        *reinterpret_cast<uint2*>(dst) = lo;
-        if (col + 16 < C) *reinterpret_cast<uint2*>(dst + 8) = hi;
-      }
-    }
-  }
-  if (threadIdx.x < kResultRows) {
-    const int rr = threadIdx.x;
-    const uint32_t row = r0 + rr;
-    if (row < R) {
-      const uint32_t nb = (C - c0) / 16 < kBlocks ? (C - c0) / 16 : kBlocks;
-      uint8_t* dst = a.nv_s + (wide(row, C / 16) + c0 / 16);
-      const uint2 g = *reinterpret_cast<const uint2*>(out.s + 8 * NvOut::group(rr));
-      const bool swapped = (rr >> 5) & 1;
-      const uint64_t bytes = swapped ? (static_cast<uint64_t>(g.x) << 32) | g.y
-                                     : (static_cast<uint64_t>(g.y) << 32) | g.x;
-      store_scale_bytes(dst, bytes, nb);
-    }
-  }
-}
-
 // ---- NVFP4 columnwise: the result is [K, M], blocks run down the input's columns -----------------
 
 // One thread's columnwise outputs of a tile: the codes of its two blocks and their scale bytes.
@@ -339,7 +288,7 @@ struct NvColCodes {
 
 // Lane p takes columns 2p and 2p+1, warp w the 16 rows 16w.. of the tile: one block of each of
 // two result rows. A 2D tile is 8 lanes (16 columns) of one warp. The codes and scales are staged
-// (nv_pair_stage; the hybrid cast's nv_col_stage), then leave as rows of the result.
+// (nv_pair_stage) with the pair's other tile, then leave as rows of the result.
 template <typename T, int FO6>
 __device__ __forceinline__ NvColCodes nv_col_codes(const TileArgs& a, const NvFlags& f, const unsigned char* tile,
                                                    const NvShared& nv, uint32_t m0, uint32_t k0) {
@@ -494,21 +443,13 @@ __device__ __forceinline__ NvColCodes nv_col_codes(const TileArgs& a, const NvFl
   return NvColCodes{{codes[0], codes[1]}, {sb[0], sb[1]}};
 }
 
-// Block-major staging: the thread's two result rows 2p, 2p+1 of block w are adjacent.
-__device__ __forceinline__ void nv_col_stage(NvOut& out, const NvColCodes& c) {
-  const int p = threadIdx.x & 31, w = threadIdx.x >> 5;
-  reinterpret_cast<uint4*>(out.q)[w * 32 + p] = make_uint4(c.q[0].x, c.q[0].y, c.q[1].x, c.q[1].y);
-  out.s[NvOut::sbyte(2 * p, w)] = c.sb[0];
-  out.s[NvOut::sbyte(2 * p + 1, w)] = c.sb[1];
-}
-
 // ---- NVFP4 columnwise by pairs of tiles --------------------------------------------------------------
 
 // Tiles (2i, k) and (2i + 1, k) hold the two 64-byte halves of the 128-byte code lines of their
 // 64 result rows. Stored by one tile each, 64-byte pieces of 64 rows, the codes made the
-// columnwise cast's stores, not its reads or math, its largest cost. So the kernels without the
-// hybrid's MXFP8 rows walk the tiles by such pairs: the first tile's codes wait in registers,
-// and both tiles' outputs are staged in the second tile's stage once every thread has read it,
+// columnwise cast's stores, not its reads or math, its largest cost. So the NVFP4 kernels walk
+// the tiles by such pairs: the first tile's codes wait in registers, and both tiles' NVFP4
+// outputs are staged in the second tile's stage once every thread has read it,
 // then stored as whole 128-byte rows of codes and 16 scale bytes a row. The stage (16 KB) then
 // holds 16 blocks x 64 result rows of codes (8-byte words, block-major; the rows of block b at
 // row ^ pair_swizzle(b), so that the reads of a store phase, 4 rows x 8 block pairs, fall 2 a
@@ -958,7 +899,7 @@ struct Walk {
 // ---- the kernel --------------------------------------------------------------------------------------
 
 // The hybrid cast of 16-bit inputs without RHT runs a ring of 4 stages (every other kernel 3) and
-// a register budget for 2 CTAs an SM: its static staging memory (14 KB) and 4 stages hold it to 2
+// a register budget for 2 CTAs an SM: its static staging memory (8 KB) and 4 stages hold it to 2
 // CTAs an SM (it had 3 of 3 stages: the same tiles loading an SM), and 64 registers a thread had
 // bound it. That took 7 % off it at 16384x8192 on an H200 (1 % at 8192x5120); its RHT + SR form
 // gained 4 % at 16384x8192 but lost 5 % at 8192x5120, and the 4-CTA kernels would only lose a CTA.
@@ -974,9 +915,9 @@ constexpr int kMinCtas = sizeof(T) == 2 && FO6 == 0 && !DEEP ? 4 : 2;
 template <bool DEEP>
 constexpr int kRingOf = DEEP ? 4 : kStages;
 
-// The NVFP4 kernels but the hybrid cast's and the amax's walk their tiles by pairs (NvPairOut).
+// The NVFP4 kernels but the amax's walk their tiles by pairs (NvPairOut).
 template <bool NV, bool MXR, int MODE>
-constexpr bool kPairsOf = NV && !MXR && MODE != kNvAmaxRht;
+constexpr bool kPairsOf = NV && MODE != kNvAmaxRht;
 
 // The stage of a kernel: NVFP4 tiles are 128 x 64, the MXFP8-only ones 64 x 128.
 template <typename T, bool NV>
@@ -998,7 +939,6 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MX
   constexpr int kRing = kRingOf<kDeepRing<T, NV, MXR, MODE>>;
   constexpr bool kPairs = kPairsOf<NV, MXR, MODE>;
   __shared__ __align__(8) uint64_t landed[kRing];  // tensor copies: a stage's tile is in
-  __shared__ std::conditional_t<NV && MXR, NvOut, char> nv_out;
   __shared__ uint32_t mx_rs[MXC && MXR ? kMxRows : 1];
   __shared__ std::conditional_t<NV && MXR, MxRowOut, char> mx_rows;
   __shared__ float enc_of[NV ? 256 : 1];
@@ -1106,16 +1046,18 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MX
     } else if constexpr (NV) {
       if (MXR || f.col) {  // the hybrid cast (MXR) is columnwise: run_tiles checks
         const NvColCodes c = nv_col_codes<T, FO6>(a, f, tile, nv, m0, k0);
-        if constexpr (MXR) {
-          mx_row_stage(mx_rows, mx_row_codes<T>(a, tile));
-          nv_col_stage(nv_out, c);
-          __syncthreads();  // behind the staged NVFP4 columns and MXFP8 rows
-          store_staged(a, nv_out, k0, m0, a.K, a.M);
-          mx_row_store(a, mx_rows, m0, k0);
-        } else if (half == 0u) {
+        if constexpr (MXR) mx_row_stage(mx_rows, mx_row_codes<T>(a, tile));
+        if (half == 0u) {
           held = c;
+          if constexpr (MXR) {
+            __syncthreads();  // behind the staged MXFP8 rows
+            mx_row_store(a, mx_rows, m0, k0);
+          }
         } else {
-          __syncthreads();  // every thread has read the tile: its stage takes the pair's outputs
+          // Every thread has read the tile (and staged its MXFP8 rows): the stage takes the pair's
+          // NVFP4 outputs.
+          __syncthreads();
+          if constexpr (MXR) mx_row_store(a, mx_rows, m0, k0);
           nv_pair_stage(tile, held, 0);
           nv_pair_stage(tile, c, 1);
           // Those writes before the tensor copy that refills the stage (after the next CTA barrier).
