@@ -46,6 +46,11 @@ struct Slots {
 #pragma unroll
     for (int c = 0; c < kC; ++c) Vec<T>::unpack(raw[u][c], v + c * Vec<T>::kN);
   }
+  // bf16: block u's packed words (for the sign nibbles); else nullptr.
+  __device__ const uint32_t* words16(int u) const {
+    if constexpr (std::is_same_v<T, at::BFloat16>) return reinterpret_cast<const uint32_t*>(raw[u]);
+    return nullptr;
+  }
   // max |element| bits of block u, absmax16 of the unpacked values, on the packed words.
   __device__ uint32_t absmax(int u) const {
     uint32_t m = 0u;
@@ -134,17 +139,32 @@ __global__ void __launch_bounds__(kThreads) nv_rows_fo6_kernel(const T* x, int64
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * kChunk + threadIdx.x; first < nblocks; first += stride) {
     const Slots<T> in = ahead;
     ahead.load(x, first + stride, nblocks);
+    // The slots in fo6_common's case first (distinct candidates), then the others (fo6_common).
+    uint32_t rare = 0u;
 #pragma unroll
     for (int u = 0; u < kSlots; ++u) {
       const int64_t b = first + u * kThreads;
       if (b >= nblocks) break;
+      const Fo6Cand c = fo6_prepare<kThreads>(u2f(in.absmax(u)), ts, tab.bytes, tab.col6, tab.col4);
+      if (fo6_common(c) && c.s6 != c.s4) {
+        float v[16];
+        in.unpack(u, v);
+        Codes codes;
+        s[b] = fo6_choose(c, fo6_pair_tab<MSE, true, kThreads>(c, v, tab.col6, tab.col4, in.words16(u)), &codes);
+        q[b] = make_uint2(codes.x, codes.y);
+      } else {
+        rare |= 1u << u;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kSlots; ++u) {
+      if (!((rare >> u) & 1u)) continue;
+      const int64_t b = first + u * kThreads;
       float v[16];
       in.unpack(u, v);
       Codes codes;
-      const uint32_t* words = nullptr;  // bf16: the packed words, for the sign nibbles
-      if constexpr (std::is_same_v<T, at::BFloat16>) words = reinterpret_cast<const uint32_t*>(in.raw[u]);
       s[b] = fo6_block_tab<MSE, kThreads>(v, u2f(in.absmax(u)), ts, six_b, tab.bytes, tab.col6, tab.col4, &codes,
-                                           words);
+                                           in.words16(u));
       q[b] = make_uint2(codes.x, codes.y);
     }
   }
@@ -190,6 +210,11 @@ struct Panel2d {
     uint32_t bits = absmax_bits<T>(m);
     bits = max(bits, __shfl_xor_sync(kFull, bits, 1));
     return u2f(max(bits, __shfl_xor_sync(kFull, bits, 2)));
+  }
+  // 16-bit inputs: row i's packed words (for the sign nibbles); else nullptr.
+  __device__ const uint32_t* words16(int i) const {
+    if constexpr (sizeof(T) == 2) return reinterpret_cast<const uint32_t*>(raw[i]);
+    return nullptr;
   }
   __device__ void unpack(int i, float* v) const {
 #pragma unroll
@@ -243,16 +268,26 @@ __global__ void __launch_bounds__(kThreads) nv_rows_2d_fo6_kernel(const T* x, in
     const Fo6Cand t = fo6_prepare<kThreads>(in.tile_absmax(), ts, tab.bytes, tab.col6, tab.col4);
     float e6[4], e4[4];
     Codes c6[4], c4[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float v[16];
-      in.unpack(i, v);
-      const uint32_t* words16 = sizeof(T) == 2 ? reinterpret_cast<const uint32_t*>(in.raw[i]) : nullptr;
-      const Fo6Pair r = fo6_pair<MSE, kThreads>(t, v, ts, six_b, tab.col6, tab.col4, words16);
+    auto take = [&](int i, const Fo6Pair& r) {
       e6[i] = r.e6;
       e4[i] = r.e4;
       c6[i] = r.c6;
       c4[i] = r.c4;
+    };
+    if (fo6_common(t)) {  // the four rows' common path together, the other cases apart
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float v[16];
+        in.unpack(i, v);
+        take(i, fo6_pair_tab<MSE, true, kThreads>(t, v, tab.col6, tab.col4, in.words16(i)));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float v[16];
+        in.unpack(i, v);
+        take(i, fo6_pair<MSE, kThreads>(t, v, ts, six_b, tab.col6, tab.col4, in.words16(i)));
+      }
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // + 8: rows of lanes q = 0, 1 take those of q + 2

@@ -545,6 +545,24 @@ QT_HD Fo6Cand fo6_prepare(float bam, const NvScale& ts, const Fo6Byte* bytes, fl
   return c;
 }
 
+// The common case of a 4over6 block: both candidates through the value tables, in fo6_row_tab's
+// small form. The kernels evaluate it in a loop of its own and leave the other cases (the capped
+// form, the general evaluation, equal candidates) to fo6_pair or fo6_block_tab after it, so that
+// the instructions their rows run stay contiguous instead of lying among the rare cases' (whose
+// fetches otherwise stalled the kernels).
+QT_HD bool fo6_common(const Fo6Cand& c) { return c.tab && c.small; }
+
+// fo6_pair through the tables in the form SMALL.
+template <bool MSE, bool SMALL, int STRIDE>
+QT_HD Fo6Pair fo6_pair_tab(const Fo6Cand& c, const float* v, const float* col6, const float* col4,
+                           const uint32_t* words16) {
+  Fo6Pair r = fo6_row_tab<MSE, SMALL, STRIDE>(v, c.enc6, c.enc4, col6, col4);
+  const Codes sg = words16 ? sign_nibbles_packed(words16) : sign_nibbles(v);
+  r.c6 = Codes{r.c6.x | sg.x, r.c6.y | sg.y};
+  r.c4 = Codes{r.c4.x | sg.x, r.c4.y | sg.y};
+  return r;
+}
+
 // Both candidates' errors and signed codes on one 16-value row (words16: the row's packed 16-bit
 // words, for the sign nibbles, or nullptr).
 template <bool MSE, int STRIDE>
@@ -552,16 +570,20 @@ QT_HD Fo6Pair fo6_pair(const Fo6Cand& c, const float* v, const NvScale& ts, floa
                        const float* col4, const uint32_t* words16 = nullptr) {
   Fo6Pair r;
   if (c.tab) {
-    r = c.small ? fo6_row_tab<MSE, true, STRIDE>(v, c.enc6, c.enc4, col6, col4)
-                : fo6_row_tab<MSE, false, STRIDE>(v, c.enc6, c.enc4, col6, col4);
-    const Codes sg = words16 ? sign_nibbles_packed(words16) : sign_nibbles(v);
-    r.c6 = Codes{r.c6.x | sg.x, r.c6.y | sg.y};
-    r.c4 = Codes{r.c4.x | sg.x, r.c4.y | sg.y};
+    r = c.small ? fo6_pair_tab<MSE, true, STRIDE>(c, v, col6, col4, words16)
+                : fo6_pair_tab<MSE, false, STRIDE>(c, v, col6, col4, words16);
   } else {
     r.e6 = fo6_row_error<MSE>(v, c.s6, ts, six_b, &r.c6);
     r.e4 = fo6_row_error<MSE>(v, c.s4, ts, six_b, &r.c4);
   }
   return r;
+}
+
+// Map-to-4 where its error is strictly lower (ties and NaN errors keep map-to-6).
+QT_HD uint8_t fo6_choose(const Fo6Cand& c, const Fo6Pair& r, Codes* codes) {
+  const bool map4 = r.e4 < r.e6;
+  *codes = map4 ? r.c4 : r.c6;
+  return map4 ? c.s4 : c.s6;
 }
 
 // fo6_block's bytes through fo6_prepare and fo6_pair: equal candidates take the plain codes,
@@ -574,10 +596,7 @@ QT_HD uint8_t fo6_block_tab(const float* v, float bam, const NvScale& ts, float 
     *codes = nv_codes(v, bam, bytes[c.s6].enc);
     return c.s6;
   }
-  const Fo6Pair r = fo6_pair<MSE, STRIDE>(c, v, ts, six_b, col6, col4, words16);
-  const bool map4 = r.e4 < r.e6;
-  *codes = map4 ? r.c4 : r.c6;
-  return map4 ? c.s4 : c.s6;
+  return fo6_choose(c, fo6_pair<MSE, STRIDE>(c, v, ts, six_b, col6, col4, words16), codes);
 }
 
 }  // namespace qtensor
