@@ -10,7 +10,8 @@
 // consecutive blocks); NVFP4 columnwise codes and scales, and MXFP8 codes and row scales, are
 // staged in shared memory and leave as whole rows of the tile, so that each store request carries
 // as many bytes as the tile row holds (the NVFP4 columnwise kernels stage two tiles at a time,
-// whose result rows make whole 128-byte lines). The 1x16 / 1x32 and round-to-nearest 2D rowwise
+// whose result rows make whole 128-byte lines; the MXFP8-only kernels' codes leave by the copy
+// unit's tensor stores). The 1x16 / 1x32 and round-to-nearest 2D rowwise
 // modes need no tile: quant_rows_cuda.cu. The math is quant_math.h and quant_rows_math.h, shared
 // with the CPU kernels; built with --fmad=false so every fp32 operation rounds like the reference.
 #include <ATen/ATen.h>
@@ -690,7 +691,8 @@ __device__ __forceinline__ uint32_t mx_e4m3x4(const float* v, const float* m) {
   return e4m3x2_nonan(v[0] * m[0], v[1] * m[1]) | (e4m3x2_nonan(v[2] * m[2], v[3] * m[3]) << 16);
 }
 
-// The staged codes of one 64 x 128 tile, each direction (columnwise, then rowwise with ROW) as
+// The staged codes of one 64 x 128 tile where every thread stores them (code built without
+// tensor copies; with them, mx_store_at), each direction (columnwise, then rowwise with ROW) as
 // 8-byte words, word j of row r at j ^ 4 ((r / 4) % 4), so that the 16 lanes of a store phase
 // (4 rows 4 apart, 4 words each) hit distinct banks. They take the tile's own stage once every
 // patch is read (the stage is refilled only after the next tile's first barrier), which keeps
@@ -701,10 +703,20 @@ struct alignas(16) MxOut {
   __device__ static int word(int r, int j) { return j ^ (((r >> 2) & 3) << 2); }
 };
 
-// rs: the row scales of the tile, 4 a row (ROW).
-template <typename T, bool ROW>
+// The staged codes for the copy unit's stores (STORE): direction d's 64 x 128 bytes at 8192 d,
+// row r at 128 r, its 16-byte chunk c at c ^ (r % 8): the maps' 128-byte swizzle.
+__device__ __forceinline__ int mx_store_at(int d, int r, int byte) {
+  return 8192 * d + 128 * r + ((((byte >> 4) ^ r) & 7) << 4) + (byte & 15);
+}
+
+// rs: the row scales of the tile, 4 a row (ROW). STORE: the staged codes leave by the copy unit
+// (thread 0 issues the stores through q_map_c and q_map_r, and waits until they have read the
+// stage before it refills it); else by every thread, as whole rows. The tensor stores took the
+// threads' 16-byte stores and their proxy fence off the tile's end: 2.5 % (16384x8192) and 5 %
+// (8192x5120) off both directions on an H100.
+template <typename T, bool ROW, bool STORE>
 __device__ __forceinline__ void mx_patch_phase(const TileArgs& a, unsigned char* tile, uint32_t* rs, uint32_t m0,
-                                               uint32_t k0) {
+                                               uint32_t k0, const CUtensorMap* q_map_c, const CUtensorMap* q_map_r) {
   using P = MxPatch<T>;
   using S = Stage<T, kMxRows, kMxCols>;
   static_assert(sizeof(MxOut<ROW>) <= S::kBytes, "the staged codes fit in the tile's stage");
@@ -809,21 +821,33 @@ __device__ __forceinline__ void mx_patch_phase(const TileArgs& a, unsigned char*
     for (int c = 0; c < 8; ++c) v[c] = P::value(x[i], c);
     const int r = r0 + i, j = out.word(r, c0 / 8);
     const uint32_t q_lo = mx_e4m3x4(v, mc), q_hi = mx_e4m3x4(v + 4, mc + 4);
-    out.q[0][r][j] = make_uint2((q_lo & ~f_lo) | (0x7F7F7F7Fu & f_lo), (q_hi & ~f_hi) | (0x7F7F7F7Fu & f_hi));
+    const uint2 qc = make_uint2((q_lo & ~f_lo) | (0x7F7F7F7Fu & f_lo), (q_hi & ~f_hi) | (0x7F7F7F7Fu & f_hi));
+    if constexpr (STORE) *reinterpret_cast<uint2*>(tile + mx_store_at(0, r, c0)) = qc;
+    else out.q[0][r][j] = qc;
     if constexpr (ROW) {
       const float m = u2f(((er >> (8 * i)) & 0xFFu) << 23);
       const float mr[4] = {m, m, m, m};
       const uint32_t force = (f_row >> (8 * i)) & 0xFFu ? 0x7F7F7F7Fu : 0u, keep = ~force;
-      out.q[ROW ? 1 : 0][r][j] = make_uint2((mx_e4m3x4(v, mr) & keep) | force, (mx_e4m3x4(v + 4, mr) & keep) | force);
+      const uint2 qr = make_uint2((mx_e4m3x4(v, mr) & keep) | force, (mx_e4m3x4(v + 4, mr) & keep) | force);
+      if constexpr (STORE) *reinterpret_cast<uint2*>(tile + mx_store_at(1, r, c0)) = qr;
+      else out.q[ROW ? 1 : 0][r][j] = qr;
     }
   }
+  if constexpr (STORE) fence_proxy_async_smem();  // the staged codes, before the copy unit reads them
   __syncthreads();
+  if constexpr (STORE) {
+    if (threadIdx.x == 0) {
+      tensor_store(q_map_c, static_cast<int>(k0), static_cast<int>(m0), smem_addr(tile));
+      if constexpr (ROW) tensor_store(q_map_r, static_cast<int>(k0), static_cast<int>(m0), smem_addr(tile + 8192));
+      bulk_commit();
+    }
+  }
   // Out as whole rows: 8 threads a row, 16 bytes (16 columns) each.
   constexpr int kPerRow = kMxCols / 16, kRowsPerPass = kThreads / kPerRow;
   const int cj = threadIdx.x % kPerRow;
   const uint32_t col = k0 + 16 * cj;
 #pragma unroll
-  for (int d = 0; d < (ROW ? 2 : 1); ++d) {
+  for (int d = 0; d < (STORE ? 0 : ROW ? 2 : 1); ++d) {
     uint8_t* dst = d == 0 ? a.mxc_q : a.mxr_q;
 #pragma unroll
     for (int k = 0; k < kMxRows / kRowsPerPass; ++k) {
@@ -934,7 +958,8 @@ constexpr bool kTensorCopies = false;
 template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE>
 __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MXR, MODE>>)
     tile_kernel(TileArgs a, uint32_t units, uint32_t tiles_m, uint32_t tiles_k,
-                const __grid_constant__ CUtensorMap x_map) {
+                const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap q_map_c,
+                const __grid_constant__ CUtensorMap q_map_r) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kRing = kRingOf<kDeepRing<T, NV, MXR, MODE>>;
   constexpr bool kPairs = kPairsOf<NV, MXR, MODE>;
@@ -994,6 +1019,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MX
     if constexpr (tma) {
       if (unit && threadIdx.x == 0) {
         const uint32_t bar = smem_addr(&landed[slot]), dst = base + slot * S::kBytes;
+        // The MXFP8 kernels' codes leave the stage by the copy unit: it has read them (the
+        // newest store is the stage's, the tile before this one).
+        if constexpr (MXC) bulk_wait_read<0>();
         if (in) {
           mbar_expect(bar, S::kBytes);  // boxes past the tensor's edges count in full, as zeros
 #pragma unroll
@@ -1040,7 +1068,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MX
     const uint32_t m0 = cur.tm() * S::kRows, k0 = cur.unit.tk * S::kCols, half = cur.half;
     cur.advance(by, step);
     if constexpr (MXC) {
-      mx_patch_phase<T, MXR>(a, tile, mx_rs, m0, k0);
+      mx_patch_phase<T, MXR, tma>(a, tile, mx_rs, m0, k0, &q_map_c, &q_map_r);
     } else if constexpr (kAmax) {
       run_max = __vmaxu2(run_max, rht_amax_phase(tile));
     } else if constexpr (NV) {
@@ -1069,13 +1097,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MX
         nv_row_phase<T>(a, f, tile, nv, m0, k0);
       }
     }
-    // The MXFP8 kernels stage their codes in the tile's own stage: those writes are ordered
-    // before the tensor copy that refills it (after the next CTA barrier).
-    if constexpr (tma && MXC) fence_proxy_async_smem();
     stage = stage == kRing - 1 ? 0 : stage + 1;
     if (stage == 0) parity ^= 1u;
   }
   if constexpr (!tma) cp_async_wait<0>();
+  if constexpr (tma && MXC) {
+    if (threadIdx.x == 0) bulk_wait_read<0>();  // the last stores have read the stage
+  }
   if constexpr (kAmax) {  // integer max of magnitude bits: torch.amax's order, NaN above inf
     const uint32_t cta = cta_max<kThreads / 32>(max(run_max & 0xFFFFu, run_max >> 16), warp_max);
     if (threadIdx.x == 0) atomicMax(a.amax_out, cta << 16);  // one atomic a CTA
@@ -1093,6 +1121,17 @@ CUtensorMap tile_input_map(const TileArgs& a) {
                      sizeof(T) == 2 ? CU_TENSOR_MAP_DATA_TYPE_UINT16 : CU_TENSOR_MAP_DATA_TYPE_UINT32,
                      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B},
                     "qtensor: the tile quantizer's input");
+}
+
+// The map of MXFP8 codes [M, K] that the copy unit stores the staged tiles through: boxes of
+// 128 bytes x 64 rows, swizzled by 128 bytes (mx_store_at).
+CUtensorMap mx_codes_map(uint8_t* q, const TileArgs& a) {
+  return tensor_map({q,
+                     {cuuint64_t{a.K}, cuuint64_t{a.M}},
+                     cuuint64_t{a.K},
+                     {static_cast<cuuint32_t>(kMxCols), static_cast<cuuint32_t>(kMxRows)},
+                     CU_TENSOR_MAP_DATA_TYPE_UINT8, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE},
+                    "qtensor: the MXFP8 quantizer's codes");
 }
 
 // How the tile kernel runs on a device: the CTAs resident at once, and whether the code that
@@ -1129,7 +1168,7 @@ void launch_tiles(const TileArgs& a) {
   const TileLaunch h = how[dev];
   const int smem = kRing * S::kBytes + (h.copies ? 1024 : 0);
   static const CUtensorMap kNoMap{};
-  CUtensorMap map = kNoMap;
+  CUtensorMap map = kNoMap, q_map_c = kNoMap, q_map_r = kNoMap;
   if (h.copies) {
     // A copy's column coordinate is signed 32-bit; the last tile's last group starts at most
     // kCols - kGroupCols columns past K - 1.
@@ -1138,6 +1177,10 @@ void launch_tiles(const TileArgs& a) {
                 num(1 + S::kCols - S::kGroupCols), " columns; got an input of ", num(a.M), "x", num(a.K),
                 ". Quantize it in chunks.");
     map = tile_input_map<S, T>(a);
+    if constexpr (MXC) {
+      q_map_c = mx_codes_map(a.mxc_q, a);
+      if constexpr (MXR) q_map_r = mx_codes_map(a.mxr_q, a);
+    }
   }
   const int64_t tiles_k = (static_cast<int64_t>(a.K) + S::kCols - 1) / S::kCols;
   const int64_t tiles_m = (static_cast<int64_t>(a.M) + S::kRows - 1) / S::kRows;
@@ -1150,7 +1193,8 @@ void launch_tiles(const TileArgs& a) {
   const int64_t units = kPairsOf<NV, MXR, MODE> ? (tiles_m + 1) / 2 * tiles_k : tiles;
   const int64_t grid = std::min<int64_t>(units, h.resident);
   kernel<<<grid, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
-      a, static_cast<uint32_t>(units), static_cast<uint32_t>(tiles_m), static_cast<uint32_t>(tiles_k), map);
+      a, static_cast<uint32_t>(units), static_cast<uint32_t>(tiles_m), static_cast<uint32_t>(tiles_k), map, q_map_c,
+      q_map_r);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

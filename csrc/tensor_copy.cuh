@@ -70,6 +70,29 @@ __device__ __forceinline__ void tensor_copy(uint32_t dst, const CUtensorMap* map
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
 #endif
 }
+// The box at (c0, c1) of a 2-D tensor map shared -> global: the copy unit's store of a staged
+// box, in this thread's bulk group (commit it with bulk_commit); the box's parts outside the
+// tensor are not written. The shared memory must be written and fenced (fence_proxy_async_smem)
+// by every thread that wrote it, behind a CTA barrier, before the store is issued.
+__device__ __forceinline__ void tensor_store(const CUtensorMap* map, int c0, int c1, uint32_t src) {
+#if QT_TENSOR_COPIES
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
+               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(src) : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_commit() {
+#if QT_TENSOR_COPIES
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+// Wait until every bulk group of this thread but the newest N has read its shared memory (the
+// memory may then be written again; the global writes may still be under way).
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+#if QT_TENSOR_COPIES
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+#endif
+}
 // The tensor map itself into the constant cache, before its first copy.
 __device__ __forceinline__ void prefetch_map(const CUtensorMap* map) {
 #if QT_TENSOR_COPIES
