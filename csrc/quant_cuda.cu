@@ -11,9 +11,9 @@
 // staged in shared memory and leave as whole rows of the tile, so that each store request carries
 // as many bytes as the tile row holds (the NVFP4 columnwise kernels stage two tiles at a time,
 // whose result rows make whole 128-byte lines; the MXFP8-only kernels' codes leave by the copy
-// unit's tensor stores). The 1x16 / 1x32 and round-to-nearest 2D rowwise
-// modes need no tile: quant_rows_cuda.cu. The math is quant_math.h and quant_rows_math.h, shared
-// with the CPU kernels; built with --fmad=false so every fp32 operation rounds like the reference.
+// unit's tensor stores). The 1x16 / 1x32 and round-to-nearest 2D rowwise modes need no tile:
+// quant_rows_cuda.cu. The math is quant_math.h and quant_rows_math.h, shared with the CPU
+// kernels; built with --fmad=false so every fp32 operation rounds like the reference.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>

@@ -139,7 +139,8 @@ __global__ void __launch_bounds__(kThreads) nv_rows_fo6_kernel(const T* x, int64
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * kChunk + threadIdx.x; first < nblocks; first += stride) {
     const Slots<T> in = ahead;
     ahead.load(x, first + stride, nblocks);
-    // The slots in fo6_common's case first (distinct candidates), then the others (fo6_common).
+    // The blocks in fo6_common's case with distinct candidates first, every other one after them
+    // (fo6_common says why).
     uint32_t rare = 0u;
 #pragma unroll
     for (int u = 0; u < kSlots; ++u) {
