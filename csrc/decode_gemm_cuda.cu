@@ -69,8 +69,8 @@
 // - Launch. At decode sizes a launch's fixed part (its start, the first stage's wait on memory,
 //   the reduction and the end) is as long as the streaming of a 4096x4096 weight, so the kernel
 //   is launched to overlap the end of the previous kernel on the stream (programmatic dependent
-//   launch, which CUDA graphs keep), where it measured faster: up to 32 tokens.
-//   Until that kernel has completed, the producer only prefetches the first kStages stages of
+//   launch, which CUDA graphs keep), where it measured faster: up to 16 tokens, and up to 32
+//   but for small 4-bit weights. Until that kernel has completed, the producer only prefetches the first kStages stages of
 //   its weight and scales into L2 (a hint: a write of that kernel to those bytes would update
 //   the lines); it waits before its first copy (the activation may be that kernel's output),
 //   and the consumers wait before the epilogue reads amax and bias and writes the output (whose
@@ -1210,12 +1210,15 @@ at::Tensor decode_gemm_cuda(const at::Tensor& x, const at::Tensor& w, const at::
   a.ep_scale = fmt == kNvfp4 ? (half ? 0x1p7f : 0x1p8f) : 1.f;
   a.inv = static_cast<float>(inv);
   a.has_inv = fmt == kNvfp4;
-  // Where the overlap pays: up to 32 rows. Up to 8 rows every format gained 1-14 % on the H200;
-  // with the kernels of tensor copies MX weights gained 3-16 % at 16 rows and every format up to
-  // 7 % at 32 rows on the H100 (4096x4096 4-bit weights lost 3 % there). At 64 rows 8192x8192
+  // Where the overlap pays: up to 16 rows, and up to 32 except for 4-bit weights of fewer than
+  // 2**25 elements. Up to 8 rows every format gained 1-14 % on the H200; with the kernels of
+  // tensor copies, on the H100, MX weights gained 3-16 % at 16 rows and every format 1-15 % at
+  // 17-32 rows, but for 4096x4096 4-bit weights, which lost 3-4 % there. At 64 rows 8192x8192
   // 4-bit weights ran 13-18 % slower with it (benchmarks/RESULTS.md): those launches wait for
   // the previous kernel.
-  const bool overlap = pdl && x.size(0) <= 32;
+  const int64_t m = x.size(0);
+  const bool overlap =
+      pdl && (m <= 16 || (m <= 32 && (fmt == kMxfp8 || n * k >= (int64_t{1} << 25))));
   const LaunchOptions o{static_cast<int>(std::min<int64_t>(splits, KT)), x.get_device(),
                         c10::cuda::getCurrentCUDAStream().stream(), overlap};
   if (fmt == kNvfp4) {
