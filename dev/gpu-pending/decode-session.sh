@@ -3,7 +3,7 @@
 # decode-probes), for one GPU session, best on an H200: the probes ask why the H200's rate
 # trails bf16's while the H100's matches it (on the H100 the stream bounds the kernel; on the
 # H200 the consumers likely do), and decode-half-stages gives the consumers twice the warps at
-# one token. Each tree that dev/compare_builds.sh builds runs this script, which finds what the
+# one token on the large 4-bit weights. Each tree that dev/compare_builds.sh builds runs this script, which finds what the
 # tree holds and runs what measures it. The trees: main's (the working tree); decode-half-stages
 # and the two probes on main, packed into .whl/decode.
 #
@@ -31,7 +31,7 @@ set -uo pipefail
 # The series this tree holds, from what it adds.
 series() {
   local s=main
-  grep -q "MT == 1 && FMT != kMxfp8 ? 2 : 1" csrc/decode_gemm_cuda.cu && s="half-stages"
+  grep -q "MT == 1 && FMT != kMxfp8 && U == 2 ? 2 : 1" csrc/decode_gemm_cuda.cu && s="half-stages"
   grep -q "^constexpr int kProbe = 1;" csrc/decode_gemm_cuda.cu && s="probe-stream"
   grep -q "^constexpr int kProbe = 2;" csrc/decode_gemm_cuda.cu && s="probe-consumers"
   echo "$s"
