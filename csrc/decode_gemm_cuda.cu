@@ -1210,15 +1210,15 @@ at::Tensor decode_gemm_cuda(const at::Tensor& x, const at::Tensor& w, const at::
   a.ep_scale = fmt == kNvfp4 ? (half ? 0x1p7f : 0x1p8f) : 1.f;
   a.inv = static_cast<float>(inv);
   a.has_inv = fmt == kNvfp4;
-  // Where the overlap pays: up to 16 rows, and up to 32 except for 4-bit weights of fewer than
-  // 2**25 elements. Up to 8 rows every format gained 1-14 % on the H200; with the stages by
+  // Where the overlap pays: up to 16 rows, and up to 32 except for 4-bit weights of 2**24
+  // elements or fewer. Up to 8 rows every format gained 1-14 % on the H200; with the stages by
   // tensor copies, on the H100, MXFP4 weights gained 3-16 % at 16 rows and MXFP8 up to 11 %,
-  // and every format up to 15 % at 17-32 rows but 4096x4096 4-bit weights, which lost 3-4 %
-  // there. At 64 rows 8192x8192 4-bit weights ran 13-18 % slower with it
-  // (benchmarks/RESULTS.md): those launches wait for the previous kernel.
+  // and at 17-32 rows every format up to 15 % (6144x4096 4-bit weights 12-14 %) but 4096x4096
+  // 4-bit weights, which lost 3-4 %. At 64 rows 8192x8192 4-bit weights ran 13-18 % slower
+  // with it (benchmarks/RESULTS.md): those launches wait for the previous kernel.
   const int64_t m = x.size(0);
   const bool overlap =
-      pdl && (m <= 16 || (m <= 32 && (fmt == kMxfp8 || n * k >= (int64_t{1} << 25))));
+      pdl && (m <= 16 || (m <= 32 && (fmt == kMxfp8 || n * k > (int64_t{1} << 24))));
   const LaunchOptions o{static_cast<int>(std::min<int64_t>(splits, KT)), x.get_device(),
                         c10::cuda::getCurrentCUDAStream().stream(), overlap};
   if (fmt == kNvfp4) {

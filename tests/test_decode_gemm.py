@@ -489,7 +489,7 @@ def test_overlapped_launches_wait_for_their_input(fmt, m):
     A chain of products, each reading the output of the one before (the first one that of an
     elementwise kernel), gives the same bits eagerly and replayed from a CUDA graph as launches
     that each wait for the previous kernel to complete. From 17 rows a 4-bit weight overlaps
-    only from 2**25 elements: those rows take 8192x8192 weights."""
+    only above 2**24 elements: those rows take 8192x8192 weights."""
     from qtensor import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
 
     n = k = 8192 if m > 16 else 2048

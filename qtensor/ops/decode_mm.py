@@ -158,7 +158,7 @@ TILES = {"m16n8k16": TILE_MMA, "warpgroup, 64 rows": TILE_WGMMA_64,
 def _launch(x, w, s, amax, bias, fmt, n, k, bound, out_dtype, splits=0, tile=TILE_AUTO,
             pdl=True):
     """One launch of the decode kernel. `splits` and `tile` 0 let it choose; `pdl` lets a
-    launch of up to 16 rows (32 for MXFP8 weights and 4-bit ones of 2**25 elements or more)
+    launch of up to 16 rows (32 for MXFP8 weights and 4-bit ones of more than 2**24 elements)
     overlap the end of the previous kernel on the stream ([Note: decode GEMM], "Launch"), and
     False (for benchmarks) makes it start only once that kernel has completed."""
     inv = INV[6.0 * bound] if fmt == "nvfp4" else 1.0
