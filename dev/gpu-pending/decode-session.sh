@@ -3,19 +3,25 @@
 # decode-probes), for one GPU session, best on an H200: the probes ask why the H200's rate
 # trails bf16's while the H100's matches it (on the H100 the stream bounds the kernel; on the
 # H200 the consumers likely do), and decode-half-stages gives the consumers twice the warps at
-# one token on the large 4-bit weights. Each tree that dev/compare_builds.sh builds runs this script, which finds what the
-# tree holds and runs what measures it. The trees: main's (the working tree); decode-half-stages
+# one token on the large 4-bit weights. Each tree that dev/compare_builds.sh builds runs this
+# script, which finds what the tree holds and runs what measures it. The trees: main's (the working tree); decode-half-stages
 # and the two probes on main, packed into .whl/decode.
 #
 #   here:   dev/gpu-pending/decode-session.sh pack
 #           the series applied to HEAD as temporary commits and packed (HEAD is left as it
 #           was; carry [".whl"] with the torchao and expecttest wheels).
-#   there, run D (about 7 minutes with the build of four trees): each tree's times beside
+#   there, run P (about 7 minutes with the build of four trees): each tree's times beside
 #           bf16's: main's, half-stages', main's kernel with its consumers reduced to waiting
 #           for each stage (the stream alone), and with its producer copying one stage that the
 #           consumers decode over and over (the consumers alone): which side bounds the rate.
 #           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16
 #           dev/compare_builds.sh run .whl/decode "bash dev/gpu-pending/decode-session.sh P"
+#   there, run S (the next call, while the machine is warm: the trees stay built under
+#           $TMPDIR/compare): main's kernel at its own K split beside forced splits on the large
+#           weights at 1 and 4 tokens. On an H100 the consumers alone ran 21-35 % faster on
+#           28672x8192 at a split of 2 than at the chosen 1 (benchmarks/RESULTS.md, "seventh
+#           decode session"); where the consumers bound (the H200), so may the kernel:
+#           PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh S
 #   there, run T (the next call, while the machine is warm: the trees stay built under
 #           $TMPDIR/compare; about 5 minutes): every decode CUDA test in half-stages' tree:
 #           bash dev/gpu-pending/decode-session.sh T
@@ -73,6 +79,11 @@ case "${1:-}" in
     echo "series: $(series)"
     timeout 100 python3 dev/experiments/decode_launches.py times \
       --shapes 28672x8192,8192x8192,8192x28672,4096x4096,4096x14336 --ms 1,4,16
+    ;;
+  S)
+    echo "series: $(series)"
+    timeout 150 python3 dev/experiments/decode_launches.py splits \
+      --shapes 28672x8192,8192x28672,8192x8192 --ms 1,4 --splits 1,2,3,4,7
     ;;
   T)
     for t in "${TMPDIR:-/tmp}"/compare/*/; do
