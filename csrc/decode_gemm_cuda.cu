@@ -70,9 +70,9 @@
 //   the reduction and the end) is as long as the streaming of a 4096x4096 weight, so the kernel
 //   is launched to overlap the end of the previous kernel on the stream (programmatic dependent
 //   launch, which CUDA graphs keep), where it measured faster: up to 16 tokens, and up to 32
-//   but for small 4-bit weights. Until that kernel has completed, the producer only prefetches the first kStages stages of
-//   its weight and scales into L2 (a hint: a write of that kernel to those bytes would update
-//   the lines); it waits before its first copy (the activation may be that kernel's output),
+//   but for small 4-bit weights. Until that kernel has completed, the producer only prefetches
+//   the first kStages stages of its weight and scales into L2 (a hint: a write of that kernel
+//   to those bytes would update the lines); it waits before its first copy (the activation may be that kernel's output),
 //   and the consumers wait before the epilogue reads amax and bias and writes the output (whose
 //   memory that kernel may still read). Once a CTA has streamed its K range it lets the next
 //   kernel start, so that chained decode GEMMs (q, k, v; gate, up) overlap too.
