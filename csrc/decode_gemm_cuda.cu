@@ -72,10 +72,11 @@
 //   launch, which CUDA graphs keep), where it measured faster: up to 16 tokens, and up to 32
 //   but for small 4-bit weights. Until that kernel has completed, the producer only prefetches
 //   the first kStages stages of its weight and scales into L2 (a hint: a write of that kernel
-//   to those bytes would update the lines); it waits before its first copy (the activation may be that kernel's output),
-//   and the consumers wait before the epilogue reads amax and bias and writes the output (whose
-//   memory that kernel may still read). Once a CTA has streamed its K range it lets the next
-//   kernel start, so that chained decode GEMMs (q, k, v; gate, up) overlap too.
+//   to those bytes would update the lines); it waits before its first copy (the activation may
+//   be that kernel's output), and the consumers wait before the epilogue reads amax and bias
+//   and writes the output (whose memory that kernel may still read). Once a CTA has streamed
+//   its K range it lets the next kernel start, so that chained decode GEMMs (q, k, v; gate,
+//   up) overlap too.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
