@@ -265,7 +265,7 @@ def decode_section(n: int, k: int, ms_list, splits_sweep: bool) -> None:
                 c, s_, a_ = nxt()
                 return dmm._launch(x, c, s_, a_, None, fmt, n, k, 448, torch.bfloat16, pdl=False)
 
-            if m <= 16:  # the rows where launches may overlap (up to 8, or 16 with NVFP4)
+            if m <= 32:  # the rows where launches may overlap (decode_mm._launch)
                 ms = graph_ms(serial)  # each launch waits for the previous one to complete
                 emit(f"| {m} | qtensor bf16 x {fmt.upper()} decode GEMM (no launch overlap) | "
                      f"{ms * 1e3:.1f} | {base / ms:.2f}x | {wbytes / ms / 1e9:.2f} |")
