@@ -10,6 +10,10 @@ dispatch, allocation, the launches). Where host us exceeds GPU us, "us" is the h
 CPU: the C++ kernels against the pure-torch reference on a 4096x4096 bf16 tensor.
 
     python benchmarks/bench_quantize.py [--device cuda|cpu] [--out FILE] [--no-peers]
+                                        [--cases "nvfp4 row,nvfp4 4o6 mae"]
+
+--cases keeps the GPU rows named (and the copy, every ratio's reference; a row's "vs" peer only
+where it is named too), for a quick comparison of builds.
 """
 
 from __future__ import annotations
@@ -144,7 +148,18 @@ def peer_cases():
     return cases
 
 
-def run_gpu(peers: bool, lines: list[str]) -> None:
+def select_cases(cases, names: list[str] | None):
+    """The cases named (the copy always first), or all; an unknown name raises with the known ones."""
+    if not names:
+        return cases
+    known = [c[0] for c in cases]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"bench_quantize: --cases {unknown} not among the rows {known}")
+    return [c for c in cases if c[0] == "copy" or c[0] in names]
+
+
+def run_gpu(peers: bool, lines: list[str], names: list[str] | None = None) -> None:
     dev = torch.cuda.get_device_name()
     lines.append(f"# {datetime.date.today()} {dev}, torch {torch.__version__}, {Q.extension_status()}")
     lines.append("| shape | kernel | us | GB/s | of copy | vs | GPU us | host us |")
@@ -153,7 +168,7 @@ def run_gpu(peers: bool, lines: list[str]) -> None:
         n = m * k
         rotate = max(2, int(4 * 60e6 // (2 * n)) + 1)  # > 4x the L2 across the set
         inputs = [torch.randn(m, k, device="cuda").bfloat16() for _ in range(rotate)]
-        own = gpu_cases((m, k))
+        own = select_cases(gpu_cases((m, k)), names)
         cases = own + (peer_cases() if peers and si == 0 else [])
         times, copy_bw = {}, None
         for ci, (name, fn, bpe, peer) in enumerate(cases):
@@ -224,10 +239,12 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", help="also write the table to this file")
     p.add_argument("--no-peers", action="store_true", help="skip the compiled peers (faster)")
+    p.add_argument("--cases", help="comma-separated GPU rows to run (the copy always runs)")
     args = p.parse_args()
+    names = [n.strip() for n in args.cases.split(",")] if args.cases else None
     lines: list[str] = []
     if args.device == "cuda":
-        run_gpu(not args.no_peers, lines)
+        run_gpu(not args.no_peers, lines, names)
     else:
         run_cpu(lines)
     text = "\n".join(lines)

@@ -1,0 +1,29 @@
+"""benchmarks/bench_quantize.py --cases: the rows kept, the copy always first, unknown names refused."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_quantize
+
+# (name, fn, bytes per element, peer) as gpu_cases gives them (its cases need a GPU to build)
+CASES = [("copy", None, 4, None), ("amax", None, 2, None), ("nvfp4 row", None, 2.5625, None),
+         ("nvfp4 4o6 mae", None, 2.5625, "nvfp4 row")]
+
+
+def test_cases_keep_the_copy_and_the_named_rows_in_the_bench_order():
+    kept = bench_quantize.select_cases(CASES, ["nvfp4 4o6 mae", "nvfp4 row"])
+    assert [c[0] for c in kept] == ["copy", "nvfp4 row", "nvfp4 4o6 mae"]
+
+
+def test_no_cases_keeps_every_row():
+    assert bench_quantize.select_cases(CASES, None) == CASES
+
+
+def test_an_unknown_case_is_refused_with_the_known_rows():
+    with pytest.raises(SystemExit, match=r"--cases \['nvfp4 rows'\] not among the rows \['copy', 'amax'"):
+        bench_quantize.select_cases(CASES, ["nvfp4 rows"])
