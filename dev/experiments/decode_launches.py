@@ -2,6 +2,7 @@
 
     python dev/experiments/decode_launches.py fixed-cost [--n 8192] [--ks 1024,...] [--m 1]
     python dev/experiments/decode_launches.py splits [--shapes 28672x8192,8192x28672] [--ms 1,16]
+        [--splits 1,2,3,4,6] [--tiles 0,1,2,3]
     python dev/experiments/decode_launches.py times [--shapes 8192x8192,...] [--ms 1,4,16,64]
     ncu --clock-control none -k regex:decode_gemm --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats --section SchedulerStats --section InstructionStats \\
@@ -14,7 +15,10 @@ the sweep (bytes in MB, t in us: the rate in TB/s) splits a launch into a fixed 
 ramp, the split-K reduction, the tail) and a streaming rate.
 
 splits: each format's kernel with the K split it chooses (every cluster resident at once) and
-with each forced split (one whose clusters do not all fit runs in more than one wave).
+with each forced split (one whose clusters do not all fit runs in more than one wave). With
+--tiles, each of the 33-64-token tiles named (0 the chosen one, 1 m16n8k16, 2 and 3 the warpgroup
+tile of 64 and 128 rows a CTA, which runs only on compute capability 9.0) gets a line of its own;
+below 33 tokens only the chosen one exists.
 
 times: each format's kernel as decode_mm launches it beside bf16 F.linear, one line per weight
 and M, with the rate at which each streams its weight's bytes: the short table to compare builds
@@ -100,20 +104,27 @@ def fixed_cost(args) -> None:
 
 def splits(args) -> None:
     forced = [int(s) for s in args.splits.split(",")]
+    tiles = [int(t) for t in args.tiles.split(",")]
+    if any(t not in (dmm.TILE_AUTO, *dmm.TILES.values()) for t in tiles):
+        raise SystemExit(f"--tiles takes 0 (chosen) and {sorted(dmm.TILES.values())}; "
+                         f"got {args.tiles}")
+    names = {v: name for name, v in dmm.TILES.items()} | {dmm.TILE_AUTO: "chosen"}
     print(f"# {torch.cuda.get_device_name()}: decode GEMM us by K split (0: its own choice)")
-    print("| weight | M | format | " + " | ".join(str(s) for s in [0] + forced) + " |")
-    print("|---|---|---|" + "---|" * (1 + len(forced)))
+    print("| weight | M | format | tile | " + " | ".join(str(s) for s in [0] + forced) + " |")
+    print("|---|---|---|---|" + "---|" * (1 + len(forced)))
     for n, k in shapes(args.shapes):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         for fmt, (_, nxt) in rotating_packed(w).items():
             for m in (int(v) for v in args.ms.split(",")):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                cells = []
-                for sp in [0] + forced:
-                    us = graph_ms(lambda nxt=nxt, fmt=fmt, sp=sp, x=x:
-                                  launch(x, nxt(), fmt, n, k, splits=sp)) * 1e3
-                    cells.append(f"{us:.1f}")
-                print(f"| {n}x{k} | {m} | {fmt} | " + " | ".join(cells) + " |", flush=True)
+                for tile in tiles if m > 32 else [dmm.TILE_AUTO]:
+                    cells = []
+                    for sp in [0] + forced:
+                        us = graph_ms(lambda nxt=nxt, fmt=fmt, sp=sp, x=x, tile=tile:
+                                      launch(x, nxt(), fmt, n, k, splits=sp, tile=tile)) * 1e3
+                        cells.append(f"{us:.1f}")
+                    print(f"| {n}x{k} | {m} | {fmt} | {names[tile]} | " + " | ".join(cells)
+                          + " |", flush=True)
 
 
 def times(args) -> None:
@@ -163,6 +174,8 @@ def main() -> None:
     s.add_argument("--shapes", default="28672x8192,8192x28672")
     s.add_argument("--ms", default="1,16")
     s.add_argument("--splits", default="1,2,3,4,6")
+    s.add_argument("--tiles", default="0",
+                   help="33-64-token tiles, each a line: 0 chosen, 1 m16n8k16, 2 and 3 warpgroup")
     t = sub.add_parser("times", help="each format beside bf16, a line per weight and M")
     t.add_argument("--shapes", default="8192x8192,28672x8192,8192x28672")
     t.add_argument("--ms", default="1,4,16,64")
