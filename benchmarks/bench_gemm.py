@@ -269,7 +269,10 @@ def decode_section(n: int, k: int, ms_list, splits_sweep: bool) -> None:
                 ms = graph_ms(serial)  # each launch waits for the previous one to complete
                 emit(f"| {m} | qtensor bf16 x {fmt.upper()} decode GEMM (no launch overlap) | "
                      f"{ms * 1e3:.1f} | {base / ms:.2f}x | {wbytes / ms / 1e9:.2f} |")
-            for name, tile in dmm.TILES.items() if wide and wgmma else ():
+            for name, tile in dmm.TILES.items() if wide else ():
+                if (tile in (dmm.TILE_WGMMA_64, dmm.TILE_WGMMA_128) and not wgmma) or \
+                        (tile == dmm.TILE_MMA_128 and fmt == "mxfp8"):
+                    continue  # the warpgroup tile runs on 9.0; 128 m16n8k16 rows take 4-bit
 
                 def run_tile(nxt=nxt, fmt=fmt, tile=tile):
                     c, s_, a_ = nxt()

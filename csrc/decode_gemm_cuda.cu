@@ -1082,16 +1082,18 @@ bool wgmma_runs(int device) {
   return state[d] == 1;
 }
 
-// The tile of a launch with 33-64 tokens: the m16n8k16 tiles (kTileMma) or the warpgroup tile
-// with one or two row tiles per warp (kTileWgmma64, kTileWgmma128: 64 or 128 weight rows a
-// CTA). kTileAuto chooses: where the warpgroup tile runs, MXFP8 takes it with one row tile per
+// The tile of a launch with 33-64 tokens: the m16n8k16 tiles with one or two row tiles per warp
+// (kTileMma, kTileMma128: 64 or 128 weight rows a CTA) or the warpgroup tile with one or two
+// (kTileWgmma64, kTileWgmma128). kTileAuto chooses: where the warpgroup tile runs, MXFP8 takes it with one row tile per
 // warp, and a 4-bit weight of 2**27 elements or more with two where K >= N (long K ranges) and
 // one where N > K (more CTAs); the rest the m16n8k16 tiles. On the H200 at 40 and 64 tokens
 // (benchmarks/RESULTS.md, "the decode GEMM's warpgroup tile and overlapped launches"), MXFP8
 // gains 1.1-1.6x, 28672x8192 4-bit weights 2-12 % with 64 rows a CTA (128 rows: 0-4 %),
 // 8192x28672 ones 1-4 % with 128 rows (64 rows lose 20 %), and 8192x8192 NVFP4 runs 2-26 %
-// slower on either, so it keeps m16n8k16.
-constexpr int64_t kTileAuto = 0, kTileMma = 1, kTileWgmma64 = 2, kTileWgmma128 = 3;
+// slower on either, so it keeps m16n8k16. Without the warpgroup tile, the m16n8k16 tiles take
+// the row tiles per warp of launch_r.
+constexpr int64_t kTileAuto = 0, kTileMma = 1, kTileWgmma64 = 2, kTileWgmma128 = 3,
+                  kTileMma128 = 4;
 
 template <int FMT, bool HALF>
 void launch_mt(const DecodeArgs& a, int64_t tile, const LaunchOptions& o) {
@@ -1108,6 +1110,10 @@ void launch_mt(const DecodeArgs& a, int64_t tile, const LaunchOptions& o) {
   // per warp) or three (two) fit on an SM.
   if (tile == kTileWgmma64) return launch<FMT, 8, HALF, 1, 1, true>(a, o);
   if (tile == kTileWgmma128) return launch<FMT, 8, HALF, 1, 2, true>(a, o);
+  if (tile == kTileMma) return launch<FMT, 8, HALF, U / 2, 1>(a, o);
+  if constexpr (FMT != kMxfp8) {
+    if (tile == kTileMma128) return launch<FMT, 8, HALF, U / 2, 2>(a, o);
+  }
   launch_r<FMT, 8, HALF, U / 2>(a, o);
 }
 
@@ -1173,13 +1179,19 @@ at::Tensor decode_gemm_cuda(const at::Tensor& x, const at::Tensor& w, const at::
   }
   TORCH_CHECK(splits >= 0 && splits <= kMaxSplits, op, ": splits is 0 (chosen) to 8; got ",
               num(splits), ".");
-  TORCH_CHECK(tile >= kTileAuto && tile <= kTileWgmma128, op,
-              ": tile is 0 (chosen), 1 (m16n8k16), 2 or 3 (warpgroup, 64 or 128 rows a CTA); "
-              "got ", num(tile), ".");
-  TORCH_CHECK(tile < kTileWgmma64 || (x.size(0) > 32 && wgmma_runs(x.get_device())), op,
-              ": the warpgroup tile takes 33 to 64 activation rows on a compute capability 9.0 "
-              "GPU running this build's sm_90a code; got ", num(x.size(0)),
-              " rows. Pass tile=0 to let the kernel choose.");
+  TORCH_CHECK(tile >= kTileAuto && tile <= kTileMma128, op,
+              ": tile is 0 (chosen), 1 or 4 (m16n8k16, 64 or 128 rows a CTA), 2 or 3 (warpgroup, "
+              "64 or 128 rows a CTA); got ", num(tile), ".");
+  TORCH_CHECK(tile != kTileMma128 || fmt != kMxfp8, op,
+              ": the m16n8k16 tile of 128 rows a CTA takes 4-bit weights (MXFP8's twice larger "
+              "weight vectors leave it no gain); got an MXFP8 weight. Pass tile=0 or 1.");
+  TORCH_CHECK(tile == kTileAuto || x.size(0) > 32, op,
+              ": a tile is chosen for 33 to 64 activation rows (fewer take their own); got ",
+              num(x.size(0)), " rows with tile = ", num(tile), ". Pass tile=0.");
+  TORCH_CHECK((tile != kTileWgmma64 && tile != kTileWgmma128) || wgmma_runs(x.get_device()), op,
+              ": the warpgroup tile runs on a compute capability 9.0 GPU running this build's "
+              "sm_90a code; got tile = ", num(tile), " elsewhere. Pass tile=0 to let the kernel "
+              "choose.");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(out_dtype));
   if (x.size(0) == 0) return out;

@@ -378,6 +378,9 @@ def test_kernel_options(fmt, case):
         assert_close_to_reference(out, ref, args)
 
 
+WGMMA_TILES = (dmm.TILE_WGMMA_64, dmm.TILE_WGMMA_128)
+
+
 def _wgmma_device() -> bool:
     """Whether the kernel's warpgroup tile runs here: the GPU test machine builds sm_90a."""
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -395,8 +398,10 @@ def test_each_tile_of_33_to_64_rows(fmt, case, tile, m, n, k):
     CTA of half its row tiles (N = 2112 with 128 rows), and each option."""
     if case in ("row_scaled", "fp16") and fmt != "nvfp4":
         pytest.skip("an NVFP4 option")
-    if tile != dmm.TILE_MMA and not _wgmma_device():
+    if tile in WGMMA_TILES and not _wgmma_device():
         pytest.skip("the warpgroup tile runs on compute capability 9.0")
+    if tile == dmm.TILE_MMA_128 and fmt == "mxfp8":
+        pytest.skip("the m16n8k16 tile of 128 rows takes 4-bit weights")
     kw = dict(row_scaled=case == "row_scaled", bias=case == "bias",
               x_dtype=torch.float16 if case == "fp16" else None,
               weights="outliers" if case == "outliers" else "random")
@@ -415,8 +420,10 @@ def test_each_tile_on_a_large_quantized_gaussian_weight(fmt, tile):
     whose A registers the compiler reused before its MMAs had completed gave wrong sums,
     differently from launch to launch (8192x28672 MXFP8 and MXFP4 at 40 and 64 rows), while
     the small shapes above passed."""
-    if tile != dmm.TILE_MMA and not _wgmma_device():
+    if tile in WGMMA_TILES and not _wgmma_device():
         pytest.skip("the warpgroup tile runs on compute capability 9.0")
+    if tile == dmm.TILE_MMA_128 and fmt == "mxfp8":
+        pytest.skip("the m16n8k16 tile of 128 rows takes 4-bit weights")
     from qtensor import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
 
     n, k = 8192, 28672
@@ -439,13 +446,16 @@ def test_each_tile_on_a_large_quantized_gaussian_weight(fmt, tile):
 
 @pytest.mark.cuda
 @needs_kernel
-def test_warpgroup_tile_refuses_what_it_cannot_run():
+def test_forced_tiles_refuse_what_they_cannot_run():
     args = _problem("nvfp4", 32, 200, 2080, "cuda", seed=1)
-    for tile in (dmm.TILE_WGMMA_64, dmm.TILE_WGMMA_128):
-        with pytest.raises(RuntimeError, match="warpgroup tile takes 33 to 64"):
+    for tile in dmm.TILES.values():
+        with pytest.raises(RuntimeError, match="a tile is chosen for 33 to 64"):
             dmm._launch(*args, torch.float32, tile=tile)
     with pytest.raises(RuntimeError, match="tile is 0"):
-        dmm._launch(*args, torch.float32, tile=4)
+        dmm._launch(*args, torch.float32, tile=5)
+    mx = _problem("mxfp8", 40, 200, 2080, "cuda", seed=1)
+    with pytest.raises(RuntimeError, match="128 rows a CTA takes 4-bit weights"):
+        dmm._launch(*mx, torch.float32, tile=dmm.TILE_MMA_128)
 
 
 @pytest.mark.cuda

@@ -2,7 +2,7 @@
 
     python dev/experiments/decode_launches.py fixed-cost [--n 8192] [--ks 1024,...] [--m 1]
     python dev/experiments/decode_launches.py splits [--shapes 28672x8192,8192x28672] [--ms 1,16]
-        [--splits 1,2,3,4,6] [--tiles 0,1,2,3]
+        [--splits 1,2,3,4,6] [--tiles 0,1,4,2,3]
     python dev/experiments/decode_launches.py times [--shapes 8192x8192,...] [--ms 1,4,16,64]
     ncu --clock-control none -k regex:decode_gemm --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats --section SchedulerStats --section InstructionStats \\
@@ -16,9 +16,10 @@ ramp, the split-K reduction, the tail) and a streaming rate.
 
 splits: each format's kernel with the K split it chooses (every cluster resident at once) and
 with each forced split (one whose clusters do not all fit runs in more than one wave). With
---tiles, each of the 33-64-token tiles named (0 the chosen one, 1 m16n8k16, 2 and 3 the warpgroup
-tile of 64 and 128 rows a CTA, which runs only on compute capability 9.0) gets a line of its own;
-below 33 tokens only the chosen one exists.
+--tiles, each of the 33-64-token tiles named (0 the chosen one, 1 and 4 the m16n8k16 tiles of 64
+and 128 rows a CTA, the latter for 4-bit weights, 2 and 3 the warpgroup tile of 64 and 128 rows,
+which runs only on compute capability 9.0) gets a line of its own; below 33 tokens only the
+chosen one exists.
 
 times: each format's kernel as decode_mm launches it beside bf16 F.linear, one line per weight
 and M, with the rate at which each streams its weight's bytes: the short table to compare builds
@@ -118,6 +119,8 @@ def splits(args) -> None:
             for m in (int(v) for v in args.ms.split(",")):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 for tile in tiles if m > 32 else [dmm.TILE_AUTO]:
+                    if tile == dmm.TILE_MMA_128 and fmt == "mxfp8":
+                        continue  # 4-bit weights only
                     cells = []
                     for sp in [0] + forced:
                         us = graph_ms(lambda nxt=nxt, fmt=fmt, sp=sp, x=x, tile=tile:
@@ -175,7 +178,8 @@ def main() -> None:
     s.add_argument("--ms", default="1,16")
     s.add_argument("--splits", default="1,2,3,4,6")
     s.add_argument("--tiles", default="0",
-                   help="33-64-token tiles, each a line: 0 chosen, 1 m16n8k16, 2 and 3 warpgroup")
+                   help="33-64-token tiles, each a line: 0 chosen, 1 and 4 m16n8k16 (64, 128 rows), "
+                   "2 and 3 warpgroup (64, 128 rows)")
     t = sub.add_parser("times", help="each format beside bf16, a line per weight and M")
     t.add_argument("--shapes", default="8192x8192,28672x8192,8192x28672")
     t.add_argument("--ms", default="1,4,16,64")

@@ -148,11 +148,12 @@ def kernel_problem(x, fmt, out_dtype) -> str | None:
 # The kernel's tiles for 33-64 rows (qtensor::decode_gemm's `tile`, [Note: decode GEMM]):
 # TILE_AUTO lets it choose (the warpgroup tile for MXFP8 and for 4-bit weights of 2**27
 # elements or more where an sm_90a build runs on compute capability 9.0, else the m16n8k16
-# tiles); the others ask for one, for tests and benchmarks: the m16n8k16 tiles, or the
-# warpgroup tile with 64 or 128 weight rows a CTA.
-TILE_AUTO, TILE_MMA, TILE_WGMMA_64, TILE_WGMMA_128 = 0, 1, 2, 3
-TILES = {"m16n8k16": TILE_MMA, "warpgroup, 64 rows": TILE_WGMMA_64,
-         "warpgroup, 128 rows": TILE_WGMMA_128}
+# tiles); the others ask for one, for tests and benchmarks: the m16n8k16 tiles or the warpgroup
+# tile, each with 64 or 128 weight rows a CTA (the m16n8k16 tile of 128 rows takes 4-bit weights
+# only).
+TILE_AUTO, TILE_MMA, TILE_WGMMA_64, TILE_WGMMA_128, TILE_MMA_128 = 0, 1, 2, 3, 4
+TILES = {"m16n8k16, 64 rows": TILE_MMA, "m16n8k16, 128 rows": TILE_MMA_128,
+         "warpgroup, 64 rows": TILE_WGMMA_64, "warpgroup, 128 rows": TILE_WGMMA_128}
 
 
 def _launch(x, w, s, amax, bias, fmt, n, k, bound, out_dtype, splits=0, tile=TILE_AUTO,
