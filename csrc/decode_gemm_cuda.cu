@@ -1084,14 +1084,14 @@ bool wgmma_runs(int device) {
 
 // The tile of a launch with 33-64 tokens: the m16n8k16 tiles with one or two row tiles per warp
 // (kTileMma, kTileMma128: 64 or 128 weight rows a CTA) or the warpgroup tile with one or two
-// (kTileWgmma64, kTileWgmma128). kTileAuto chooses: where the warpgroup tile runs, MXFP8 takes it with one row tile per
-// warp, and a 4-bit weight of 2**27 elements or more with two where K >= N (long K ranges) and
-// one where N > K (more CTAs); the rest the m16n8k16 tiles. On the H200 at 40 and 64 tokens
-// (benchmarks/RESULTS.md, "the decode GEMM's warpgroup tile and overlapped launches"), MXFP8
-// gains 1.1-1.6x, 28672x8192 4-bit weights 2-12 % with 64 rows a CTA (128 rows: 0-4 %),
-// 8192x28672 ones 1-4 % with 128 rows (64 rows lose 20 %), and 8192x8192 NVFP4 runs 2-26 %
-// slower on either, so it keeps m16n8k16. Without the warpgroup tile, the m16n8k16 tiles take
-// the row tiles per warp of launch_r.
+// (kTileWgmma64, kTileWgmma128). kTileAuto chooses: where the warpgroup tile runs, MXFP8 takes
+// it with one row tile per warp, and a 4-bit weight of 2**27 elements or more with two where
+// K >= N (long K ranges) and one where N > K (more CTAs); the rest the m16n8k16 tiles. On the
+// H200 at 40 and 64 tokens (benchmarks/RESULTS.md, "the decode GEMM's warpgroup tile and
+// overlapped launches"), MXFP8 gains 1.1-1.6x, 28672x8192 4-bit weights 2-12 % with 64 rows a
+// CTA (128 rows: 0-4 %), 8192x28672 ones 1-4 % with 128 rows (64 rows lose 20 %), and 8192x8192
+// NVFP4 runs 2-26 % slower on either, so it keeps m16n8k16. Without the warpgroup tile, the
+// m16n8k16 tiles take the row tiles per warp of launch_r.
 constexpr int64_t kTileAuto = 0, kTileMma = 1, kTileWgmma64 = 2, kTileWgmma128 = 3,
                   kTileMma128 = 4;
 

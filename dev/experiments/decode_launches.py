@@ -178,8 +178,8 @@ def main() -> None:
     s.add_argument("--ms", default="1,16")
     s.add_argument("--splits", default="1,2,3,4,6")
     s.add_argument("--tiles", default="0",
-                   help="33-64-token tiles, each a line: 0 chosen, 1 and 4 m16n8k16 (64, 128 rows), "
-                   "2 and 3 warpgroup (64, 128 rows)")
+                   help="33-64-token tiles, each a line: 0 chosen, 1 and 4 m16n8k16 (64, 128 "
+                   "rows), 2 and 3 warpgroup (64, 128 rows)")
     t = sub.add_parser("times", help="each format beside bf16, a line per weight and M")
     t.add_argument("--shapes", default="8192x8192,28672x8192,8192x28672")
     t.add_argument("--ms", default="1,4,16,64")
