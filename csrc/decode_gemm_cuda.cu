@@ -1111,6 +1111,10 @@ void launch_mt(const DecodeArgs& a, int64_t tile, const LaunchOptions& o) {
   if (tile == kTileWgmma64) return launch<FMT, 8, HALF, 1, 1, true>(a, o);
   if (tile == kTileWgmma128) return launch<FMT, 8, HALF, 1, 2, true>(a, o);
   if (tile == kTileMma) return launch<FMT, 8, HALF, U / 2, 1>(a, o);
+  // The forced tile of 128 rows keeps the 64-row tile's stages (U / 2 super-tiles, twice its
+  // weight bytes a stage), where launch_r's two row tiles a warp (taken where the warpgroup tile
+  // does not run) halve U again: two kernels, of which only this one has been timed (on the
+  // H100, RESULTS.md "eighth decode session"); both spill a few registers at 128 (NVFP4).
   if constexpr (FMT != kMxfp8) {
     if (tile == kTileMma128) return launch<FMT, 8, HALF, U / 2, 2>(a, o);
   }
