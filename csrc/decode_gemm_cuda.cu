@@ -1113,8 +1113,9 @@ void launch_mt(const DecodeArgs& a, int64_t tile, const LaunchOptions& o) {
   if (tile == kTileMma) return launch<FMT, 8, HALF, U / 2, 1>(a, o);
   // The forced tile of 128 rows keeps the 64-row tile's stages (U / 2 super-tiles, twice its
   // weight bytes a stage), where launch_r's two row tiles a warp (taken where the warpgroup tile
-  // does not run) halve U again: two kernels, of which only this one has been timed (on the
-  // H100, RESULTS.md "eighth decode session"); both spill a few registers at 128 (NVFP4).
+  // does not run) halve U again. Both were timed on large weights, this one on the H100
+  // (RESULTS.md, "eighth decode session"), launch_r's as the m16n8k16 tile of the H200 sweep
+  // cited above; both spill a few registers at their bound of 128 (NVFP4).
   if constexpr (FMT != kMxfp8) {
     if (tile == kTileMma128) return launch<FMT, 8, HALF, U / 2, 2>(a, o);
   }
