@@ -15,7 +15,8 @@ the sweep (bytes in MB, t in us: the rate in TB/s) splits a launch into a fixed 
 ramp, the split-K reduction, the tail) and a streaming rate.
 
 splits: each format's kernel with the K split it chooses (every cluster resident at once) and
-with each forced split (one whose clusters do not all fit runs in more than one wave). With
+with each forced split (one whose clusters do not all fit runs in more than one wave); the
+column "own" names the split it chose, the forced launch whose output is bitwise its own. With
 --tiles, each of the 33-64-token tiles named (0 the chosen one, 1 and 4 the m16n8k16 tiles of 64
 and 128 rows a CTA, the latter for 4-bit weights, 2 and 3 the warpgroup tile of 64 and 128 rows,
 which runs only on compute capability 9.0) gets a line of its own; below 33 tokens only the
@@ -103,6 +104,16 @@ def fixed_cost(args) -> None:
         print(f"| {name} | {a:.1f} | {1 / b:.2f} | {r:.1f} |")
 
 
+def own_split(x, weight, fmt, n, k, tile) -> str:
+    """The K split the kernel chose, found from its bits: the split sets the order of the fp32
+    sums, so the chosen launch is bitwise the forced launch of its own split and, but for a
+    coincidence over every output, of no other (splits whose K ranges coincide all match)."""
+    out = launch(x, weight, fmt, n, k, tile=tile)
+    same = [s for s in range(1, 9)  # the kernel's splits: clusters of 1 to 8 CTAs
+            if torch.equal(out, launch(x, weight, fmt, n, k, splits=s, tile=tile))]
+    return "/".join(str(s) for s in same) or "none"
+
+
 def splits(args) -> None:
     forced = [int(s) for s in args.splits.split(",")]
     tiles = [int(t) for t in args.tiles.split(",")]
@@ -110,9 +121,11 @@ def splits(args) -> None:
         raise SystemExit(f"--tiles takes 0 (chosen) and {sorted(dmm.TILES.values())}; "
                          f"got {args.tiles}")
     names = {v: name for name, v in dmm.TILES.items()} | {dmm.TILE_AUTO: "chosen"}
-    print(f"# {torch.cuda.get_device_name()}: decode GEMM us by K split (0: its own choice)")
-    print("| weight | M | format | tile | " + " | ".join(str(s) for s in [0] + forced) + " |")
-    print("|---|---|---|---|" + "---|" * (1 + len(forced)))
+    print(f"# {torch.cuda.get_device_name()}: decode GEMM us by K split (0: its own choice, "
+          "which the column 'own' names)")
+    print("| weight | M | format | tile | own | " + " | ".join(str(s) for s in [0] + forced)
+          + " |")
+    print("|---|---|---|---|---|" + "---|" * (1 + len(forced)))
     for n, k in shapes(args.shapes):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         for fmt, (_, nxt) in rotating_packed(w).items():
@@ -121,7 +134,7 @@ def splits(args) -> None:
                 for tile in tiles if m > 32 else [dmm.TILE_AUTO]:
                     if tile == dmm.TILE_MMA_128 and fmt == "mxfp8":
                         continue  # 4-bit weights only
-                    cells = []
+                    cells = [own_split(x, nxt(), fmt, n, k, tile)]
                     for sp in [0] + forced:
                         us = graph_ms(lambda nxt=nxt, fmt=fmt, sp=sp, x=x, tile=tile:
                                       launch(x, nxt(), fmt, n, k, splits=sp, tile=tile)) * 1e3
