@@ -232,7 +232,6 @@ def decode_section(n: int, k: int, ms_list, splits_sweep: bool) -> None:
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
     wb_copies, wb_next = rotating(lambda i: w.roll(i, 0).contiguous(), n * k * 2)
     copies = rotating_packed(w)
-    wgmma = torch.cuda.get_device_capability() == (9, 0)  # where the warpgroup tile runs
     emit(f"\n### decode GEMM, weight {n}x{k} (N x K), CUDA-graphed\n")
     emit("| M | path | us | vs bf16 | weight bytes/s (TB/s) |")
     emit("|---|---|---|---|---|")
@@ -270,9 +269,8 @@ def decode_section(n: int, k: int, ms_list, splits_sweep: bool) -> None:
                 emit(f"| {m} | qtensor bf16 x {fmt.upper()} decode GEMM (no launch overlap) | "
                      f"{ms * 1e3:.1f} | {base / ms:.2f}x | {wbytes / ms / 1e9:.2f} |")
             for name, tile in dmm.TILES.items() if wide else ():
-                if (tile in (dmm.TILE_WGMMA_64, dmm.TILE_WGMMA_128) and not wgmma) or \
-                        (tile == dmm.TILE_MMA_128 and fmt == "mxfp8"):
-                    continue  # the warpgroup tile runs on 9.0; 128 m16n8k16 rows take 4-bit
+                if dmm.tile_problem(tile, fmt):
+                    continue
 
                 def run_tile(nxt=nxt, fmt=fmt, tile=tile):
                     c, s_, a_ = nxt()

@@ -378,14 +378,6 @@ def test_kernel_options(fmt, case):
         assert_close_to_reference(out, ref, args)
 
 
-WGMMA_TILES = (dmm.TILE_WGMMA_64, dmm.TILE_WGMMA_128)
-
-
-def _wgmma_device() -> bool:
-    """Whether the kernel's warpgroup tile runs here: the GPU test machine builds sm_90a."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 @pytest.mark.cuda
 @needs_kernel
 @pytest.mark.parametrize("tile", dmm.TILES.values(), ids=dmm.TILES)
@@ -398,10 +390,8 @@ def test_each_tile_of_33_to_64_rows(fmt, case, tile, m, n, k):
     CTA of half its row tiles (N = 2112 with 128 rows), and each option."""
     if case in ("row_scaled", "fp16") and fmt != "nvfp4":
         pytest.skip("an NVFP4 option")
-    if tile in WGMMA_TILES and not _wgmma_device():
-        pytest.skip("the warpgroup tile runs on compute capability 9.0")
-    if tile == dmm.TILE_MMA_128 and fmt == "mxfp8":
-        pytest.skip("the m16n8k16 tile of 128 rows takes 4-bit weights")
+    if reason := dmm.tile_problem(tile, fmt):
+        pytest.skip(reason)
     kw = dict(row_scaled=case == "row_scaled", bias=case == "bias",
               x_dtype=torch.float16 if case == "fp16" else None,
               weights="outliers" if case == "outliers" else "random")
@@ -420,10 +410,8 @@ def test_each_tile_on_a_large_quantized_gaussian_weight(fmt, tile):
     whose A registers the compiler reused before its MMAs had completed gave wrong sums,
     differently from launch to launch (8192x28672 MXFP8 and MXFP4 at 40 and 64 rows), while
     the small shapes above passed."""
-    if tile in WGMMA_TILES and not _wgmma_device():
-        pytest.skip("the warpgroup tile runs on compute capability 9.0")
-    if tile == dmm.TILE_MMA_128 and fmt == "mxfp8":
-        pytest.skip("the m16n8k16 tile of 128 rows takes 4-bit weights")
+    if reason := dmm.tile_problem(tile, fmt):
+        pytest.skip(reason)
     from qtensor import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
 
     n, k = 8192, 28672

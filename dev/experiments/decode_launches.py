@@ -132,8 +132,8 @@ def splits(args) -> None:
             for m in (int(v) for v in args.ms.split(",")):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 for tile in tiles if m > 32 else [dmm.TILE_AUTO]:
-                    if tile == dmm.TILE_MMA_128 and fmt == "mxfp8":
-                        continue  # 4-bit weights only
+                    if dmm.tile_problem(tile, fmt):
+                        continue
                     cells = [own_split(x, nxt(), fmt, n, k, tile)]
                     for sp in [0] + forced:
                         us = graph_ms(lambda nxt=nxt, fmt=fmt, sp=sp, x=x, tile=tile:

@@ -156,6 +156,17 @@ TILES = {"m16n8k16, 64 rows": TILE_MMA, "m16n8k16, 128 rows": TILE_MMA_128,
          "warpgroup, 64 rows": TILE_WGMMA_64, "warpgroup, 128 rows": TILE_WGMMA_128}
 
 
+def tile_problem(tile: int, fmt: str) -> str | None:
+    """Why a forced `tile` (one of TILES) does not run `fmt` weights on the current CUDA device,
+    or None: the warpgroup tile needs compute capability 9.0 (and the sm_90a build the GPU
+    machine makes), the m16n8k16 tile of 128 rows 4-bit weights. The kernel refuses both."""
+    if tile in (TILE_WGMMA_64, TILE_WGMMA_128) and torch.cuda.get_device_capability() != (9, 0):
+        return "the warpgroup tile runs on compute capability 9.0"
+    if tile == TILE_MMA_128 and fmt == "mxfp8":
+        return "the m16n8k16 tile of 128 rows takes 4-bit weights"
+    return None
+
+
 def _launch(x, w, s, amax, bias, fmt, n, k, bound, out_dtype, splits=0, tile=TILE_AUTO,
             pdl=True):
     """One launch of the decode kernel. `splits` and `tile` 0 let it choose; `pdl` lets a
