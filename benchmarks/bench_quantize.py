@@ -125,6 +125,9 @@ def gpu_cases(shape):
         ("mxfp8 both", lambda x: Q.mxfp8_both(x, "rceil", True, True), 2 + 2 * MX_OUT, None),
         ("hybrid grad", hybrid(False), 2 + MX_OUT + NV_OUT, "nvfp4 col"),
         ("hybrid grad rht+sr", hybrid(True), 2 + MX_OUT + NV_OUT, "nvfp4 col rht+sr"),
+        # The training step's gradient cast: its amax after RHT, then the hybrid cast under it.
+        ("amax+hybrid grad rht+sr", lambda x: Q.quantize_hybrid_grad(x, "rceil", col_rht_sr, sr),
+         4 + MX_OUT + NV_OUT, "hybrid grad rht+sr"),
     ]
 
 
