@@ -10,10 +10,12 @@ dispatch, allocation, the launches). Where host us exceeds GPU us, "us" is the h
 CPU: the C++ kernels against the pure-torch reference on a 4096x4096 bf16 tensor.
 
     python benchmarks/bench_quantize.py [--device cuda|cpu] [--out FILE] [--no-peers]
-                                        [--cases "nvfp4 row,nvfp4 4o6 mae"]
+                                        [--cases "nvfp4 row,nvfp4 4o6 mae"] [--shapes 4096x4096]
 
 --cases keeps the GPU rows named (and the copy, every ratio's reference; a row's "vs" peer only
-where it is named too), for a quick comparison of builds.
+where it is named too), for a quick comparison of builds. --shapes replaces the GPU shapes (the
+compiled peers run on the first); a tensor that fits in L2 (4096x4096 bf16 is 32 MB) shows what
+a dynamic cast's second read finds there.
 """
 
 from __future__ import annotations
@@ -162,12 +164,24 @@ def select_cases(cases, names: list[str] | None):
     return [c for c in cases if c[0] == "copy" or c[0] in names]
 
 
-def run_gpu(peers: bool, lines: list[str], names: list[str] | None = None) -> None:
+def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """"MxK,MxK" -> ((M, K), ...); K a multiple of 32 (every row's kernels take it)."""
+    shapes = []
+    for item in text.split(","):
+        m, sep, k = item.strip().lower().partition("x")
+        if not (sep and m.isdigit() and k.isdigit() and int(m) > 0 and int(k) > 0 and int(k) % 32 == 0):
+            raise SystemExit(f"bench_quantize: --shapes takes MxK pairs with K a positive multiple of 32, "
+                             f"comma-separated (e.g. 4096x4096); got {item!r}")
+        shapes.append((int(m), int(k)))
+    return tuple(shapes)
+
+
+def run_gpu(peers: bool, lines: list[str], names: list[str] | None = None, shapes=SHAPES) -> None:
     dev = torch.cuda.get_device_name()
     lines.append(f"# {datetime.date.today()} {dev}, torch {torch.__version__}, {Q.extension_status()}")
     lines.append("| shape | kernel | us | GB/s | of copy | vs | GPU us | host us |")
     lines.append("|---|---|---|---|---|---|---|---|")
-    for si, (m, k) in enumerate(SHAPES):
+    for si, (m, k) in enumerate(shapes):
         n = m * k
         rotate = max(2, int(4 * 60e6 // (2 * n)) + 1)  # > 4x the L2 across the set
         inputs = [torch.randn(m, k, device="cuda").bfloat16() for _ in range(rotate)]
@@ -243,11 +257,14 @@ def main() -> None:
     p.add_argument("--out", help="also write the table to this file")
     p.add_argument("--no-peers", action="store_true", help="skip the compiled peers (faster)")
     p.add_argument("--cases", help="comma-separated GPU rows to run (the copy always runs)")
+    p.add_argument("--shapes", help="comma-separated MxK GPU shapes (default: %s)"
+                   % ",".join(f"{m}x{k}" for m, k in SHAPES))
     args = p.parse_args()
     names = [n.strip() for n in args.cases.split(",")] if args.cases else None
+    shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
     lines: list[str] = []
     if args.device == "cuda":
-        run_gpu(not args.no_peers, lines, names)
+        run_gpu(not args.no_peers, lines, names, shapes)
     else:
         run_cpu(lines)
     text = "\n".join(lines)

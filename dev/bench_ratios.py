@@ -66,8 +66,8 @@ def verdicts(groups: list[tuple[str, list[str]]], texts: dict[str, str], margin:
     head = ["shape", "kernel", f"{base} (time in copies)"] + [f"{n} / {base}" for n, _ in groups[1:]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in tables[base][0]:
-        if row[1] == "copy":
-            continue
+        if row[1] == "copy" or any(row not in c for c in copies[base]):
+            continue  # a row the base did not run in every pass (`--cases`) has nothing to compare
         host = any(t[row][2] > t[row][1] for name, _ in groups for t in tables[name] if row in t)
         mark = " (host)" if host else ""
         cells = [row[0], row[1] + mark, " / ".join(f"{c[row]:.3f}" for c in copies[base])]

@@ -1,4 +1,5 @@
-"""benchmarks/bench_quantize.py --cases: the rows kept, the copy always first, unknown names refused."""
+"""benchmarks/bench_quantize.py: --cases (the rows kept, the copy always first, unknown names
+refused) and --shapes."""
 
 from __future__ import annotations
 
@@ -27,3 +28,10 @@ def test_no_cases_keeps_every_row():
 def test_an_unknown_case_is_refused_with_the_known_rows():
     with pytest.raises(SystemExit, match=r"--cases \['nvfp4 rows'\] not among the rows \['copy', 'amax'"):
         bench_quantize.select_cases(CASES, ["nvfp4 rows"])
+
+
+def test_shapes_parse_and_refuse_what_the_kernels_cannot_take():
+    assert bench_quantize.parse_shapes("4096x4096, 8192X5120") == ((4096, 4096), (8192, 5120))
+    for bad in ("4096", "4096x4008", "0x4096", "ax64", "4096x4096,"):
+        with pytest.raises(SystemExit, match="--shapes takes MxK pairs with K a positive multiple of 32"):
+            bench_quantize.parse_shapes(bad)

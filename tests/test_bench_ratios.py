@@ -43,6 +43,16 @@ def test_slower_needs_every_pass():
     assert lines[-1].endswith("1.040 within noise |")
 
 
+def test_rows_the_base_ran_in_one_pass_only_are_left_out():
+    # A first pass of every row, then a second of a few (`--cases`): only rows of both compare.
+    texts = {"b1": table(100.0, {"k": (100.0, 90.0, 1.0), "full": (80.0, 70.0, 1.0)}),
+             "b2": table(100.0, {"k": (100.0, 90.0, 1.0)}),
+             "s1": table(100.0, {"k": (90.0, 80.0, 1.0)}), "s2": table(100.0, {"k": (90.0, 80.0, 1.0)})}
+    lines = bench_ratios.verdicts([("main", ["b1", "b2"]), ("s", ["s1", "s2"])], texts, 0.02)
+    assert [line.split("|")[2].strip() for line in lines[2:]] == ["k"]
+    assert lines[-1].endswith("0.900 / 0.900 faster |")
+
+
 def test_errors_name_the_requirement():
     good = table(100.0, {"k": (100.0, 90.0, 1.0)})
     with pytest.raises(ValueError, match="same number of passes"):
