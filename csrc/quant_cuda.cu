@@ -1016,6 +1016,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MX
   // barrier's phase completes without copies), and the pair's stores skip its columns.
   auto fill = [&](int slot, const Walk<kPairs>& at) {
     const bool unit = at.u < units, in = unit && (!kPairs || at.tm() < tiles_m);
+    // The amax walks the tiles from the input's last to its first, so that the cast after it
+    // finds its first tiles still in L2 ([Note: the amax walks back] in quant_rows_cuda.cu).
+    const uint32_t tm = kAmax ? tiles_m - 1u - at.tm() : at.tm();
+    const uint32_t tk = kAmax ? tiles_k - 1u - at.unit.tk : at.unit.tk;
     if constexpr (tma) {
       if (unit && threadIdx.x == 0) {
         const uint32_t bar = smem_addr(&landed[slot]), dst = base + slot * S::kBytes;
@@ -1026,15 +1030,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MX
           mbar_expect(bar, S::kBytes);  // boxes past the tensor's edges count in full, as zeros
 #pragma unroll
           for (int g = 0; g < S::kGroups; ++g) {
-            const int col = static_cast<int>(at.unit.tk * S::kCols + g * S::kGroupCols);
-            tensor_copy(dst + g * S::kRows * S::kPitch, &x_map, col, static_cast<int>(at.tm() * S::kRows), bar);
+            const int col = static_cast<int>(tk * S::kCols + g * S::kGroupCols);
+            tensor_copy(dst + g * S::kRows * S::kPitch, &x_map, col, static_cast<int>(tm * S::kRows), bar);
           }
         } else {
           mbar_arrive(bar);
         }
       }
     } else {
-      if (in) load_tile<S>(x, a.M, a.K, at.tm() * S::kRows, at.unit.tk * S::kCols, base + slot * S::kBytes);
+      if (in) load_tile<S>(x, a.M, a.K, tm * S::kRows, tk * S::kCols, base + slot * S::kBytes);
       cp_async_commit();
     }
   };

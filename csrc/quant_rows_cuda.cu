@@ -354,19 +354,30 @@ __global__ void __launch_bounds__(kThreads) mx_rows_kernel(const T* x, int64_t n
 
 // ---- amax ----------------------------------------------------------------------------------------
 
+// [Note: the amax walks back]
+// A dynamic cast reads its input twice: the amax, then the cast under it. The amax kernels (the
+// global and per-row ones here, the amax after RHT of quant_cuda.cu's tile kernel) walk the input
+// from its end to its start, with loads that keep L2's normal eviction priority, while every cast
+// walks from the start. The cast's first reads then find the part the amax read last still in
+// L2: up to its size of the input (50 MB on an H100 or H200) is not read from DRAM twice. A
+// walk in the same direction would find nothing there, as the amax's first reads are the first
+// evicted. The amax is a maximum, the same in any order.
+
 constexpr int kAmaxLoads = 4;  // 16-byte loads in flight per thread and iteration
 
-// One amax of n 16-byte words: a grid-stride loop, one atomicMax per CTA (cta_max).
+// One amax of n 16-byte words: a grid-stride loop from the last word (the amax walks back), one
+// atomicMax per CTA (cta_max).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) amax_all_kernel(const uint4* x, int64_t n, unsigned* out) {
   __shared__ uint32_t warp_max[kThreads / 32];
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  const uint4* last = x + (n - 1);
   uint32_t m = 0u;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride * kAmaxLoads) {
     uint4 r[kAmaxLoads];
 #pragma unroll
     for (int u = 0; u < kAmaxLoads; ++u)
-      r[u] = i + u * stride < n ? __ldcs(x + i + u * stride) : make_uint4(0u, 0u, 0u, 0u);
+      r[u] = i + u * stride < n ? __ldg(last - (i + u * stride)) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
     for (int u = 0; u < kAmaxLoads; ++u) m = absmax_word<T>(m, r[u]);
   }
@@ -375,28 +386,29 @@ __global__ void __launch_bounds__(kThreads) amax_all_kernel(const uint4* x, int6
 }
 
 // One amax per row of `words` 16-byte words: 2**lanes_log2 lanes (<= 32, aligned in the warp)
-// share a row, reduce by shuffles and store it; no atomics, each row has one owner.
+// share a row, reduce by shuffles and store it; no atomics, each row has one owner. The first
+// threads take the last rows (the amax walks back).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) amax_row_kernel(const uint4* x, int64_t M, int64_t words,
                                                             int lanes_log2, unsigned* out) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  const int64_t row = t >> lanes_log2;
+  const int64_t row = M - 1 - (t >> lanes_log2);
   const int lanes = 1 << lanes_log2, li = static_cast<int>(t & (lanes - 1));
   uint32_t m = 0u;
-  if (row < M) {
+  if (row >= 0) {  // the threads past the first row's
     const uint4* p = x + row * words;
     for (int64_t c = li; c < words; c += static_cast<int64_t>(lanes) * kAmaxLoads) {
       uint4 r[kAmaxLoads];
 #pragma unroll
       for (int u = 0; u < kAmaxLoads; ++u)
-        r[u] = c + u * lanes < words ? __ldcs(p + c + u * lanes) : make_uint4(0u, 0u, 0u, 0u);
+        r[u] = c + u * lanes < words ? __ldg(p + c + u * lanes) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
       for (int u = 0; u < kAmaxLoads; ++u) m = absmax_word<T>(m, r[u]);
     }
   }
   uint32_t bits = absmax_bits<T>(m);
   for (int o = lanes >> 1; o >= 1; o >>= 1) bits = max(bits, __shfl_xor_sync(kFull, bits, o));
-  if (li == 0 && row < M) out[row] = bits;
+  if (li == 0 && row >= 0) out[row] = bits;
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
