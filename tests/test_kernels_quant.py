@@ -264,11 +264,13 @@ def test_amax_does_not_read_its_output_memory(device, columnwise, rht, per_row, 
 def test_amax_of_many_ctas_finds_one_element(device, rht):
     # Each CTA of the amax kernels joins its warps' maxima before its one atomic. One element
     # above all others, or a NaN, is the amax wherever it lies: the first and the last element,
-    # one in the middle, and one in the last warp of an early CTA of the streaming kernel (16-byte
-    # word 5 * 256 + 250). 8192 x 2048 bf16 is more than one round of either persistent grid.
+    # one in the middle, and one in the last warp of an early CTA of the streaming kernel, which
+    # walks the 16-byte words from the last: word 5 * 256 + 250 from the end, element 8 * (2**21
+    # - 1531) = (8186, 40); its mirror (5, 1990) as well. 8192 x 2048 bf16 is more than one round
+    # of either persistent grid.
     g = torch.Generator().manual_seed(11)
     x = torch.randn(8192, 2048, generator=g).bfloat16()
-    for r, c in [(0, 0), (4097, 1000), (8191, 2047), (5, 1990)]:
+    for r, c in [(0, 0), (4097, 1000), (8191, 2047), (8186, 40), (5, 1990)]:
         for value in (1e4, float("nan")):
             y = x.clone()
             y[r, c] = value
