@@ -21,6 +21,13 @@ constexpr int kThreads = 256;
 
 constexpr int kAmaxPanels = 2;  // 16-row panels per warp: 32 rows (enough blocks to fill 132 SMs)
 
+// The warp of these kernels' first CTAs that takes the input's last panels (the amax walks back:
+// quant_rows_cuda.cu), of `col_groups` warps a band of 16*kAmaxPanels rows; -1 past the last.
+__device__ __forceinline__ int64_t amax_warp_back(int64_t M, int64_t col_groups) {
+  const int64_t warps = (M + 16 * kAmaxPanels - 1) / (16 * kAmaxPanels) * col_groups;
+  return warps - 1 - ((static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5);
+}
+
 // One warp covers 16*kAmaxPanels rows x (32 lanes x one 16-byte vector) columns. mode 0: one
 // amax; 1: per input row; 2: per input column (the columnwise per-row amax). Non-negative floats
 // order like their bits, and NaN's bits (after abs) sit above inf, so atomicMax on the bits is
@@ -30,11 +37,11 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* x, int64_t M, i
                                                         unsigned* out) {
   constexpr int kN = Vec<T>::kN;
   const int lane = threadIdx.x & 31;
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   const int64_t col_groups = (K + 32 * kN - 1) / (32 * kN);
+  const int64_t warp = amax_warp_back(M, col_groups);
+  if (warp < 0) return;  // whole warp: uniform
   const int64_t r0 = (warp / col_groups) * 16 * kAmaxPanels;
   const int64_t k = (warp % col_groups) * 32 * kN + lane * kN;
-  if (r0 >= M) return;  // whole warp: uniform
   const bool kin = k < K;
   float gmax = 0.f, cmax[kN];
 #pragma unroll
@@ -45,7 +52,7 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* x, int64_t M, i
     uint4 raw[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i)
-      raw[i] = (kin && rb + i < M) ? __ldcs(reinterpret_cast<const uint4*>(x + (rb + i) * K + k))
+      raw[i] = (kin && rb + i < M) ? __ldg(reinterpret_cast<const uint4*>(x + (rb + i) * K + k))
                                    : make_uint4(0u, 0u, 0u, 0u);
     float rmax[16];
 #pragma unroll
@@ -94,11 +101,11 @@ __global__ void __launch_bounds__(kThreads) rht_amax_kernel(const T* x, int64_t 
                                                             unsigned* out) {
   using Word = typename PairWord<T>::Word;
   const int lane = threadIdx.x & 31;
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   const int64_t col_groups = (K + 63) / 64;
+  const int64_t warp = amax_warp_back(M, col_groups);
+  if (warp < 0) return;  // whole warp: uniform
   const int64_t r0 = (warp / col_groups) * 16 * kAmaxPanels;
   const int64_t k = (warp % col_groups) * 64 + 2 * lane;
-  if (r0 >= M) return;  // whole warp: uniform
   const bool kin = k < K;  // K % 16 == 0: both columns or neither
   float cmax[2] = {0.f, 0.f};
   for (int p = 0; p < kAmaxPanels; ++p) {
@@ -112,10 +119,10 @@ __global__ void __launch_bounds__(kThreads) rht_amax_kernel(const T* x, int64_t 
     const int64_t row_words = K / 2;
     if (kin && rb + 16 <= M) {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) raw[i] = __ldcs(src + i * row_words);
+      for (int i = 0; i < 16; ++i) raw[i] = __ldg(src + i * row_words);
     } else {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) raw[i] = (kin && rb + i < M) ? __ldcs(src + i * row_words) : Word{};
+      for (int i = 0; i < 16; ++i) raw[i] = (kin && rb + i < M) ? __ldg(src + i * row_words) : Word{};
     }
     if constexpr (std::is_same_v<T, at::BFloat16>) {  // both runs at once, packed maxima
       const uint32_t m = rht16x2_bf16_absmax(raw);

@@ -355,13 +355,18 @@ __global__ void __launch_bounds__(kThreads) mx_rows_kernel(const T* x, int64_t n
 // ---- amax ----------------------------------------------------------------------------------------
 
 // [Note: the amax walks back]
-// A dynamic cast reads its input twice: the amax, then the cast under it. The amax kernels (the
-// global and per-row ones here, the amax after RHT of quant_cuda.cu's tile kernel) walk the input
-// from its end to its start, with loads that keep L2's normal eviction priority, while every cast
-// walks from the start. The cast's first reads then find the part the amax read last still in
-// L2: up to its size of the input (50 MB on an H100 or H200) is not read from DRAM twice. A
-// walk in the same direction would find nothing there, as the amax's first reads are the first
-// evicted. The amax is a maximum, the same in any order.
+// A dynamic cast reads its input twice: the amax, then the cast under it. What the amax leaves in
+// L2 decides how much of the second read comes from DRAM again (dev/experiments/l2_reuse.cu, on an
+// H100 with 52 MB of L2):
+// - streaming loads (evict-first, __ldcs) leave nothing, even of a 16 MB input;
+// - loads at L2's normal priority leave an input that fits (32 MB measured) whole, whatever the
+//   order of the two walks;
+// - of a larger input (48-268 MB measured), an amax that walks from the start leaves nothing the
+//   cast finds (the cast's first reads are the amax's first, the first evicted), and one that walks
+//   from the end leaves about 10-13 MB of the input's start for the cast's first reads.
+// So the amax kernels (here, in convert_cuda.cu, and the amax after RHT in quant_cuda.cu's tile
+// kernel) load at normal priority and walk the input from its end to its start, and every cast
+// walks from the start. The amax is a maximum: the same in any order.
 
 constexpr int kAmaxLoads = 4;  // 16-byte loads in flight per thread and iteration
 
