@@ -1,6 +1,6 @@
 // What a read of an input leaves in L2 for a second read right after it: the question behind the
 // dynamic casts' two passes (the amax, then the cast under it; [Note: the amax walks back] in
-// csrc/quant_rows_cuda.cu). Standalone: nvcc -O3 -arch=sm_90a dev/experiments/l2_reuse.cu -o /tmp/l2
+// csrc/quant_rows_cuda.cu). Standalone: nvcc -O3 -arch=sm_90a dev/experiments/l2_reuse.cu -o l2 && ./l2
 //
 // The first kernel reads a buffer of S MB in a persistent grid-stride walk like amax_all_kernel's
 // (forward, or from the end), with its loads under one of these L2 policies: the default; the
@@ -155,8 +155,9 @@ int main() {
         }
         std::sort(t.begin(), t.end());
         const float m = t[3];
+        const float found = (b - m) / b * 1.25f * mb;  // of its DRAM bytes: the read and a quarter written
         std::printf("| %lld | %s | %s | %.1f | %.1f | %.0f |\n", static_cast<long long>(mb),
-                    chunks ? "chunks" : "stride", f.name, m, b, (b - m) / b * 1.25f * mb);  // its DRAM bytes: the read and a quarter written
+                    chunks ? "chunks" : "stride", f.name, m, b, found);
       }
     }
   }
