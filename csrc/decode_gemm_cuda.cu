@@ -979,6 +979,8 @@ CUtensorMap activation_map(const uint16_t* x, int m, int k, int64_t ldx) {
 // The most stages pick_splits leaves a CTA when it makes the split smaller than the largest
 // one-wave split, and the most a CTA of that split may have for pick_splits to look below it.
 constexpr int kSplitStages = 8, kShortStages = 5;
+// From 33 tokens: the largest split, where it leaves each CTA at most kWideStages stages.
+constexpr int kWideSplits = 2, kWideStages = 64;
 
 // K splits (the cluster size) when the caller leaves them to the kernel. Among the sizes whose
 // clusters are all resident at once (one wave: a second wave would double the time), the one
@@ -994,11 +996,22 @@ constexpr int kSplitStages = 8, kShortStages = 5;
 // against 7.1 at 8, 6.6 against 8.9 us at 16 tokens, and at 32 tokens (5 stages a CTA at a
 // split of 7) 10.9 us at 4 against 13.1 at 7; but 4096x14336 4-bit weights, whose split of 8
 // leaves each CTA 7 stages, ran 3 % (H100) and 8 % (H200) slower at a split of 7.
+// From 33 tokens (`wide`) a CTA's partial tile is 64 tokens x its rows in fp32, 8 times that of
+// 8 tokens, and its stages are bound by the MMAs more than by the memory: there the split is at
+// most kWideSplits where that leaves each CTA at most kWideStages stages. On the H100 at 64
+// tokens (benchmarks/RESULTS.md, "eighth decode session") a split of 2 against the resident
+// rule's: 4096x4096 13.0 against 18.6 us (NVFP4), MXFP8 17.5 against 22.4; 4096x14336 NVFP4
+// 30.5 against 34.3; 8192x8192 MXFP8 39.8 against 45.8. Longer K ranges keep the resident rule:
+// 4096x14336 MXFP8 (112 stages a CTA at 2) ran 47.8 us at 2 against 41.0, and 8192x28672 4-bit
+// weights on the warpgroup tile of 128 rows (224 stages) 5-22 % slower at 2.
 // `fits[s]` is the number of clusters of size s resident at once, from the occupancy API.
-inline int pick_splits(int groups, int chunks, int sms, const int* fits) {
+inline int pick_splits(int groups, int chunks, int sms, const int* fits, bool wide) {
   int most = 1;
   for (int s = 2; s <= std::min(kMaxSplits, chunks); ++s)
     if (fits[s] >= groups && (chunks + s - 1) / s < (chunks + most - 1) / most) most = s;
+  if (wide && most > kWideSplits && fits[kWideSplits] >= groups &&
+      (chunks + kWideSplits - 1) / kWideSplits <= kWideStages)
+    return kWideSplits;
   if ((chunks + most - 1) / most > kShortStages) return most;
   const int spread = (sms * 7 / 8 + groups - 1) / groups;
   const int stream = (chunks + kSplitStages - 1) / kSplitStages;
@@ -1045,7 +1058,8 @@ void launch(const DecodeArgs& a, const LaunchOptions& o) {
     }
   }
   const int splits =
-      o.splits ? o.splits : pick_splits(groups, (a.KT + U - 1) / U, sms[d], fits[d][a.M]);
+      o.splits ? o.splits
+               : pick_splits(groups, (a.KT + U - 1) / U, sms[d], fits[d][a.M], MT == 8);
   cudaLaunchConfig_t cfg = cluster_config(groups, splits, smem, o.stream, attr, o.pdl);
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, b));
 }
