@@ -459,6 +459,25 @@ def test_every_split_count_gives_the_same_result(splits):
 
 @pytest.mark.cuda
 @needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [40, 64])
+def test_from_33_rows_a_short_k_range_splits_in_two(fmt, m):
+    """From 33 rows the kernel splits K in two where each CTA then keeps at most 64 stages
+    (4096x4096: 16-32), rather than the finer split every cluster could take at once. The
+    summation order is the split's, so the chosen launch is bitwise the forced split of 2 and
+    not that of 4 (the devices this runs on hold clusters of 3 or more for these 64 or fewer
+    row groups)."""
+    if torch.cuda.get_device_properties(0).multi_processor_count < 100:
+        pytest.skip("the split rule's premise: room for clusters of more than 2 CTAs")
+    args = _problem(fmt, m, 4096, 4096, "cuda", seed=m)
+    out = dmm._launch(*args, torch.float32)
+    assert torch.equal(out, dmm._launch(*args, torch.float32, splits=2))
+    assert not torch.equal(out, dmm._launch(*args, torch.float32, splits=4))
+    assert_close_to_reference(out, _reference(args, torch.float32), args)
+
+
+@pytest.mark.cuda
+@needs_kernel
 @pytest.mark.parametrize("case", ["plain", "row_scaled", "bias", "fp16", "fp16_out"])
 @pytest.mark.parametrize("m", [1, 5, 9, 16])
 @pytest.mark.parametrize("fmt", FORMATS)
