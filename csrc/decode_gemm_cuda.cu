@@ -1004,7 +1004,10 @@ constexpr int kWideSplits = 2, kWideStages = 64;
 // rule's: 4096x4096 13.0 against 18.6 us (NVFP4), MXFP8 17.5 against 22.4; 4096x14336 NVFP4
 // 30.5 against 34.3; 8192x8192 MXFP8 39.8 against 45.8. Longer K ranges keep the resident rule:
 // 4096x14336 MXFP8 (112 stages a CTA at 2) ran 47.8 us at 2 against 41.0, and 8192x28672 4-bit
-// weights on the warpgroup tile of 128 rows (224 stages) 5-22 % slower at 2.
+// weights on the warpgroup tile of 128 rows (224 stages) 5-22 % slower at 2. Beside the
+// resident rule in one run (RESULTS.md, "ninth decode session", H100, two passes) it took 20-27
+// % off 4096x4096 at 40 and 64 tokens, 7-12 % off 4096x14336 NVFP4 and 8192x8192 MXFP8, and
+// 6-11 % off 6144x4096 4-bit weights, while 6144x4096 MXFP8 lost 4 % (22.0 -> 23.0 us at 64).
 // `fits[s]` is the number of clusters of size s resident at once, from the occupancy API.
 inline int pick_splits(int groups, int chunks, int sms, const int* fits, bool wide) {
   int most = 1;

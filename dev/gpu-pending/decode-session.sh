@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # The measurements of the decode series waiting in dev/gpu-pending (decode-half-stages,
-# decode-probes, decode-wide-splits), for one GPU session, best on an H200: the probes ask why the H200's rate
+# decode-probes), for one GPU session, best on an H200: the probes ask why the H200's rate
 # trails bf16's while the H100's matches it (on the H100 the stream bounds the kernel; on the
 # H200 the consumers likely do), and decode-half-stages gives the consumers twice the warps at
-# one token on the large 4-bit weights; decode-wide-splits splits K in two from 33 tokens on
-# short K ranges. Each tree that dev/compare_builds.sh builds runs this script, which finds what
-# the tree holds and runs what measures it. The trees: main's (the working tree);
-# decode-half-stages, the two probes and decode-wide-splits on main, packed into .whl/decode.
+# one token on the large 4-bit weights. Each tree that dev/compare_builds.sh builds runs this
+# script, which finds what the tree holds and runs what measures it. The trees: main's (the working tree);
+# decode-half-stages and the two probes on main, packed into .whl/decode.
 #
 #   here:   dev/gpu-pending/decode-session.sh pack
 #           the series applied to HEAD as temporary commits and packed (HEAD is left as it
@@ -24,13 +23,12 @@
 #           decode session"); where the consumers bound (the H200), so may the kernel:
 #           PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh S
 #   there, run T (the next call, while the machine is warm: the trees stay built under
-#           $TMPDIR/compare; about 6 minutes): every decode CUDA test in half-stages' tree,
-#           and the decode GEMM's in wide-splits':
+#           $TMPDIR/compare; about 5 minutes): every decode CUDA test in half-stages' tree:
 #           bash dev/gpu-pending/decode-session.sh T
 #   there, run W (the next call after P while the machine is warm, or alone after
-#           `dev/compare_builds.sh run .whl/decode true`, which only builds the trees): main's
-#           and wide-splits' times at 40 and 64 tokens, in the trees' order, then again in the
-#           reverse order (each row over bf16's time of its own pass):
+#           `dev/compare_builds.sh run DIR true`, which only builds the trees; for any series of
+#           the 33-64-token kernels): every tree's times at 40 and 64 tokens, in the trees'
+#           order, then again in the reverse order (each row over bf16's time of its own pass):
 #           bash dev/gpu-pending/decode-session.sh W
 #   there, run C (the next call, while the machine is warm: the trees stay built under
 #           $TMPDIR/compare): Nsight Compute on cuBLAS's bf16 kernel and the NVFP4 decode kernel
@@ -38,8 +36,10 @@
 #           PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh C
 #           PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh L
 #
-# Settings (read once, here): TMPDIR as for compare_builds.sh.
+# Settings (read once, here): TMPDIR as for compare_builds.sh; W_SHAPES, run W's weights
+# (default 4096x4096,8192x8192,4096x14336,6144x4096).
 set -uo pipefail
+w_shapes=${W_SHAPES:-4096x4096,8192x8192,4096x14336,6144x4096}
 
 # The series this tree holds, from what it adds.
 series() {
@@ -47,7 +47,6 @@ series() {
   grep -q "MT == 1 && FMT != kMxfp8 && U == 2 ? 2 : 1" csrc/decode_gemm_cuda.cu && s="half-stages"
   grep -q "^constexpr int kProbe = 1;" csrc/decode_gemm_cuda.cu && s="probe-stream"
   grep -q "^constexpr int kProbe = 2;" csrc/decode_gemm_cuda.cu && s="probe-consumers"
-  grep -q "kWideSplits = 2" csrc/decode_gemm_cuda.cu && s="wide-splits"
   echo "$s"
 }
 
@@ -66,15 +65,13 @@ case "${1:-}" in
     half=$(apply dev/gpu-pending/decode-half-stages/*.patch) &&
       git reset -q --hard "$base" &&
       stream=$(apply dev/gpu-pending/decode-probes/0001-*.patch) &&
-      consumers=$(apply dev/gpu-pending/decode-probes/0002-*.patch) &&
-      git reset -q --hard "$base" &&
-      wide=$(apply dev/gpu-pending/decode-wide-splits/*.patch)
+      consumers=$(apply dev/gpu-pending/decode-probes/0002-*.patch)
     ok=$?
     git reset -q --hard "$base"
     [ "$ok" -eq 0 ] || exit 1
-    echo "half-stages: $half; probes: $stream, $consumers; wide-splits: $wide"
+    echo "half-stages: $half; probes: $stream, $consumers"
     rm -rf .whl/decode
-    dev/compare_builds.sh pack .whl/decode "$half" "$stream" "$consumers" "$wide"
+    dev/compare_builds.sh pack .whl/decode "$half" "$stream" "$consumers"
     ;;
 
   C)
@@ -100,7 +97,6 @@ case "${1:-}" in
       (cd "$t" || exit 0
        case "$(series)" in
          half-stages) tests="tests/test_decode_gemm.py tests/test_decode_weight.py tests/test_decode_fusion.py" ;;
-         wide-splits) tests="tests/test_decode_gemm.py" ;;
          *) exit 0 ;;
        esac
        echo "== series: $(series)"
@@ -114,11 +110,10 @@ case "${1:-}" in
     for pass in forward reverse; do
       [ "$pass" = reverse ] && trees=($(printf '%s\n' "${trees[@]}" | tac))
       for t in "${trees[@]}"; do
-        (cd "$t" && case "$(series)" in main|wide-splits) ;; *) exit 0 ;; esac
-         echo "== $pass: series $(series)"
+        (cd "$t" && echo "== $pass: $(basename "$t"), series $(series)"
          PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 60 python3 \
            dev/experiments/decode_launches.py times \
-           --shapes 4096x4096,8192x8192,4096x14336,6144x4096 --ms 40,64)
+           --shapes "$w_shapes" --ms 40,64)
       done
     done
     ;;
