@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The measurements of the decode series waiting in dev/gpu-pending (decode-half-stages,
-# decode-probes), for one GPU session, best on an H200: the probes ask why the H200's rate
-# trails bf16's while the H100's matches it (on the H100 the stream bounds the kernel; on the
-# H200 the consumers likely do), and decode-half-stages gives the consumers twice the warps at
-# one token on the large 4-bit weights. Each tree that dev/compare_builds.sh builds runs this
-# script, which finds what the tree holds and runs what measures it. The trees: main's (the working tree);
-# decode-half-stages and the two probes on main, packed into .whl/decode.
+# decode-probes, decode-wg-sets), for one GPU session, best on an H200: the probes ask why the
+# H200's rate trails bf16's while the H100's matches it (on the H100 the stream bounds the
+# kernel; on the H200 the consumers likely do); decode-half-stages gives the consumers twice the
+# warps at one token on the large 4-bit weights; decode-wg-sets gives the warpgroup tile (33-64
+# tokens) two B sets, with its fence moved later in a second tree. Each tree that
+# dev/compare_builds.sh builds runs this script, which finds what the tree holds and runs what
+# measures it. The trees: main's (the working tree); decode-half-stages, the two probes,
+# wg-sets and wg-late-fence on main, packed into .whl/decode.
 #
 #   here:   dev/gpu-pending/decode-session.sh pack
 #           the series applied to HEAD as temporary commits and packed (HEAD is left as it
@@ -23,8 +25,10 @@
 #           decode session"); where the consumers bound (the H200), so may the kernel:
 #           PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh S
 #   there, run T (the next call, while the machine is warm: the trees stay built under
-#           $TMPDIR/compare; about 5 minutes): every decode CUDA test in half-stages' tree:
-#           bash dev/gpu-pending/decode-session.sh T
+#           $TMPDIR/compare; about 4 minutes a tree): every decode CUDA test in the trees of
+#           half-stages, wg-sets and wg-late-fence (or those named after T), and the wgmma
+#           A-register check of the latter two:
+#           bash dev/gpu-pending/decode-session.sh T [SERIES...]
 #   there, run W (the next call after P while the machine is warm, or alone after
 #           `dev/compare_builds.sh run DIR true`, which only builds the trees; for any series of
 #           the 33-64-token kernels): every tree's times at 40 and 64 tokens, in the trees'
@@ -47,6 +51,9 @@ series() {
   grep -q "MT == 1 && FMT != kMxfp8 && U == 2 ? 2 : 1" csrc/decode_gemm_cuda.cu && s="half-stages"
   grep -q "^constexpr int kProbe = 1;" csrc/decode_gemm_cuda.cu && s="probe-stream"
   grep -q "^constexpr int kProbe = 2;" csrc/decode_gemm_cuda.cu && s="probe-consumers"
+  grep -q "^constexpr int kBSets" csrc/decode_gemm_cuda.cu && s="wg-sets"
+  grep -q "it comes after the wait and the activation's loads" csrc/decode_gemm_cuda.cu &&
+    s="wg-late-fence"
   echo "$s"
 }
 
@@ -65,13 +72,16 @@ case "${1:-}" in
     half=$(apply dev/gpu-pending/decode-half-stages/*.patch) &&
       git reset -q --hard "$base" &&
       stream=$(apply dev/gpu-pending/decode-probes/0001-*.patch) &&
-      consumers=$(apply dev/gpu-pending/decode-probes/0002-*.patch)
+      consumers=$(apply dev/gpu-pending/decode-probes/0002-*.patch) &&
+      git reset -q --hard "$base" &&
+      sets=$(apply dev/gpu-pending/decode-wg-sets/0001-*.patch) &&
+      late=$(apply dev/gpu-pending/decode-wg-sets/0002-*.patch)
     ok=$?
     git reset -q --hard "$base"
     [ "$ok" -eq 0 ] || exit 1
-    echo "half-stages: $half; probes: $stream, $consumers"
+    echo "half-stages: $half; probes: $stream, $consumers; wg-sets: $sets, $late"
     rm -rf .whl/decode
-    dev/compare_builds.sh pack .whl/decode "$half" "$stream" "$consumers"
+    dev/compare_builds.sh pack .whl/decode "$half" "$stream" "$consumers" "$sets" "$late"
     ;;
 
   C)
@@ -93,13 +103,17 @@ case "${1:-}" in
       --shapes 28672x8192,8192x28672,8192x8192 --ms 1,4 --splits 1,2,3,4,7
     ;;
   T)
+    shift
+    want=" ${*:-half-stages wg-sets wg-late-fence} "
     for t in "${TMPDIR:-/tmp}"/compare/*/; do
       (cd "$t" || exit 0
-       case "$(series)" in
-         half-stages) tests="tests/test_decode_gemm.py tests/test_decode_weight.py tests/test_decode_fusion.py" ;;
-         *) exit 0 ;;
-       esac
+       [[ $want == *" $(series) "* ]] || exit 0
+       tests="tests/test_decode_gemm.py tests/test_decode_weight.py tests/test_decode_fusion.py"
        echo "== series: $(series)"
+       case "$(series)" in
+         wg-*) obj=$(find build -name 'decode_gemm_cuda*.o' | head -1)
+               python3 csrc/tools/wgmma_a_hazards.py "$obj" | tail -n 9 ;;
+       esac
        PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 330 python3 -m pytest -m cuda -q \
          $tests 2>&1 | tail -n 5)
     done
