@@ -10,6 +10,13 @@ tool checks the machine code. It follows each kernel's instructions in order (st
 which holds for the unrolled consumer loop), marks the A registers of every HGMMA pending, clears
 them at `WARPGROUP.DEPBAR.LE gsb0, 0x0`, and reports an instruction that writes a pending
 register. Needs cuobjdump (and nvdisasm) on PATH.
+
+It also prints, per kernel, how many instructions stand between each group of HGMMAs (the one
+that carries `gsb0`) and the wait that completes it, fewest and median: what the warp issues
+while its MMAs run. ptxas moves arithmetic across the wait: in the decode GEMM's warpgroup tile
+with one B set it put the wait before the decode that the source places ahead of it, so that
+only the stages' barriers and the weight's loads (about 30 instructions) overlapped the MMAs;
+with two sets the decode and its stores do (about 120; Nsight Compute's SASS on an H100).
 """
 
 from __future__ import annotations
@@ -51,10 +58,26 @@ def hazards(ins: list[str]) -> list[str]:
             continue
         m = re.match(r"(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s+R(\d+)\S*,", t)
         if m and not m.group(2).startswith(NO_DEST):
-            width = 4 if ".128" in m.group(2) else 2 if ".64" in m.group(2) else 1
+            op = m.group(2)  # a register pair: 64-bit loads and moves, IMAD.WIDE's product
+            width = 4 if ".128" in op else 2 if ".64" in op or ".WIDE" in op else 1
             if pending & set(range(int(m.group(3)), int(m.group(3)) + width)):
                 found.append(t)
     return found
+
+
+def overlaps(ins: list[str]) -> list[int]:
+    """Instructions between each HGMMA group's last instruction (`gsb0`) and the next wait."""
+    counts, since = [], None
+    for t in ins:
+        if "WARPGROUP.DEPBAR" in t:
+            if since is not None:
+                counts.append(since)
+            since = None
+        elif re.match(r"(@!?U?P\w+\s+)?HGMMA\S*\s", t) and "gsb0" in t:
+            since = 0
+        elif since is not None and not t.startswith("NOP"):
+            since += 1
+    return counts
 
 
 def main() -> int:
@@ -65,7 +88,10 @@ def main() -> int:
             continue
         found = hazards(ins)
         bad += len(found)
-        print(f"{name}: {len(found)} writes to pending A registers")
+        gaps = sorted(overlaps(ins))
+        between = (f"{gaps[0]} / {gaps[len(gaps) // 2]} instructions (fewest / median) between an "
+                   "MMA group and its wait" if gaps else "no MMA group followed by a wait")
+        print(f"{name}: {len(found)} writes to pending A registers; {between}")
         for t in found[:3]:
             print(f"    {t}")
     return 1 if bad else 0
