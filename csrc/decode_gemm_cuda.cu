@@ -40,9 +40,9 @@
 //   stages: the smallest that gives each CTA at most kSplitStages stages and makes at least
 //   7/8 as many CTAs as SMs (pick_splits; a CTA's cluster barriers, reduction and epilogue do
 //   not shrink with its K range); from 33 tokens, whose partial tiles are 8 times larger, at
-//   most 2 where that leaves each CTA at most kWideStages stages. R is 2 for the 4-bit formats from 9 tokens on
-//   weights of 2**27 elements or more (a warp's activation reads feed twice the MMAs), else 1
-//   (launch_r).
+//   most 2 where that leaves each CTA at most kWideStages stages. R is 2 for the 4-bit formats
+//   from 9 tokens on weights of 2**27 elements or more (a warp's activation reads feed twice
+//   the MMAs), else 1 (launch_r).
 // - Streaming. A fifth warp fills a ring of kStages shared-memory stages of U super-tiles as the
 //   consumers release them, by tensor copies (cp.async.bulk.tensor, through tensor maps the
 //   launch makes): one for the weight of all the CTA's row tiles, one for their scales and one
