@@ -503,8 +503,14 @@ __device__ __forceinline__ void nv_pair_store(const TileArgs& a, const unsigned 
       for (int b = 0; b < 16; ++b) half[b >> 3] |= static_cast<uint64_t>(sc[64 * b]) << (8 * (b & 7));
       const uint32_t nb = (C - c0) / 16 < 16 ? (C - c0) / 16 : 16;
       uint8_t* dst = a.nv_s + (wide(row, C / 16) + c0 / 16);
-      store_scale_bytes(dst, half[0], nb < 8 ? nb : 8);
-      if (nb > 8) store_scale_bytes(dst + 8, half[1], nb - 8);
+      if (nb == 16 && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {  // one request a row, not two
+        *reinterpret_cast<uint4*>(dst) =
+            make_uint4(static_cast<uint32_t>(half[0]), static_cast<uint32_t>(half[0] >> 32),
+                       static_cast<uint32_t>(half[1]), static_cast<uint32_t>(half[1] >> 32));
+      } else {
+        store_scale_bytes(dst, half[0], nb < 8 ? nb : 8);
+        if (nb > 8) store_scale_bytes(dst + 8, half[1], nb - 8);
+      }
     }
   }
 }
