@@ -12,7 +12,8 @@ namespace qtensor {
 
 // Integers enter error messages as strings: on the GPU machine's toolchain, streaming an int64
 // into c10::str from this extension crashed in libstdc++ (std::ostream::_M_insert<long>, seen
-// under cuda-gdb), while strings stream fine.
+// under cuda-gdb), while strings stream fine. Flags are spelled as two strings for the same
+// reason; csrc/tools/check_messages.py (run by the tests) finds a number streamed as it is.
 inline std::string num(int64_t v) { return std::to_string(v); }
 
 // "[a, b, c]" built by hand, for the same reason.
