@@ -12,8 +12,11 @@ tables measured in one GPU run). A row is "faster" (or "slower") where the tree'
 is below (above) the base's by more than --margin in every pass, else "within noise"; "host" marks
 a row whose host time exceeds its GPU time in some pass, which then measures the host, not the
 kernel. Two passes call changes of a few percent poorly: on 2026-12-06 rows whose code had not
-changed moved 1-3 % in both of two passes. Below about 3 %, take more passes or Nsight Compute's
-times at locked clocks (`ncu --clock-control base`).
+changed moved 1-3 % in both of two passes. Below about 3 %, take more passes, the CUDA graph's
+times (`--time gpu`: the kernels alone, without the launches' host time; on 2026-12-07 their
+ratios spread over three passes 0.5-0.6 times as wide as the eager ones), or Nsight Compute's
+times at locked clocks (`ncu --clock-control base`; at base clocks an instruction-bound kernel
+can rank otherwise than at the clocks it runs at).
 """
 
 from __future__ import annotations
@@ -42,28 +45,34 @@ def parse_table(text: str, source: str = "table") -> dict[Row, tuple[float, floa
     return rows
 
 
-def in_copies(rows: dict[Row, tuple[float, float, float]], source: str) -> dict[Row, float]:
-    """Each row's time over the copy's time of the same shape in the same table."""
+TIMES = {"us": 0, "gpu": 1}  # --time: the eager calls' time, or the CUDA graph's (kernels alone)
+
+
+def in_copies(rows: dict[Row, tuple[float, float, float]], source: str, time: str = "us") -> dict[Row, float]:
+    """Each row's time (`time`: "us" or "gpu") over the copy's of the same shape in the same table."""
+    col = TIMES[time]
     out = {}
-    for (shape, kernel), (us, _, _) in rows.items():
+    for (shape, kernel), times in rows.items():
         copy = rows.get((shape, "copy"))
         if copy is None:
             raise ValueError(f"{source}: shape {shape} has no copy row to take its rows over; "
                              "bench_quantize.py measures one first for every shape")
-        out[(shape, kernel)] = us / copy[0]
+        out[(shape, kernel)] = times[col] / copy[col]
     return out
 
 
-def verdicts(groups: list[tuple[str, list[str]]], texts: dict[str, str], margin: float) -> list[str]:
+def verdicts(groups: list[tuple[str, list[str]]], texts: dict[str, str], margin: float,
+             time: str = "us") -> list[str]:
     """The markdown lines of the comparison of every group with the first, pass by pass."""
     passes = {len(files) for _, files in groups}
     if len(passes) != 1:
         raise ValueError(f"every tree needs the same number of passes (file k is pass k); got "
                          f"{', '.join(f'{n}: {len(f)}' for n, f in groups)}")
     tables = {name: [parse_table(texts[f], f) for f in files] for name, files in groups}
-    copies = {name: [in_copies(t, f) for t, f in zip(tables[name], files)] for name, files in groups}
+    copies = {name: [in_copies(t, f, time) for t, f in zip(tables[name], files)] for name, files in groups}
     base = groups[0][0]
-    head = ["shape", "kernel", f"{base} (time in copies)"] + [f"{n} / {base}" for n, _ in groups[1:]]
+    what = "time in copies" if time == "us" else "GPU time in copies"
+    head = ["shape", "kernel", f"{base} ({what})"] + [f"{n} / {base}" for n, _ in groups[1:]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in tables[base][0]:
         if row[1] == "copy" or any(row not in c for c in copies[base]):
@@ -92,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("trees", nargs="+", metavar="NAME=FILE[,FILE...]", help="the base first")
     p.add_argument("--margin", type=float, default=0.02,
                    help="the least relative change every pass must show (default 0.02)")
+    p.add_argument("--time", choices=sorted(TIMES), default="us",
+                   help="us: the eager calls' time (default); gpu: the CUDA graph replay's, the "
+                        "kernels alone, without the launches' host time")
     args = p.parse_args(argv)
     groups = []
     for spec in args.trees:
@@ -107,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(f) as fh:
                 texts[f] = fh.read()
     try:
-        print("\n".join(verdicts(groups, texts, args.margin)))
+        print("\n".join(verdicts(groups, texts, args.margin, args.time)))
     except ValueError as e:
         print(f"bench_ratios: {e}", file=sys.stderr)
         return 2

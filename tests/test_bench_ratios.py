@@ -35,6 +35,17 @@ def test_verdicts_take_each_row_over_its_own_copy():
     assert "0.500 / 0.500" in by_kernel["row"]  # the base's own time in copies, per pass
 
 
+def test_gpu_time_takes_the_graph_column_over_the_copy_s_own():
+    # The copy's GPU time (its graph replay) is its us column here, 100; the rows' eager and
+    # graph times disagree: eager says slower, the kernels alone faster.
+    texts = {"b": table(100.0, {"k": (100.0, 90.0, 1.0)}), "s": table(100.0, {"k": (104.0, 81.0, 1.0)})}
+    groups = [("main", ["b"]), ("s", ["s"])]
+    assert bench_ratios.verdicts(groups, texts, 0.02)[-1].endswith("1.040 slower |")
+    lines = bench_ratios.verdicts(groups, texts, 0.02, "gpu")
+    assert "main (GPU time in copies)" in lines[0]
+    assert lines[-1] == "| 64x64 | k | 0.900 | 0.900 faster |"
+
+
 def test_slower_needs_every_pass():
     texts = {"b": table(100.0, {"k": (100.0, 90.0, 1.0)}), "s": table(100.0, {"k": (104.0, 90.0, 1.0)})}
     lines = bench_ratios.verdicts([("main", ["b"]), ("s", ["s"])], texts, 0.02)
