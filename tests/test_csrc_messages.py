@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+from pathlib import Path
 
 _ROOT = os.path.join(os.path.dirname(__file__), "..")
 _PATH = os.path.join(_ROOT, "csrc", "tools", "check_messages.py")
@@ -21,10 +22,11 @@ def test_every_source_streams_its_numbers_as_strings():
     paths = sorted(p for ext in ("cu", "cuh", "cpp", "h")
                    for p in glob.glob(os.path.join(_ROOT, "csrc", "**", f"*.{ext}"), recursive=True))
     assert len(paths) > 10, paths
-    found = {os.path.relpath(p, _ROOT): messages.findings(open(p).read()) for p in paths}
+    sources = {os.path.relpath(p, _ROOT): Path(p).read_text() for p in paths}
+    found = {p: messages.findings(src) for p, src in sources.items()}
     assert {p: f for p, f in found.items() if f} == {}
     # The sources do hold checks for it to read.
-    assert sum(len(list(messages.checks(messages.strip_comments(open(p).read())))) for p in paths) > 50
+    assert sum(len(list(messages.checks(messages.strip_comments(src)))) for src in sources.values()) > 50
 
 
 SOURCE = '''
@@ -36,7 +38,7 @@ void op(const at::Tensor& x, int64_t walk, bool rht, double eps, const char* op)
   TORCH_CHECK(rht, "flag ", rht, ", eps ", eps, ", rows ", rows);
   TORCH_CHECK(x.dim() == 2, "got ", x.dim(), " dims, size ", x.size(0), ", shape ", x.sizes());
   TORCH_CHECK(true, "a literal ", 16, " and a sum ", walk + 1);
-  TORCH_CHECK_VALUE(false, "walk ", walk);
+  TORCH_CHECK_VALUE(false, "walk ", walk, num(walk) + x.size(1));
   TORCH_CHECK(walk == 0, op, " takes walk 0 (chosen, or 2); got ", num(walk), ", rht ",
               (rht ? "true" : "false"), ", shape ", shape_str(x), ", dtype ", x.scalar_type(),
               ", name ", kName[walk], ", ", std::to_string(rows), ".");
@@ -51,7 +53,7 @@ def test_numbers_flags_and_sizes_are_found_and_strings_pass():
         (7, "rht"), (7, "eps"), (7, "rows"),
         (8, "x.dim()"), (8, "x.size(0)"), (8, "x.sizes()"),
         (9, "16"), (9, "walk + 1"),
-        (10, "walk"),
+        (10, "walk"), (10, "num(walk) + x.size(1)"),
     ]
 
 

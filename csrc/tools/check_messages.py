@@ -32,7 +32,7 @@ _NUMERIC = (r"(?:bool|char|short|int|long|unsigned|signed|size_t|ssize_t|u?int(?
 _DECL = re.compile(r"\b" + _NUMERIC + r"(?:\s+(?:long|int))*\s*(?:const\s*)?&?\s*([A-Za-z_]\w*)\s*(?=[=,;)\[{:])")
 _INT_METHOD = re.compile(r"\.(?:size|dim|numel|stride|sizes|strides|element_size|itemsize|get_device"
                          r"|storage_offset)\s*\(")
-_SAFE_CALL = re.compile(r"(?:num|shape_str|std::to_string)\s*\(.*\)", re.S)
+_SAFE_CALL = re.compile(r"(?:num|shape_str|std::to_string)\s*\(")
 _STRINGS = re.compile(r'(?:"(?:[^"\\]|\\.)*"\s*)+', re.S)
 _STRING_LITERAL = re.compile(r'"(?:[^"\\]|\\.)*"')
 _CHECK = re.compile(r"\bTORCH_CHECK(?:_[A-Z_]+)?\s*\(")
@@ -44,6 +44,18 @@ def _skip_quoted(text: str, i: int) -> int:
     while text[j] != quote:
         j += 2 if text[j] == "\\" else 1
     return j + 1
+
+
+def _call_end(text: str, i: int) -> int:
+    """The index just past the parenthesis that closes the one open before text[i]."""
+    depth = 1
+    while depth:
+        if text[i] in "\"'":
+            i = _skip_quoted(text, i)
+            continue
+        depth += (text[i] == "(") - (text[i] == ")")
+        i += 1
+    return i
 
 
 def strip_comments(src: str) -> str:
@@ -92,20 +104,15 @@ def split_arguments(text: str) -> list[str]:
 def checks(src: str):
     """(line, argument text) of each TORCH_CHECK call in comment-free source."""
     for m in _CHECK.finditer(src):
-        i = j = m.end()
-        depth = 1
-        while depth:
-            if src[j] in "\"'":
-                j = _skip_quoted(src, j)
-                continue
-            depth += (src[j] == "(") - (src[j] == ")")
-            j += 1
-        yield src.count("\n", 0, m.start()) + 1, src[i:j - 1]
+        yield src.count("\n", 0, m.start()) + 1, src[m.end():_call_end(src, m.end()) - 1]
 
 
 def streams_number(arg: str, numeric_names: set[str]) -> bool:
     """Whether a message argument would stream a number (the module's rules)."""
-    if _STRINGS.fullmatch(arg) or _SAFE_CALL.fullmatch(arg):
+    if _STRINGS.fullmatch(arg):
+        return False
+    call = _SAFE_CALL.match(arg)
+    if call and _call_end(arg, call.end()) == len(arg):  # the whole argument is one such call
         return False
     bare = _STRING_LITERAL.sub('""', arg).strip()
     if re.fullmatch(r'\(?[^?]*\?\s*""\s*:\s*""\s*\)?', bare):
