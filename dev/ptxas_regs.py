@@ -14,9 +14,9 @@ It runs nvcc with setup.py's own nvcc flags (read from its NVCC_FLAGS) and `-Xpt
 target (default sm_90a), against the include folders of the torch that runs it. A CPU build of
 torch ships the CUDA headers but one generated header, c10/cuda/impl/cuda_cmake_macros.h; a
 stand-in is written to a temporary folder where it is missing. Kernels are named demangled (by
-c++filt where found) without their parameter lists, and matched between trees by those names;
-a kernel whose template parameters changed is listed as in one tree only. One compile of
-quant_cuda.cu takes about a minute and a half on two cores.
+c++filt) without their parameter lists, and matched between trees by those names; a kernel whose
+template parameters changed is listed as in one tree only. One compile of quant_cuda.cu takes
+about a minute and a half on two cores.
 
 Settings (read once, here): NVCC, the compiler (default: nvcc on PATH).
 """
@@ -66,10 +66,13 @@ def parse_ptxas(text: str) -> dict[str, Kernel]:
 
 
 def demangle(names: list[str]) -> dict[str, str]:
-    """Mangled -> readable names without parameter lists (the mangled ones where no c++filt)."""
+    """Mangled -> readable names without parameter lists, by c++filt: the mangled names of one
+    kernel differ between trees (an anonymous namespace's name holds a hash of its file)."""
     tool = shutil.which("c++filt")
-    if tool is None or not names:
-        return {n: n for n in names}
+    if tool is None:
+        raise SystemExit("ptxas_regs: no c++filt on PATH to name the kernels; install binutils (it comes with gcc).")
+    if not names:
+        return {}
     out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True, check=True).stdout
     short = []
     for line in out.splitlines():
@@ -78,7 +81,7 @@ def demangle(names: list[str]) -> dict[str, str]:
         for i, ch in enumerate(line):  # cut at the parameter list: the first '(' outside <...>
             depth += ch == "<"
             depth -= ch == ">"
-            if ch == "(" and depth == 0 and i and not line[:i].endswith("operator"):
+            if ch == "(" and depth == 0:
                 line = line[:i]
                 break
         short.append(line)
@@ -134,9 +137,8 @@ def cells(k: Kernel | None) -> list[str]:
 
 
 def table(reports: list[dict[str, Kernel]], names: list[str], show_all: bool) -> list[str]:
-    """Markdown rows: every kernel of one report; of two, those whose figures differ. Kernels are
-    matched by their readable names: a mangled name in an anonymous namespace holds a hash of its
-    file, which differs between trees."""
+    """Markdown rows: every kernel of one report; of two, those whose figures differ, matched by
+    their readable names (demangle)."""
     named = []
     for r in reports:
         readable = demangle(sorted(r))

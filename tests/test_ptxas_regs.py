@@ -41,7 +41,7 @@ def test_two_trees_list_the_kernels_that_differ_or_are_in_one_only():
                                           "_Z4gonev": (40, 0, 0, 0)}))
     tree = ptxas_regs.parse_ptxas(report({"_Z4samev": (64, 0, 0, 32), "_Z4movev": (71, 4, 4, 32),
                                           "_Z3newv": (50, 0, 0, 0)}))
-    # c++filt, where found, names them same, move, gone and new
+    # c++filt names them same, move, gone and new
     n = ptxas_regs.demangle(["_Z4samev", "_Z4movev", "_Z4gonev", "_Z3newv"])
     rows = ptxas_regs.table([base, tree], ["main", "series"], show_all=False)
     body = "\n".join(rows[2:])
@@ -69,3 +69,9 @@ def test_bad_arguments_name_the_remedy(tmp_path):
     (tmp_path / "setup.py").write_text("FLAGS = []\n")
     with pytest.raises(SystemExit, match="assigns no NVCC_FLAGS"):
         ptxas_regs.setup_nvcc_flags(str(tmp_path))
+
+
+def test_no_cxxfilt_names_the_remedy(monkeypatch):
+    monkeypatch.setattr(ptxas_regs.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit, match=r"no c\+\+filt on PATH .* install binutils"):
+        ptxas_regs.demangle(["_Z4movev"])
