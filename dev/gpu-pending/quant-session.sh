@@ -19,16 +19,30 @@
 #           tree (all to $OUT/ncu_all.txt), and in main's the stall, scheduler and memory sections
 #           of its transposing casts ($OUT/ncu_detail_main.txt):
 #           for t in "${TMPDIR:-/tmp}"/compare/*/ "$PWD"; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/quant-session.sh B); done
+#   there, P (one call from main's root, where machines are scarce: builds every tree, runs each
+#           series' quantizer CUDA suite, then PASSES bench passes over CASES and SHAPES in
+#           alternating tree order, each table to $OUT/p<k>_<series>.md, and prints
+#           dev/bench_ratios.py's verdicts of every series against main, eager and GPU time; after
+#           each stage everything under $OUT is packed into $OUT/results.tgz, one file to fetch.
+#           Each finished stage leaves a mark under $TMPDIR/compare, so the same call issued again
+#           while the machine is warm goes on where a call cut at its limit stopped):
+#           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16 OUT
+#           bash dev/gpu-pending/quant-session.sh P
 #   there, S RANGE... (in one built tree, from its root): Nsight Compute's per-instruction SASS
 #           counters and stall reasons of the kernels of profile_quantize's named ranges (e.g.
 #           "nvfp4 col"), as one gzipped CSV (about 2 MB a kernel unpacked),
 #           $OUT/ncu_src_<series>.csv.gz, for benchmarks/ncu_sass_regions.py:
 #           bash dev/gpu-pending/quant-session.sh S "nvfp4 col" "mxfp8 both"
 #
-# Settings (read once, here): OUT (where the tables go; default: none), TMPDIR as for
-# compare_builds.sh.
+# Settings (read once, here): OUT (where the tables go; default: none; P requires it), TMPDIR as
+# for compare_builds.sh; for P, PASSES (default 3), CASES and SHAPES (bench_quantize's --cases and
+# --shapes; default: the transposing casts at the issue's two shapes).
 set -uo pipefail
 out=${OUT:-}
+work=${TMPDIR:-/tmp}/compare
+passes=${PASSES:-3}
+cases=${CASES:-nvfp4 col,nvfp4 col rht+sr,mxfp8 col,mxfp8 both,hybrid grad,hybrid grad rht+sr}
+shapes=${SHAPES:-16384x8192,8192x5120}
 
 # The series this tree holds: the name its pack recorded, else (a revision packed by hand) the
 # tree's folder under compare/, else main.
@@ -85,6 +99,62 @@ case "${1:-}" in
         --section MemoryWorkloadAnalysis --section Occupancy \
         python3 benchmarks/profile_quantize.py > "${out:-.}/ncu_detail_main.txt" 2>&1
     fi
+    ;;
+  P)
+    [ -n "$out" ] || { echo "quant-session: P writes its tables to \$OUT; set OUT" >&2; exit 2; }
+    ls .whl/compare/*.tar > /dev/null 2>&1 \
+      || { echo "quant-session: P runs from main's root with .whl/compare packed (run pack here)" >&2; exit 2; }
+    t0=$(date +%s)
+    say() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+    keep() { tar -czf "$work/results.tgz" -C "$out" --exclude results.tgz . && cp "$work/results.tgz" "$out/"; }
+    mkdir -p "$work"
+    if [ ! -f "$work/built" ]; then
+      dev/compare_builds.sh run .whl/compare true > "$out/build.txt" 2>&1 && touch "$work/built"
+      say "built"
+      grep -A5 'build failed' "$out/build.txt"
+    fi
+    trees=("$PWD")
+    names=(main)
+    for tar in .whl/compare/*.tar; do
+      t="$work/$(basename "$tar" .tar)"
+      [ -d "$t" ] || { echo "quant-session: $t was not unpacked (see $out/build.txt)" >&2; exit 1; }
+      trees+=("$t")
+      names+=("$(cd "$t" && series)")
+    done
+    for i in "${!trees[@]}"; do
+      [ "$i" -gt 0 ] && [ ! -f "$work/suite_${names[$i]}" ] || continue
+      (cd "${trees[$i]}" && PYTHONPATH="${trees[$i]}${PYTHONPATH:+:$PYTHONPATH}" timeout 240 \
+        python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_kernels_quant.py \
+        tests/test_hybrid_gradient_cast.py tests/test_kernels_dispatch.py 2>&1 | tail -n 4) \
+        > "$out/suite_${names[$i]}.txt"
+      say "suite ${names[$i]}: $(tail -n 1 "$out/suite_${names[$i]}.txt")"
+      # only a whole suite's pass marks it (a hang ends at the limit without a summary line)
+      grep -qE '[0-9]+ passed' "$out/suite_${names[$i]}.txt" \
+        && ! grep -qE 'failed|error' "$out/suite_${names[$i]}.txt" && touch "$work/suite_${names[$i]}"
+      keep
+    done
+    for p in $(seq 1 "$passes"); do
+      [ -f "$work/pass$p" ] && continue
+      order=("${!trees[@]}")
+      [ $((p % 2)) -eq 0 ] && order=($(printf '%s\n' "${order[@]}" | tac))
+      for i in "${order[@]}"; do
+        (cd "${trees[$i]}" && PYTHONPATH="${trees[$i]}${PYTHONPATH:+:$PYTHONPATH}" timeout 120 \
+          python3 benchmarks/bench_quantize.py --no-peers --cases "$cases" --shapes "$shapes" \
+          --out "$out/p${p}_${names[$i]}.md" > /dev/null)
+      done
+      touch "$work/pass$p"
+      say "pass $p"
+      keep
+    done
+    args=()
+    for name in "${names[@]}"; do
+      files=$(seq 1 "$passes" | sed "s|.*|$out/p&_$name.md|" | paste -sd,)
+      args+=("$name=$files")
+    done
+    for time in us gpu; do
+      python3 dev/bench_ratios.py --time "$time" "${args[@]}" | tee "$out/verdicts_$time.txt"
+    done
+    keep
     ;;
   S)
     shift
