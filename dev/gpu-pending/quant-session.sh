@@ -51,6 +51,13 @@ series() {
   else case "$PWD" in */compare/*) basename "$PWD" ;; *) echo main ;; esac; fi
 }
 
+# The quantizers' whole CUDA suite in this tree, its last lines (a wrong barrier hangs rather than
+# fails: the limit).
+suite() {
+  timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_kernels_quant.py \
+    tests/test_hybrid_gradient_cast.py tests/test_kernels_dispatch.py 2>&1 | tail -n 4
+}
+
 case "${1:-}" in
   pack)
     git diff --quiet && git diff --cached --quiet || { echo "quant-session: commit first" >&2; exit 1; }
@@ -73,10 +80,7 @@ case "${1:-}" in
   A)
     s=$(series)
     echo "series: $s"
-    if [ "$s" != main ]; then  # a series' whole quantizer suite (a wrong barrier hangs: the limit)
-      timeout 240 python3 -m pytest -m cuda -q tests/test_kernels_quant.py \
-        tests/test_hybrid_gradient_cast.py tests/test_kernels_dispatch.py 2>&1 | tail -n 4
-    fi
+    [ "$s" = main ] || suite
     timeout 180 python3 benchmarks/bench_quantize.py --no-peers ${out:+--out "$out/bench_quantize_$s.md"} \
       | grep -v '^#'
     ;;
@@ -123,9 +127,7 @@ case "${1:-}" in
     done
     for i in "${!trees[@]}"; do
       [ "$i" -gt 0 ] && [ ! -f "$work/suite_${names[$i]}" ] || continue
-      (cd "${trees[$i]}" && PYTHONPATH="${trees[$i]}${PYTHONPATH:+:$PYTHONPATH}" timeout 240 \
-        python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_kernels_quant.py \
-        tests/test_hybrid_gradient_cast.py tests/test_kernels_dispatch.py 2>&1 | tail -n 4) \
+      (cd "${trees[$i]}" && PYTHONPATH="${trees[$i]}${PYTHONPATH:+:$PYTHONPATH}" suite) \
         > "$out/suite_${names[$i]}.txt"
       say "suite ${names[$i]}: $(tail -n 1 "$out/suite_${names[$i]}.txt")"
       # only a whole suite's pass marks it (a hang ends at the limit without a summary line)
@@ -137,11 +139,13 @@ case "${1:-}" in
       [ -f "$work/pass$p" ] && continue
       order=("${!trees[@]}")
       [ $((p % 2)) -eq 0 ] && order=($(printf '%s\n' "${order[@]}" | tac))
+      whole=1
       for i in "${order[@]}"; do
         (cd "${trees[$i]}" && PYTHONPATH="${trees[$i]}${PYTHONPATH:+:$PYTHONPATH}" timeout 120 \
           python3 benchmarks/bench_quantize.py --no-peers --cases "$cases" --shapes "$shapes" \
-          --out "$out/p${p}_${names[$i]}.md" > /dev/null)
+          --out "$out/p${p}_${names[$i]}.md" > /dev/null) || whole=0
       done
+      [ "$whole" = 1 ] || { echo "quant-session: pass $p failed in a tree; rerun P" >&2; keep; exit 1; }
       touch "$work/pass$p"
       say "pass $p"
       keep
