@@ -19,9 +19,10 @@
 #           tree (all to $OUT/ncu_all.txt), and in main's the stall, scheduler and memory sections
 #           of its transposing casts ($OUT/ncu_detail_main.txt):
 #           for t in "${TMPDIR:-/tmp}"/compare/*/ "$PWD"; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/quant-session.sh B); done
-#   there, P (one call from main's root, where machines are scarce: builds every tree, runs each
-#           series' quantizer CUDA suite, then PASSES bench passes over CASES and SHAPES in
-#           alternating tree order, each table to $OUT/p<k>_<series>.md, and prints
+#   there, P (one call from main's root, where machines are scarce: builds every tree, a failed
+#           build stopping it, runs each series' quantizer CUDA suite, then PASSES bench passes
+#           over CASES and SHAPES in alternating tree order, each table to $OUT/p<k>_<series>.md,
+#           and prints
 #           dev/bench_ratios.py's verdicts of every series against main, eager and GPU time; after
 #           each stage everything under $OUT is packed into $OUT/results.tgz, one file to fetch.
 #           Each finished stage leaves a mark under $TMPDIR/compare, so the same call issued again
@@ -112,10 +113,14 @@ case "${1:-}" in
     say() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
     keep() { tar -czf "$work/results.tgz" -C "$out" --exclude results.tgz . && cp "$work/results.tgz" "$out/"; }
     mkdir -p "$work"
+    # a command of its own in tree $1 (cd there, the tree first on PYTHONPATH)
+    at() { local t=$1; shift; (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" "$@"); }
     if [ ! -f "$work/built" ]; then
-      dev/compare_builds.sh run .whl/compare true > "$out/build.txt" 2>&1 && touch "$work/built"
+      # compare_builds reports a failed build and goes on with the others: a failed tree stops P
+      dev/compare_builds.sh run .whl/compare true > "$out/build.txt" 2>&1
       say "built"
-      grep -A5 'build failed' "$out/build.txt"
+      if grep -A5 'build failed' "$out/build.txt"; then keep; exit 1; fi
+      touch "$work/built"
     fi
     trees=("$PWD")
     names=(main)
@@ -127,8 +132,7 @@ case "${1:-}" in
     done
     for i in "${!trees[@]}"; do
       [ "$i" -gt 0 ] && [ ! -f "$work/suite_${names[$i]}" ] || continue
-      (cd "${trees[$i]}" && PYTHONPATH="${trees[$i]}${PYTHONPATH:+:$PYTHONPATH}" suite) \
-        > "$out/suite_${names[$i]}.txt"
+      at "${trees[$i]}" suite > "$out/suite_${names[$i]}.txt"
       say "suite ${names[$i]}: $(tail -n 1 "$out/suite_${names[$i]}.txt")"
       # only a whole suite's pass marks it (a hang ends at the limit without a summary line)
       grep -qE '[0-9]+ passed' "$out/suite_${names[$i]}.txt" \
@@ -141,9 +145,8 @@ case "${1:-}" in
       [ $((p % 2)) -eq 0 ] && order=($(printf '%s\n' "${order[@]}" | tac))
       whole=1
       for i in "${order[@]}"; do
-        (cd "${trees[$i]}" && PYTHONPATH="${trees[$i]}${PYTHONPATH:+:$PYTHONPATH}" timeout 120 \
-          python3 benchmarks/bench_quantize.py --no-peers --cases "$cases" --shapes "$shapes" \
-          --out "$out/p${p}_${names[$i]}.md" > /dev/null) || whole=0
+        at "${trees[$i]}" timeout 120 python3 benchmarks/bench_quantize.py --no-peers \
+          --cases "$cases" --shapes "$shapes" --out "$out/p${p}_${names[$i]}.md" > /dev/null || whole=0
       done
       [ "$whole" = 1 ] || { echo "quant-session: pass $p failed in a tree; rerun P" >&2; keep; exit 1; }
       touch "$work/pass$p"
