@@ -424,9 +424,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mxfp8_quantize_cpu(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hybrid_quantize_cpu(
     const at::Tensor& x, const at::Tensor& amax, int64_t rule, int64_t fourover6, int64_t bound,
-    bool rht, bool stochastic, const std::optional<at::Tensor>& sr_state) {
+    bool rht, bool stochastic, const std::optional<at::Tensor>& sr_state, int64_t walk) {
   TORCH_CHECK(x.dim() == 2, "qtensor.hybrid_quantize takes a 2-D gradient [M, K]; got shape ",
               shape_str(x), ".");
+  TORCH_CHECK(walk == 0 || walk == 2 || walk == 4, "qtensor.hybrid_quantize takes walk 0 (chosen), 2 (pairs) or 4 "
+              "(quads); got ", num(walk), ".");  // the CPU kernels have no tile walk
   auto mx = mxfp8_quantize_cpu(x, rule, true, false);
   auto nv = nvfp4_quantize_cpu(x, amax, true, false, fourover6, bound, rht, stochastic, sr_state);
   return {std::get<0>(mx), std::get<1>(mx), std::get<0>(nv), std::get<1>(nv)};

@@ -10,10 +10,12 @@
 // consecutive blocks); NVFP4 columnwise codes and scales, and MXFP8 codes and row scales, are
 // staged in shared memory and leave as whole rows of the tile, so that each store request carries
 // as many bytes as the tile row holds (the NVFP4 columnwise kernels stage two tiles at a time,
-// whose result rows make whole 128-byte lines; the MXFP8-only kernels' codes leave by the copy
-// unit's tensor stores). The 1x16 / 1x32 and round-to-nearest 2D rowwise modes need no tile:
-// quant_rows_cuda.cu. The math is quant_math.h and quant_rows_math.h, shared with the CPU
-// kernels; built with --fmad=false so every fp32 operation rounds like the reference.
+// whose result rows make whole 128-byte lines, and the hybrid cast of 16-bit inputs, where the
+// shape allows, four, two side by side, so that its MXFP8 rows are whole lines too; the
+// MXFP8-only kernels' codes leave by the copy unit's tensor stores). The 1x16 / 1x32 and
+// round-to-nearest 2D rowwise modes need no tile: quant_rows_cuda.cu. The math is quant_math.h
+// and quant_rows_math.h, shared with the CPU kernels; built with --fmad=false so every fp32
+// operation rounds like the reference.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -207,6 +209,7 @@ struct TileArgs {
   // MXFP8
   int rule;
   uint8_t *mxr_q, *mxr_s, *mxc_q, *mxc_s;
+  int walk;  // read on the host: the hybrid cast's walk if forced (2 or 4), else 0 (launch_tiles)
 };
 
 // ---- NVFP4 blocks ----------------------------------------------------------------------------------
@@ -564,15 +567,21 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const NvFlags& f
 // ---- MXFP8 ------------------------------------------------------------------------------------------
 
 // Rowwise beside NVFP4 columnwise (the hybrid cast, 128 x 64 tiles). The codes and scales are
-// staged in shared memory and leave after a barrier as whole 64-byte tile rows and 2 scale bytes
-// a row: stored straight from the lanes, each request would carry one 32-byte sector or one scale
-// byte, and the L2's requests, not the DRAM, would bound the cast. Chunk c (16 bytes) of row r is
-// kept at c ^ ((r / 2) % 4): the 8 rows of a store phase and the 2 rows of a load phase then fall
-// in distinct banks.
+// staged in shared memory and leave after a barrier as rows of COLS code bytes and COLS / 32 scale
+// bytes: stored straight from the lanes, each request would carry one 32-byte sector or one scale
+// byte, and the L2's requests, not the DRAM, would bound the cast. COLS is one tile's 64 columns,
+// or 128 where the walk takes two tiles of the same rows in turn (Walk's quads): whole 128-byte
+// lines and 4 scale bytes a row, half the store requests. Chunk c (16 bytes) of row r is kept at
+// c ^ ((r / 2) % 4) in 64-byte rows and at c ^ (r % 8) in 128-byte rows: the 8 rows of a staging
+// phase (one chunk of 8 consecutive rows) and the one or two rows of a store phase then fall in
+// distinct banks.
+template <int COLS>
 struct MxRowOut {
-  uint4 q[kRows][kCols / 16];
-  uint8_t s[kRows][kCols / 32];
-  __device__ static int chunk(int r, int c) { return c ^ ((r >> 1) & 3); }
+  static_assert(COLS == kCols || COLS == 2 * kCols, "one tile's columns or two");
+  using ScaleWord = std::conditional_t<COLS == kCols, uint16_t, uint32_t>;
+  uint4 q[kRows][COLS / 16];
+  uint8_t s[kRows][COLS / 32];
+  __device__ static int chunk(int r, int c) { return COLS == kCols ? c ^ ((r >> 1) & 3) : c ^ (r & 7); }
 };
 
 // One thread's MXFP8 rowwise outputs of a tile: 16 code bytes of each of two 32-blocks and their
@@ -614,19 +623,24 @@ __device__ __forceinline__ MxRowCodes mx_row_codes(const TileArgs& a, const unsi
   return out;
 }
 
-__device__ __forceinline__ void mx_row_stage(MxRowOut& out, const MxRowCodes& c) {
-  const int r = mx_row_of_thread(), h = (threadIdx.x >> 3) & 1;
+// This thread's rowwise outputs of a tile into the staged rows: their 64 columns from column
+// 64 side (side 1 only in 128-column rows, for the second tile of the same rows).
+template <int COLS>
+__device__ __forceinline__ void mx_row_stage(MxRowOut<COLS>& out, const MxRowCodes& c, uint32_t side) {
+  const int r = mx_row_of_thread(), h = (threadIdx.x >> 3) & 1, c0 = 4 * static_cast<int>(side);
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    out.q[r][out.chunk(r, 2 * j + h)] = c.q[j];
-    if (h == 0) out.s[r][j] = static_cast<uint8_t>(c.code[j]);
+    out.q[r][out.chunk(r, c0 + 2 * j + h)] = c.q[j];
+    if (h == 0) out.s[r][c0 / 2 + j] = static_cast<uint8_t>(c.code[j]);
   }
 }
 
-// The staged rowwise outputs of the tile at (m0, k0), after a barrier: 4 threads a row, 16 bytes
-// each; a row's 2 scale bytes as one 2-byte word where they are whole and aligned (K % 32 == 0).
-__device__ __forceinline__ void mx_row_store(const TileArgs& a, const MxRowOut& out, uint32_t m0, uint32_t k0) {
-  constexpr int kPerRow = kCols / 16, kRowsPerPass = kThreads / kPerRow;
+// The staged rowwise outputs of the rows m0.. from column k0, after a barrier: COLS / 16 threads a
+// row, 16 bytes each (chunks past K are not stored: K % 16 == 0 makes each wholly in or out); a
+// row's scale bytes as one word where they are whole and aligned (K % 32 == 0).
+template <int COLS>
+__device__ __forceinline__ void mx_row_store(const TileArgs& a, const MxRowOut<COLS>& out, uint32_t m0, uint32_t k0) {
+  constexpr int kPerRow = COLS / 16, kRowsPerPass = kThreads / kPerRow, kScales = COLS / 32;
   const int c = threadIdx.x % kPerRow;
   const uint32_t col = k0 + 16 * c;
 #pragma unroll
@@ -637,9 +651,12 @@ __device__ __forceinline__ void mx_row_store(const TileArgs& a, const MxRowOut& 
   }
   if (threadIdx.x < kRows && m0 + threadIdx.x < a.M) {
     const int r = threadIdx.x;
-    const uint32_t nb = (a.K - k0) / 32 < 2 ? (a.K - k0) / 32 : 2;
-    uint8_t* dst = a.mxr_s + (wide(m0 + r, a.K / 32) + k0 / 32);
-    store_scale_bytes(dst, static_cast<uint16_t>(out.s[r][0] | (out.s[r][1] << 8)), nb);
+    const uint32_t nb = (a.K - k0) / 32 < kScales ? (a.K - k0) / 32 : kScales;
+    using W = typename MxRowOut<COLS>::ScaleWord;
+    W bytes = 0;
+#pragma unroll
+    for (int b = 0; b < kScales; ++b) bytes |= static_cast<W>(static_cast<W>(out.s[r][b]) << (8 * b));
+    store_scale_bytes(a.mxr_s + (wide(m0 + r, a.K / 32) + k0 / 32), bytes, nb);
   }
 }
 
@@ -907,17 +924,24 @@ struct TileWalk {
   }
 };
 
-// A CTA's sequence of tiles: units u, u + grid, ... of a grid of units tiles_k wide, a unit one
-// tile, or with PAIRS the two tiles (2 tm, tk) and (2 tm + 1, tk) in turn.
-template <bool PAIRS>
+// A CTA's sequence of tiles: units u, u + grid, ... of a grid of units `width` wide. A unit is
+// TILES tiles taken in turn: one tile (TILES 1); the pair (2 tm, tk), (2 tm + 1, tk) (TILES 2);
+// or the quad (2 tm, 2 tk), (2 tm, 2 tk + 1), (2 tm + 1, 2 tk), (2 tm + 1, 2 tk + 1) (TILES 4),
+// whose tiles 0 and 2, and 1 and 3, are pairs, and 0 and 1, and 2 and 3, the same rows side by
+// side. `half` is the tile's place in its unit.
+template <int TILES>
 struct Walk {
+  static_assert(TILES == 1 || TILES == 2 || TILES == 4, "a tile, a pair or a quad");
   TileWalk unit;
   uint32_t u, half;
-  __device__ Walk(uint32_t first, uint32_t tiles_k) : unit(first, tiles_k), u(first), half(0u) {}
-  __device__ __forceinline__ uint32_t tm() const { return PAIRS ? 2u * unit.tm + half : unit.tm; }
+  __device__ Walk(uint32_t first, uint32_t width) : unit(first, width), u(first), half(0u) {}
+  __device__ __forceinline__ uint32_t tm() const {
+    return TILES == 1 ? unit.tm : TILES == 2 ? 2u * unit.tm + half : 2u * unit.tm + (half >> 1);
+  }
+  __device__ __forceinline__ uint32_t tk() const { return TILES == 4 ? 2u * unit.tk + (half & 1u) : unit.tk; }
   __device__ __forceinline__ void advance(const TileStep& by, uint32_t step) {
-    if (PAIRS && half == 0u) {
-      half = 1u;
+    if (half + 1u < TILES) {
+      ++half;
       return;
     }
     half = 0u;
@@ -928,26 +952,24 @@ struct Walk {
 
 // ---- the kernel --------------------------------------------------------------------------------------
 
-// The hybrid cast of 16-bit inputs without RHT runs a ring of 4 stages (every other kernel 3) and
-// a register budget for 2 CTAs an SM: its static staging memory (8 KB) and 4 stages hold it to 2
-// CTAs an SM (it had 3 of 3 stages: the same tiles loading an SM), and 64 registers a thread had
-// bound it. That took 7 % off it at 16384x8192 on an H200 (1 % at 8192x5120); its RHT + SR form
-// gained 4 % at 16384x8192 but lost 5 % at 8192x5120, and the 4-CTA kernels would only lose a CTA.
-template <typename T, bool NV, bool MXR, int MODE>
-constexpr bool kDeepRing = NV && MXR && MODE != kNvColRhtSr && sizeof(T) == 2;
+// The tiles of a kernel's walk unit (Walk): NVFP4 columnwise outputs leave by pairs of tiles
+// (NvPairOut). The hybrid cast of 16-bit inputs may also walk quads (kQuadsOf), so that its MXFP8
+// rows leave as whole 128-byte lines (MxRowOut<128>) too; its fp32 form keeps pairs, as 17 KB of
+// staged rows would leave room for one CTA an SM.
+template <bool NV, int MODE>
+constexpr int kUnitOf = !NV || MODE == kNvAmaxRht ? 1 : 2;
+template <typename T, bool NV, bool MXR>
+constexpr bool kQuadsOf = NV && MXR && sizeof(T) == 2;
 
 // CTAs per SM the register budget is cut for: 4 for 16-bit inputs (3 stages of 16 KB and 64
-// registers a thread fit 4 times), 2 for fp32 tiles (32 KB a stage), for 4over6 (two
-// candidates per block) and for the deep ring's hybrid cast.
-template <typename T, int FO6, bool DEEP>
-constexpr int kMinCtas = sizeof(T) == 2 && FO6 == 0 && !DEEP ? 4 : 2;
-
-template <bool DEEP>
-constexpr int kRingOf = DEEP ? 4 : kStages;
-
-// The NVFP4 kernels but the amax's walk their tiles by pairs (NvPairOut).
-template <bool NV, bool MXR, int MODE>
-constexpr bool kPairsOf = NV && MODE != kNvAmaxRht;
+// registers a thread fit 4 times; MXFP8 both directions among them, at 71 registers without the
+// cut); 3 for the hybrid cast of a fixed mode (its staged MXFP8 rows leave room for three; 64
+// registers bound it, and the quads' second held codes take more); 2 for the general hybrid
+// kernel (every flag's path: it spills at 80 registers), for fp32 tiles (32 KB a stage) and for
+// 4over6 (two candidates per block). The hybrid cast had run a ring of 4 stages
+// at 3 CTAs an SM, within noise of 3 stages with its NVFP4 outputs by pairs.
+template <typename T, bool NV, int FO6, bool MXR, int MODE>
+constexpr int kMinCtas = sizeof(T) == 2 && FO6 == 0 ? (!(NV && MXR) ? 4 : MODE != kNvAny ? 3 : 2) : 2;
 
 // The stage of a kernel: NVFP4 tiles are 128 x 64, the MXFP8-only ones 64 x 128.
 template <typename T, bool NV>
@@ -961,17 +983,18 @@ constexpr bool kTensorCopies = true;
 constexpr bool kTensorCopies = false;
 #endif
 
-template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE>
-__global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MXR, MODE>>)
+template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE, int UNIT>
+__global__ void __launch_bounds__(kThreads, kMinCtas<T, NV, FO6, MXR, MODE>)
     tile_kernel(TileArgs a, uint32_t units, uint32_t tiles_m, uint32_t tiles_k,
                 const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap q_map_c,
                 const __grid_constant__ CUtensorMap q_map_r) {
   extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int kRing = kRingOf<kDeepRing<T, NV, MXR, MODE>>;
-  constexpr bool kPairs = kPairsOf<NV, MXR, MODE>;
+  constexpr int kRing = kStages;
+  constexpr int kUnit = UNIT;
+  static_assert(UNIT == kUnitOf<NV, MODE> || (UNIT == 4 && kQuadsOf<T, NV, MXR>), "the kernel's walk unit");
   __shared__ __align__(8) uint64_t landed[kRing];  // tensor copies: a stage's tile is in
   __shared__ uint32_t mx_rs[MXC && MXR ? kMxRows : 1];
-  __shared__ std::conditional_t<NV && MXR, MxRowOut, char> mx_rows;
+  __shared__ std::conditional_t<NV && MXR, MxRowOut<kUnit == 4 ? 2 * kCols : kCols>, char> mx_rows;
   __shared__ float enc_of[NV ? 256 : 1];
   __shared__ Fo6Byte fo6_bytes[FO6 ? 256 : 1];
   __shared__ float fo6_cols[2][FO6 ? 8 : 1][FO6 ? kThreads : 1];
@@ -1015,17 +1038,19 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MX
   // cost about 5 instructions per element): `cur` is the tile quantized, `ahead` the one
   // refilled, kRing - 1 steps later. Tile counts, positions and their sums stay below 2**32
   // (set_tile_input, launch_tiles), so all of them are 32-bit; byte offsets are formed by wide().
-  const TileStep by{step / tiles_k, step % tiles_k, tiles_k};
+  const uint32_t width = kUnit == 4 ? (tiles_k + 1u) / 2u : tiles_k;  // of the grid of units
+  const TileStep by{step / width, step % width, width};
   // Tile `at` into stage `slot`: by tensor copies from thread 0, else by every thread's cp.async
-  // (a commit per slot, even an empty one, so that the groups count slots). The second tile of
-  // the last pair of an odd number of tile rows lies past x: its stage keeps what it held (the
-  // barrier's phase completes without copies), and the pair's stores skip its columns.
-  auto fill = [&](int slot, const Walk<kPairs>& at) {
-    const bool unit = at.u < units, in = unit && (!kPairs || at.tm() < tiles_m);
+  // (a commit per slot, even an empty one, so that the groups count slots). A pair's or quad's
+  // tiles past the last tile row or column (of an odd number of them) lie past x: their stages
+  // keep what they held (the barrier's phase completes without copies), and the unit's stores
+  // skip their rows and columns.
+  auto fill = [&](int slot, const Walk<kUnit>& at) {
+    const bool unit = at.u < units, in = unit && at.tm() < tiles_m && at.tk() < tiles_k;
     // The amax walks the tiles from the input's last to its first, so that the cast after it
     // finds its first tiles still in L2 ([Note: the amax walks back] in quant_rows_cuda.cu).
     const uint32_t tm = kAmax ? tiles_m - 1u - at.tm() : at.tm();
-    const uint32_t tk = kAmax ? tiles_k - 1u - at.unit.tk : at.unit.tk;
+    const uint32_t tk = kAmax ? tiles_k - 1u - at.tk() : at.tk();
     if constexpr (tma) {
       if (unit && threadIdx.x == 0) {
         const uint32_t bar = smem_addr(&landed[slot]), dst = base + slot * S::kBytes;
@@ -1057,14 +1082,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MX
     }
     __syncthreads();
   }
-  Walk<kPairs> ahead(blockIdx.x, tiles_k);
+  Walk<kUnit> ahead(blockIdx.x, width);
 #pragma unroll
   for (int s = 0; s < kRing - 1; ++s) {  // the ring's first tiles
     fill(s, ahead);
     ahead.advance(by, step);
   }
-  Walk<kPairs> cur(blockIdx.x, tiles_k);
-  NvColCodes held{};  // kPairs: the codes of the pair's first tile
+  Walk<kUnit> cur(blockIdx.x, width);
+  NvColCodes held{}, held1{};  // the codes of the pairs' first tiles (held1: a quad's second pair)
   int stage = 0;
   uint32_t parity = 0u;  // of the use of the stage's `landed` barrier that brings the tile
   while (cur.u < units) {
@@ -1075,7 +1100,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MX
     fill(refill, ahead);
     ahead.advance(by, step);
     unsigned char* tile = stages + stage * S::kBytes;
-    const uint32_t m0 = cur.tm() * S::kRows, k0 = cur.unit.tk * S::kCols, half = cur.half;
+    const uint32_t m0 = cur.tm() * S::kRows, k0 = cur.tk() * S::kCols, half = cur.half;
     cur.advance(by, step);
     if constexpr (MXC) {
       mx_patch_phase<T, MXR, tma>(a, tile, mx_rs, m0, k0, &q_map_c, &q_map_r);
@@ -1084,24 +1109,48 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, FO6, kDeepRing<T, NV, MX
     } else if constexpr (NV) {
       if (MXR || f.col) {  // the hybrid cast (MXR) is columnwise: run_tiles checks
         const NvColCodes c = nv_col_codes<T, FO6>(a, f, tile, nv, m0, k0);
-        if constexpr (MXR) mx_row_stage(mx_rows, mx_row_codes<T>(a, tile));
-        if (half == 0u) {
-          held = c;
-          if constexpr (MXR) {
-            __syncthreads();  // behind the staged MXFP8 rows
-            mx_row_store(a, mx_rows, m0, k0);
+        if constexpr (kUnit == 4) {
+          // A quad: tiles 0 and 1 stage the MXFP8 rows of tile row 2 tm side by side, tiles 2 and 3
+          // those of 2 tm + 1; tiles 0 and 2, and 1 and 3, are the NVFP4 pairs.
+          mx_row_stage(mx_rows, mx_row_codes<T>(a, tile), half & 1u);
+          if (half < 2u) {
+            if (half == 0u) held = c;
+            else held1 = c;
+          }
+          if (half != 0u) {
+            // Behind the staged MXFP8 rows; from tile 2 on, every thread has also read the tile,
+            // whose stage then takes the pair's NVFP4 outputs.
+            __syncthreads();
+            if (half & 1u) mx_row_store(a, mx_rows, m0, k0 - S::kCols);
+          }
+          if (half >= 2u) {
+            if (half == 2u) nv_pair_stage(tile, held, 0);  // (a select of the two would take the stack)
+            else nv_pair_stage(tile, held1, 0);
+            nv_pair_stage(tile, c, 1);
+            if constexpr (tma) fence_proxy_async_smem();
+            __syncthreads();
+            nv_pair_store(a, tile, k0, m0 - S::kRows, a.K, a.M);
           }
         } else {
-          // Every thread has read the tile (and staged its MXFP8 rows): the stage takes the pair's
-          // NVFP4 outputs.
-          __syncthreads();
-          if constexpr (MXR) mx_row_store(a, mx_rows, m0, k0);
-          nv_pair_stage(tile, held, 0);
-          nv_pair_stage(tile, c, 1);
-          // Those writes before the tensor copy that refills the stage (after the next CTA barrier).
-          if constexpr (tma) fence_proxy_async_smem();
-          __syncthreads();
-          nv_pair_store(a, tile, k0, m0 - S::kRows, a.K, a.M);
+          if constexpr (MXR) mx_row_stage(mx_rows, mx_row_codes<T>(a, tile), 0u);
+          if (half == 0u) {
+            held = c;
+            if constexpr (MXR) {
+              __syncthreads();  // behind the staged MXFP8 rows
+              mx_row_store(a, mx_rows, m0, k0);
+            }
+          } else {
+            // Every thread has read the tile (and staged its MXFP8 rows): the stage takes the pair's
+            // NVFP4 outputs.
+            __syncthreads();
+            if constexpr (MXR) mx_row_store(a, mx_rows, m0, k0);
+            nv_pair_stage(tile, held, 0);
+            nv_pair_stage(tile, c, 1);
+            // Those writes before the tensor copy that refills the stage (after the next CTA barrier).
+            if constexpr (tma) fence_proxy_async_smem();
+            __syncthreads();
+            nv_pair_store(a, tile, k0, m0 - S::kRows, a.K, a.M);
+          }
         }
       } else if constexpr (FO6 == 0) {  // rowwise 4over6 runs in quant_rows_cuda.cu: run_tiles checks
         nv_row_phase<T>(a, f, tile, nv, m0, k0);
@@ -1152,31 +1201,51 @@ struct TileLaunch {
   bool copies;
 };
 
-// The persistent grid: as many CTAs as fit on the device at once (read once per device), each
-// with the dynamic shared memory of its stages. Code with tensor copies gets the input's map and
-// 1024 bytes of slack to align the stages to the swizzle's unit.
-template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE = kNvAny>
-void launch_tiles(const TileArgs& a) {
+// The persistent grid: as many CTAs as fit on the device at once (read once per device and
+// kernel), each with the dynamic shared memory of its stages. Code with tensor copies gets the
+// input's map and 1024 bytes of slack to align the stages to the swizzle's unit.
+template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE, int UNIT>
+TileLaunch tile_launch() {
   using S = TileStage<T, NV>;
-  constexpr int kRing = kRingOf<kDeepRing<T, NV, MXR, MODE>>;
   static std::array<TileLaunch, 64> how{};
   static std::array<std::once_flag, 64> found;
   const int dev = c10::cuda::current_device();
   TORCH_CHECK(dev < static_cast<int>(how.size()), "qtensor: device index ", num(dev), " is out of range.");
-  auto kernel = tile_kernel<T, NV, FO6, MXR, MXC, MODE>;
   std::call_once(found[dev], [&] {
+    auto kernel = tile_kernel<T, NV, FO6, MXR, MXC, MODE, UNIT>;
     cudaFuncAttributes fa{};
     C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
     const bool copies = fa.ptxVersion >= 90;
-    const int smem = kRing * S::kBytes + (copies ? 1024 : 0);
+    const int smem = kStages * S::kBytes + (copies ? 1024 : 0);
     int per_sm = 0, sms = 0;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     how[dev] = TileLaunch{std::max(per_sm, 1) * sms, copies};
   });
-  const TileLaunch h = how[dev];
-  const int smem = kRing * S::kBytes + (h.copies ? 1024 : 0);
+  return how[dev];
+}
+
+// The walk's units of UNIT tiles over tiles_m x tiles_k tiles (those past an odd last tile row
+// or column included).
+template <int UNIT>
+int64_t walk_units(int64_t tiles_m, int64_t tiles_k) {
+  if (UNIT == 4) return (tiles_m + 1) / 2 * ((tiles_k + 1) / 2);
+  return UNIT == 2 ? (tiles_m + 1) / 2 * tiles_k : tiles_m * tiles_k;
+}
+
+// The tiles the busiest CTA of a launch walks: its units times their tiles.
+template <int UNIT>
+int64_t busiest_tiles(int64_t tiles_m, int64_t tiles_k, const TileLaunch& h) {
+  const int64_t units = walk_units<UNIT>(tiles_m, tiles_k);
+  const int64_t grid = std::min<int64_t>(units, h.resident);
+  return UNIT * ((units + grid - 1) / grid);
+}
+
+template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE, int UNIT>
+void launch_walk(const TileArgs& a, int64_t tiles_m, int64_t tiles_k, const TileLaunch& h) {
+  using S = TileStage<T, NV>;
+  const int smem = kStages * S::kBytes + (h.copies ? 1024 : 0);
   static const CUtensorMap kNoMap{};
   CUtensorMap map = kNoMap, q_map_c = kNoMap, q_map_r = kNoMap;
   if (h.copies) {
@@ -1192,20 +1261,39 @@ void launch_tiles(const TileArgs& a) {
       if constexpr (MXR) q_map_r = mx_codes_map(a.mxr_q, a);
     }
   }
-  const int64_t tiles_k = (static_cast<int64_t>(a.K) + S::kCols - 1) / S::kCols;
-  const int64_t tiles_m = (static_cast<int64_t>(a.M) + S::kRows - 1) / S::kRows;
-  const int64_t tiles = tiles_m * tiles_k;
-  // The kernel walks its units (tiles, or pairs of tiles) in 32 bits: u + kRing * grid must stay
-  // below 2**32.
-  TORCH_CHECK(tiles < (int64_t{1} << 30), "qtensor: the CUDA tile quantizer takes fewer than 2**30 tiles of ",
-              num(S::kRows), "x", num(S::kCols), " elements; got an input of ", num(a.M), "x", num(a.K),
-              ". Quantize it in row chunks.");
-  const int64_t units = kPairsOf<NV, MXR, MODE> ? (tiles_m + 1) / 2 * tiles_k : tiles;
+  const int64_t units = walk_units<UNIT>(tiles_m, tiles_k);
   const int64_t grid = std::min<int64_t>(units, h.resident);
-  kernel<<<grid, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
+  tile_kernel<T, NV, FO6, MXR, MXC, MODE, UNIT><<<grid, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
       a, static_cast<uint32_t>(units), static_cast<uint32_t>(tiles_m), static_cast<uint32_t>(tiles_k), map, q_map_c,
       q_map_r);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The hybrid cast's quads halve its MXFP8 row stores' requests but make the walk's units twice as
+// coarse: where the tiles do not share out evenly over the CTAs the busiest CTA walks more of
+// them. The quads are chosen where the busiest CTA walks at most kQuadSlack more tiles than with
+// pairs (1 + kQuadSlack of the time): less than the quads saved where both walks came out even.
+constexpr double kQuadSlack = 0.05;
+
+template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE = kNvAny>
+void launch_tiles(const TileArgs& a) {
+  using S = TileStage<T, NV>;
+  const int64_t tiles_k = (static_cast<int64_t>(a.K) + S::kCols - 1) / S::kCols;
+  const int64_t tiles_m = (static_cast<int64_t>(a.M) + S::kRows - 1) / S::kRows;
+  // The kernel walks its units in 32 bits: u + kStages * grid must stay below 2**32.
+  TORCH_CHECK(tiles_m * tiles_k < (int64_t{1} << 30),
+              "qtensor: the CUDA tile quantizer takes fewer than 2**30 tiles of ",
+              num(S::kRows), "x", num(S::kCols), " elements; got an input of ", num(a.M), "x", num(a.K),
+              ". Quantize it in row chunks.");
+  constexpr int kUnit = kUnitOf<NV, MODE>;
+  const TileLaunch h = tile_launch<T, NV, FO6, MXR, MXC, MODE, kUnit>();
+  if constexpr (kQuadsOf<T, NV, MXR>) {
+    const TileLaunch hq = tile_launch<T, NV, FO6, MXR, MXC, MODE, 4>();
+    const int64_t quads = busiest_tiles<4>(tiles_m, tiles_k, hq), pairs = busiest_tiles<kUnit>(tiles_m, tiles_k, h);
+    if (a.walk == 4 || (a.walk == 0 && static_cast<double>(quads) <= (1.0 + kQuadSlack) * static_cast<double>(pairs)))
+      return launch_walk<T, NV, FO6, MXR, MXC, MODE, 4>(a, tiles_m, tiles_k, hq);
+  }
+  launch_walk<T, NV, FO6, MXR, MXC, MODE, kUnit>(a, tiles_m, tiles_k, h);
 }
 
 // An NVFP4 cast without 4over6 (with MXFP8 rowwise beside it for the hybrid cast: mxr) by the
@@ -1348,9 +1436,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mxfp8_quantize_cuda(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hybrid_quantize_cuda(
     const at::Tensor& x, const at::Tensor& amax, int64_t rule, int64_t fourover6, int64_t bound,
-    bool rht, bool stochastic, const std::optional<at::Tensor>& sr_state) {
+    bool rht, bool stochastic, const std::optional<at::Tensor>& sr_state, int64_t walk) {
   const char* op = "qtensor.hybrid_quantize";
   TORCH_CHECK(x.dim() == 2, op, " takes a 2-D gradient [M, K]; got shape ", shape_str(x), ".");
+  TORCH_CHECK(walk == 0 || walk == 2 || walk == 4, op, " takes walk 0 (chosen), 2 (pairs) or 4 (quads); got ", num(walk),
+              ".");
+  TORCH_CHECK(walk != 4 || x.element_size() == 2, op, " walks quads of 16-bit inputs only; got ", x.scalar_type(),
+              ". Pass walk 0 or 2.");
   check_mx_shape(x, true, false, op);
   check_scale_rule(rule, op);
   const NvShape s = nv_shape(x, true, false, op);
@@ -1371,6 +1463,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hybrid_quantize_cuda(
   args.rule = static_cast<int>(rule);
   args.mxr_q = rq.data_ptr<uint8_t>();
   args.mxr_s = rs.data_ptr<uint8_t>();
+  args.walk = static_cast<int>(walk);
   run_tiles(as_aligned_2d(x), args, true, true, false);
   return {rq.view(at::kFloat8_e4m3fn), rs.view(at::kFloat8_e8m0fnu), q, sc.view(at::kFloat8_e4m3fn)};
 }

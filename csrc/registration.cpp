@@ -34,10 +34,12 @@ TORCH_LIBRARY(qtensor, m) {
       "mxfp8_quantize(Tensor x, int scale_rule, bool rowwise, bool columnwise) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
   // The gradient cast of the dgrad-in-MXFP8 recipe from one read of x [M, K]: MXFP8 rowwise
-  // (data, scale) and NVFP4 columnwise (codes, scales) given the columnwise amax.
+  // (data, scale) and NVFP4 columnwise (codes, scales) given the columnwise amax. `walk` picks the
+  // CUDA kernel's tile walk for tests and benchmarks (0: chosen by the shape, 2: pairs, 4: quads
+  // of 16-bit inputs); the bytes are the same.
   m.def(
       "hybrid_quantize(Tensor x, Tensor amax, int scale_rule, int fourover6, int e4m3_bound, "
-      "bool rht, bool stochastic, Tensor? sr_state) -> (Tensor, Tensor, Tensor, Tensor)");
+      "bool rht, bool stochastic, Tensor? sr_state, int walk=0) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "nvfp4_dequantize(Tensor qdata, Tensor scale, Tensor amax, int e4m3_bound, "
       "ScalarType dtype) -> Tensor");

@@ -22,7 +22,7 @@ from conftest import (
 
 from qtensor.formats import mxfp4, mxfp8, nvfp4, scale_layout
 from qtensor.formats.mxfp8 import MXFP8Spec
-from qtensor.formats.nvfp4 import NVFP4Spec, SRSeed
+from qtensor.formats.nvfp4 import NVFP4Spec, SRSeed, sr_state_tensor
 from qtensor.formats.rht import RHT_SIGNS, apply_rht
 from qtensor.ops import quant as Q
 
@@ -571,19 +571,50 @@ def test_2d_rows_many_panels(device, spec):
         assert 0.02 < map4 < 0.98, f"map-to-4 tiles: {map4:.3f} of all"
 
 
+def hybrid_cast(x, spec, sr, walk):
+    """The hybrid cast's four outputs by the op, its CUDA tile walk forced to `walk` (0: chosen)."""
+    state = sr_state_tensor(sr, x.device) if sr is not None else None
+    a = Q.amax(x, columnwise=True, rht=spec.rht)
+    return torch.ops.qtensor.hybrid_quantize.default(
+        x, a, 0, 0, spec.e4m3_bound, spec.rht, spec.stochastic_rounding, state, walk)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_hybrid_cast_many_tiles(device):
-    x = spread_input((1056, 800), torch.bfloat16, 23).to(device)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(1056, 800), (1024, 864), (1040, 2080)], ids=str)
+def test_hybrid_cast_many_tiles(device, dtype, shape):
+    # The CUDA hybrid cast walks its 128 x 64 tiles by pairs (two tile rows) or, for 16-bit
+    # inputs, by quads (two tile rows x two tile columns): each walk is forced here, and the
+    # choice (walk 0) taken too. 1056 x 800 is 9 x 13 tiles, the last of each ragged (units with
+    # tiles past both edges, a last column of 32); 1024 x 864 is 8 x 14 (whole quads but for a
+    # last column of 32); 1040 x 2080 has a last tile row of 16 and a last column of 32 whose row
+    # scales are one byte of a quad's four.
+    x = spread_input(shape, dtype, 23).to(device)
     rht_sr = NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)
     # Offsets 1 and 32: the stochastic codes' general hash and their block hash (a multiple of 16).
     cases = ((NVFP4Spec(columnwise=True), None), (rht_sr, SRSeed(3, 1)), (rht_sr, SRSeed(3, 32)))
+    walks = (0, 2, 4) if dtype != torch.float32 else (0, 2)
+    ref_mx = mxfp8.quantize(x, MXFP8Spec("rceil"))
     for spec, sr in cases:
-        mx, nv, _ = Q.quantize_hybrid_grad(x, "rceil", spec, sr)
-        ref_mx, ref_nv = mxfp8.quantize(x, MXFP8Spec("rceil")), nvfp4.quantize(x, spec, sr)
-        assert_bytes_equal(mx.qdata, ref_mx.qdata, "hybrid mxfp8 data")
-        assert_bytes_equal(mx.scale, ref_mx.scale, "hybrid mxfp8 scale")
-        assert_bytes_equal(nv.qdata, ref_nv.qdata, f"hybrid nvfp4 codes {spec} {sr}")
-        assert_bytes_equal(nv.scale, ref_nv.scale, f"hybrid nvfp4 scale {spec} {sr}")
+        ref_nv = nvfp4.quantize(x, spec, sr)
+        for walk in walks:
+            rq, rs, nq, ns = hybrid_cast(x, spec, sr, walk)
+            what = f"{spec} {sr} walk {walk}"
+            assert_bytes_equal(rq, ref_mx.qdata, f"hybrid mxfp8 data {what}")
+            assert_bytes_equal(rs, ref_mx.scale, f"hybrid mxfp8 scale {what}")
+            assert_bytes_equal(nq, ref_nv.qdata, f"hybrid nvfp4 codes {what}")
+            assert_bytes_equal(ns, ref_nv.scale, f"hybrid nvfp4 scale {what}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hybrid_cast_walk_errors_name_the_rule(device):
+    x = torch.randn(128, 64).bfloat16().to(device)
+    spec = NVFP4Spec(columnwise=True)
+    with pytest.raises(RuntimeError, match="walk 0 .chosen., 2 .pairs. or 4 .quads.; got 3"):
+        hybrid_cast(x, spec, None, 3)
+    if device != "cpu":
+        with pytest.raises(RuntimeError, match="quads of 16-bit inputs only; got Float"):
+            hybrid_cast(x.float(), spec, None, 4)
 
 
 # ---- stochastic rounding -------------------------------------------------------------------------

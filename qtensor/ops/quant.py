@@ -191,7 +191,7 @@ def _register_fakes() -> None:
         return _mx_outputs(x, rowwise, columnwise)
 
     @torch.library.register_fake(lib + "hybrid_quantize")
-    def _(x, amax, scale_rule, fourover6, bound, rht, stochastic, sr_state):
+    def _(x, amax, scale_rule, fourover6, bound, rht, stochastic, sr_state, walk=0):
         rq, rs, _, _ = _mx_outputs(x, True, False)
         m, k = x.shape
         return rq, rs, x.new_empty((k, m // 2), dtype=torch.uint8), x.new_empty(
