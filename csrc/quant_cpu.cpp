@@ -297,8 +297,10 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cpu(const at::Tensor& x, const
                                                       bool columnwise, bool block_2d,
                                                       int64_t fourover6, int64_t bound, bool rht,
                                                       bool stochastic,
-                                                      const std::optional<at::Tensor>& sr_state) {
+                                                      const std::optional<at::Tensor>& sr_state, int64_t walk) {
   const char* op = "qtensor.nvfp4_quantize";
+  TORCH_CHECK(walk == 0 || walk == 2 || walk == 4, op, " takes walk 0 (chosen), 2 (pairs) or 4 (strips); got ", num(walk),
+              ".");  // the CPU kernels have no tile walk
   const NvShape s = nv_shape(x, columnwise, block_2d, op);
   const bool row_scaled = amax.dim() == 1;
   check_nv_options(fourover6, bound, columnwise, rht, stochastic, block_2d, row_scaled, op);
@@ -430,7 +432,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hybrid_quantize_cpu(
   TORCH_CHECK(walk == 0 || walk == 2 || walk == 4, "qtensor.hybrid_quantize takes walk 0 (chosen), 2 (pairs) or 4 "
               "(quads); got ", num(walk), ".");  // the CPU kernels have no tile walk
   auto mx = mxfp8_quantize_cpu(x, rule, true, false);
-  auto nv = nvfp4_quantize_cpu(x, amax, true, false, fourover6, bound, rht, stochastic, sr_state);
+  auto nv = nvfp4_quantize_cpu(x, amax, true, false, fourover6, bound, rht, stochastic, sr_state, 0);
   return {std::get<0>(mx), std::get<1>(mx), std::get<0>(nv), std::get<1>(nv)};
 }
 

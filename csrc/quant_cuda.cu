@@ -209,7 +209,7 @@ struct TileArgs {
   // MXFP8
   int rule;
   uint8_t *mxr_q, *mxr_s, *mxc_q, *mxc_s;
-  int walk;  // read on the host: the hybrid cast's walk if forced (2 or 4), else 0 (launch_tiles)
+  int walk;  // read on the host: the NVFP4 columnwise walk if forced (2 or 4 tiles a unit), else 0 (launch_tiles)
 };
 
 // ---- NVFP4 blocks ----------------------------------------------------------------------------------
@@ -473,12 +473,38 @@ __device__ __forceinline__ void nv_pair_stage(unsigned char* out, const NvColCod
       static_cast<uint16_t>(c.sb[0] | (c.sb[1] << 8));
 }
 
+// What a pair's store does with its scale bytes: stores them (16 a result row); keeps them for
+// the next pair of its strip; or stores the kept ones and its own (32 a result row).
+constexpr int kPairScalesStored = 0, kPairScalesKept = 1, kStripScalesStored = 2;
+
+// Result row rr's 16 scale bytes of the staged pair (one byte a block, block-major).
+__device__ __forceinline__ uint4 pair_scale_row(const unsigned char* out, int rr) {
+  const uint8_t* sc = out + NvPairOut::kScales + rr;
+  uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int b = 0; b < 16; ++b) w[b >> 2] |= static_cast<uint32_t>(sc[64 * b]) << (8 * (b & 3));
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The first nb (at most 16) of 16 scale bytes to dst: one 16-byte store where all are whole and
+// dst is aligned, else two 8-byte words or bytes (store_scale_bytes).
+__device__ __forceinline__ void store_scale_x16(uint8_t* dst, uint4 v, uint32_t nb) {
+  if (nb == 16 && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {  // one request a row, not two
+    *reinterpret_cast<uint4*>(dst) = v;
+  } else {
+    store_scale_bytes(dst, (static_cast<uint64_t>(v.y) << 32) | v.x, nb < 8 ? nb : 8);
+    if (nb > 8) store_scale_bytes(dst + 8, (static_cast<uint64_t>(v.w) << 32) | v.z, nb - 8);
+  }
+}
+
 // The staged pair to the result [R, C]: its 64 result rows from r0, 16 blocks of 16 from c0 (the
 // first tile's). Codes leave two blocks a thread, 8 threads a row, as one 16-byte store where the
-// pair is whole and aligned; scale bytes a row a thread, as two 8-byte words where the row's
-// blocks are whole.
+// pair is whole and aligned. Scale bytes (`scales`): a row a thread, 16 bytes; or, for a strip's
+// first pair, into `kept` (a row a thread, each read back by the thread that kept it); or, for its
+// second, a row's 32 bytes by two threads (the kept ones and this pair's), so that each request of
+// a warp carries one whole 32-byte sector where C % 512 == 0: a quarter of the pairs' requests.
 __device__ __forceinline__ void nv_pair_store(const TileArgs& a, const unsigned char* out, uint32_t r0, uint32_t c0,
-                                              uint32_t R, uint32_t C) {
+                                              uint32_t R, uint32_t C, int scales, uint4* kept) {
   const uint2* q = reinterpret_cast<const uint2*>(out);
   const int j = threadIdx.x & 7;  // blocks 2j, 2j + 1
 #pragma unroll
@@ -496,23 +522,29 @@ __device__ __forceinline__ void nv_pair_store(const TileArgs& a, const unsigned 
       }
     }
   }
-  if (threadIdx.x < 64) {
-    const int rr = threadIdx.x;
+  if (scales == kStripScalesStored) {
+    // Thread 2 rr + h: bytes 16 h.. of row rr's 32, from the strip's first column c0 - 2 * kRows.
+    if (threadIdx.x < 128) {
+      const int rr = threadIdx.x >> 1, h = threadIdx.x & 1;
+      const uint32_t row = r0 + rr, first = c0 - 2 * kRows;
+      const uint32_t nb = (C - first) / 16 < 32 ? (C - first) / 16 : 32;
+      if (row < R && nb > 16u * h) {
+        const uint4 v = h ? pair_scale_row(out, rr) : kept[rr];
+        store_scale_x16(a.nv_s + (wide(row, C / 16) + first / 16 + 16u * h), v, nb - 16u * h < 16 ? nb - 16u * h : 16);
+      }
+    }
+  } else {
+    // Row rr by thread rr; a strip's first pair keeps row rr by thread 2 rr, which stores it.
+    const bool keep = scales == kPairScalesKept;
+    const int rr = keep ? threadIdx.x >> 1 : threadIdx.x;
     const uint32_t row = r0 + rr;
-    if (row < R) {
-      const uint8_t* sc = out + NvPairOut::kScales + rr;
-      uint64_t half[2] = {0u, 0u};
-#pragma unroll
-      for (int b = 0; b < 16; ++b) half[b >> 3] |= static_cast<uint64_t>(sc[64 * b]) << (8 * (b & 7));
-      const uint32_t nb = (C - c0) / 16 < 16 ? (C - c0) / 16 : 16;
-      uint8_t* dst = a.nv_s + (wide(row, C / 16) + c0 / 16);
-      if (nb == 16 && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {  // one request a row, not two
-        *reinterpret_cast<uint4*>(dst) =
-            make_uint4(static_cast<uint32_t>(half[0]), static_cast<uint32_t>(half[0] >> 32),
-                       static_cast<uint32_t>(half[1]), static_cast<uint32_t>(half[1] >> 32));
+    if ((keep ? threadIdx.x < 128 && (threadIdx.x & 1) == 0 : threadIdx.x < 64) && row < R) {
+      const uint4 v = pair_scale_row(out, rr);
+      if (keep) {
+        kept[rr] = v;
       } else {
-        store_scale_bytes(dst, half[0], nb < 8 ? nb : 8);
-        if (nb > 8) store_scale_bytes(dst + 8, half[1], nb - 8);
+        const uint32_t nb = (C - c0) / 16 < 16 ? (C - c0) / 16 : 16;
+        store_scale_x16(a.nv_s + (wide(row, C / 16) + c0 / 16), v, nb);
       }
     }
   }
@@ -925,22 +957,22 @@ struct TileWalk {
 };
 
 // A CTA's sequence of tiles: units u, u + grid, ... of a grid of units `width` wide. A unit is
-// TILES tiles taken in turn: one tile (TILES 1); the pair (2 tm, tk), (2 tm + 1, tk) (TILES 2);
-// or the quad (2 tm, 2 tk), (2 tm, 2 tk + 1), (2 tm + 1, 2 tk), (2 tm + 1, 2 tk + 1) (TILES 4),
-// whose tiles 0 and 2, and 1 and 3, are pairs, and 0 and 1, and 2 and 3, the same rows side by
-// side. `half` is the tile's place in its unit.
-template <int TILES>
+// ROWS x COLS tiles taken row by row: one tile; the pair (2 tm, tk), (2 tm + 1, tk); the strip of
+// four tile rows (4 tm + i, tk); or the quad (2 tm, 2 tk), (2 tm, 2 tk + 1), (2 tm + 1, 2 tk),
+// (2 tm + 1, 2 tk + 1), whose tiles 0 and 2, and 1 and 3, are pairs, and 0 and 1, and 2 and 3,
+// the same rows side by side. `half` is the tile's place in its unit.
+template <int ROWS, int COLS>
 struct Walk {
-  static_assert(TILES == 1 || TILES == 2 || TILES == 4, "a tile, a pair or a quad");
+  static_assert((ROWS == 1 || ROWS == 2 || ROWS == 4) && (COLS == 1 || (COLS == 2 && ROWS == 2)),
+                "a tile, a pair, a strip or a quad");
+  static constexpr uint32_t kTiles = ROWS * COLS;
   TileWalk unit;
   uint32_t u, half;
   __device__ Walk(uint32_t first, uint32_t width) : unit(first, width), u(first), half(0u) {}
-  __device__ __forceinline__ uint32_t tm() const {
-    return TILES == 1 ? unit.tm : TILES == 2 ? 2u * unit.tm + half : 2u * unit.tm + (half >> 1);
-  }
-  __device__ __forceinline__ uint32_t tk() const { return TILES == 4 ? 2u * unit.tk + (half & 1u) : unit.tk; }
+  __device__ __forceinline__ uint32_t tm() const { return ROWS * unit.tm + (COLS == 1 ? half : half >> 1); }
+  __device__ __forceinline__ uint32_t tk() const { return COLS == 2 ? 2u * unit.tk + (half & 1u) : unit.tk; }
   __device__ __forceinline__ void advance(const TileStep& by, uint32_t step) {
-    if (half + 1u < TILES) {
+    if (half + 1u < kTiles) {
       ++half;
       return;
     }
@@ -960,6 +992,16 @@ template <bool NV, int MODE>
 constexpr int kUnitOf = !NV || MODE == kNvAmaxRht ? 1 : 2;
 template <typename T, bool NV, bool MXR>
 constexpr bool kQuadsOf = NV && MXR && sizeof(T) == 2;
+// The NVFP4 columnwise casts of their own mode (bf16) may also walk strips of four tile rows, so
+// that a result row's scale bytes of two pairs leave as one whole 32-byte sector (nv_pair_store).
+template <bool NV, bool MXR, int MODE>
+constexpr bool kStripsOf = NV && !MXR && (MODE == kNvCol || MODE == kNvColRhtSr || MODE == kNvCol2d);
+// A unit of UNIT tiles is a quad (2 x 2 tiles) in the hybrid cast, else a column of UNIT tiles:
+// its tile rows and columns.
+template <bool MXR, int UNIT>
+constexpr int kUnitCols = MXR && UNIT == 4 ? 2 : 1;
+template <bool MXR, int UNIT>
+constexpr int kUnitRows = UNIT / kUnitCols<MXR, UNIT>;
 
 // CTAs per SM the register budget is cut for: 4 for 16-bit inputs (3 stages of 16 KB and 64
 // registers a thread fit 4 times; MXFP8 both directions among them, at 71 registers without the
@@ -991,10 +1033,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, NV, FO6, MXR, MODE>)
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kRing = kStages;
   constexpr int kUnit = UNIT;
-  static_assert(UNIT == kUnitOf<NV, MODE> || (UNIT == 4 && kQuadsOf<T, NV, MXR>), "the kernel's walk unit");
+  static_assert(UNIT == kUnitOf<NV, MODE> || (UNIT == 4 && (kQuadsOf<T, NV, MXR> || kStripsOf<NV, MXR, MODE>)),
+                "the kernel's walk unit");
+  using W = Walk<kUnitRows<MXR, UNIT>, kUnitCols<MXR, UNIT>>;
+  constexpr bool kQuads = MXR && UNIT == 4, kStrips = !MXR && UNIT == 4;
   __shared__ __align__(8) uint64_t landed[kRing];  // tensor copies: a stage's tile is in
   __shared__ uint32_t mx_rs[MXC && MXR ? kMxRows : 1];
-  __shared__ std::conditional_t<NV && MXR, MxRowOut<kUnit == 4 ? 2 * kCols : kCols>, char> mx_rows;
+  __shared__ std::conditional_t<NV && MXR, MxRowOut<kQuads ? 2 * kCols : kCols>, char> mx_rows;
+  __shared__ uint4 strip_scales[kStrips ? kCols : 1];  // the scale bytes of a strip's first pair
   __shared__ float enc_of[NV ? 256 : 1];
   __shared__ Fo6Byte fo6_bytes[FO6 ? 256 : 1];
   __shared__ float fo6_cols[2][FO6 ? 8 : 1][FO6 ? kThreads : 1];
@@ -1038,14 +1084,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, NV, FO6, MXR, MODE>)
   // cost about 5 instructions per element): `cur` is the tile quantized, `ahead` the one
   // refilled, kRing - 1 steps later. Tile counts, positions and their sums stay below 2**32
   // (set_tile_input, launch_tiles), so all of them are 32-bit; byte offsets are formed by wide().
-  const uint32_t width = kUnit == 4 ? (tiles_k + 1u) / 2u : tiles_k;  // of the grid of units
+  const uint32_t width = kQuads ? (tiles_k + 1u) / 2u : tiles_k;  // of the grid of units
   const TileStep by{step / width, step % width, width};
   // Tile `at` into stage `slot`: by tensor copies from thread 0, else by every thread's cp.async
   // (a commit per slot, even an empty one, so that the groups count slots). A pair's or quad's
   // tiles past the last tile row or column (of an odd number of them) lie past x: their stages
   // keep what they held (the barrier's phase completes without copies), and the unit's stores
   // skip their rows and columns.
-  auto fill = [&](int slot, const Walk<kUnit>& at) {
+  auto fill = [&](int slot, const W& at) {
     const bool unit = at.u < units, in = unit && at.tm() < tiles_m && at.tk() < tiles_k;
     // The amax walks the tiles from the input's last to its first, so that the cast after it
     // finds its first tiles still in L2 ([Note: the amax walks back] in quant_rows_cuda.cu).
@@ -1082,13 +1128,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, NV, FO6, MXR, MODE>)
     }
     __syncthreads();
   }
-  Walk<kUnit> ahead(blockIdx.x, width);
+  W ahead(blockIdx.x, width);
 #pragma unroll
   for (int s = 0; s < kRing - 1; ++s) {  // the ring's first tiles
     fill(s, ahead);
     ahead.advance(by, step);
   }
-  Walk<kUnit> cur(blockIdx.x, width);
+  W cur(blockIdx.x, width);
   NvColCodes held{}, held1{};  // the codes of the pairs' first tiles (held1: a quad's second pair)
   int stage = 0;
   uint32_t parity = 0u;  // of the use of the stage's `landed` barrier that brings the tile
@@ -1109,7 +1155,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, NV, FO6, MXR, MODE>)
     } else if constexpr (NV) {
       if (MXR || f.col) {  // the hybrid cast (MXR) is columnwise: run_tiles checks
         const NvColCodes c = nv_col_codes<T, FO6>(a, f, tile, nv, m0, k0);
-        if constexpr (kUnit == 4) {
+        if constexpr (kQuads) {
           // A quad: tiles 0 and 1 stage the MXFP8 rows of tile row 2 tm side by side, tiles 2 and 3
           // those of 2 tm + 1; tiles 0 and 2, and 1 and 3, are the NVFP4 pairs.
           mx_row_stage(mx_rows, mx_row_codes<T>(a, tile), half & 1u);
@@ -1129,11 +1175,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, NV, FO6, MXR, MODE>)
             nv_pair_stage(tile, c, 1);
             if constexpr (tma) fence_proxy_async_smem();
             __syncthreads();
-            nv_pair_store(a, tile, k0, m0 - S::kRows, a.K, a.M);
+            nv_pair_store(a, tile, k0, m0 - S::kRows, a.K, a.M, kPairScalesStored, nullptr);
           }
         } else {
           if constexpr (MXR) mx_row_stage(mx_rows, mx_row_codes<T>(a, tile), 0u);
-          if (half == 0u) {
+          if ((half & 1u) == 0u) {  // a pair's first tile (a strip's tiles 0 and 2)
             held = c;
             if constexpr (MXR) {
               __syncthreads();  // behind the staged MXFP8 rows
@@ -1149,7 +1195,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, NV, FO6, MXR, MODE>)
             // Those writes before the tensor copy that refills the stage (after the next CTA barrier).
             if constexpr (tma) fence_proxy_async_smem();
             __syncthreads();
-            nv_pair_store(a, tile, k0, m0 - S::kRows, a.K, a.M);
+            // A strip's first pair keeps its scale bytes for the second's, which stores both.
+            const int scales = kStrips ? (half == 1u ? kPairScalesKept : kStripScalesStored) : kPairScalesStored;
+            nv_pair_store(a, tile, k0, m0 - S::kRows, a.K, a.M, scales, strip_scales);
           }
         }
       } else if constexpr (FO6 == 0) {  // rowwise 4over6 runs in quant_rows_cuda.cu: run_tiles checks
@@ -1226,18 +1274,18 @@ TileLaunch tile_launch() {
   return how[dev];
 }
 
-// The walk's units of UNIT tiles over tiles_m x tiles_k tiles (those past an odd last tile row
-// or column included).
-template <int UNIT>
+// The walk's units of UNIT tiles over tiles_m x tiles_k tiles (those past the last tile row or
+// column, where the unit's rows or columns do not divide them, included).
+template <bool MXR, int UNIT>
 int64_t walk_units(int64_t tiles_m, int64_t tiles_k) {
-  if (UNIT == 4) return (tiles_m + 1) / 2 * ((tiles_k + 1) / 2);
-  return UNIT == 2 ? (tiles_m + 1) / 2 * tiles_k : tiles_m * tiles_k;
+  constexpr int64_t rows = kUnitRows<MXR, UNIT>, cols = kUnitCols<MXR, UNIT>;
+  return (tiles_m + rows - 1) / rows * ((tiles_k + cols - 1) / cols);
 }
 
 // The tiles the busiest CTA of a launch walks: its units times their tiles.
-template <int UNIT>
+template <bool MXR, int UNIT>
 int64_t busiest_tiles(int64_t tiles_m, int64_t tiles_k, const TileLaunch& h) {
-  const int64_t units = walk_units<UNIT>(tiles_m, tiles_k);
+  const int64_t units = walk_units<MXR, UNIT>(tiles_m, tiles_k);
   const int64_t grid = std::min<int64_t>(units, h.resident);
   return UNIT * ((units + grid - 1) / grid);
 }
@@ -1261,7 +1309,7 @@ void launch_walk(const TileArgs& a, int64_t tiles_m, int64_t tiles_k, const Tile
       if constexpr (MXR) q_map_r = mx_codes_map(a.mxr_q, a);
     }
   }
-  const int64_t units = walk_units<UNIT>(tiles_m, tiles_k);
+  const int64_t units = walk_units<MXR, UNIT>(tiles_m, tiles_k);
   const int64_t grid = std::min<int64_t>(units, h.resident);
   tile_kernel<T, NV, FO6, MXR, MXC, MODE, UNIT><<<grid, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
       a, static_cast<uint32_t>(units), static_cast<uint32_t>(tiles_m), static_cast<uint32_t>(tiles_k), map, q_map_c,
@@ -1269,10 +1317,11 @@ void launch_walk(const TileArgs& a, int64_t tiles_m, int64_t tiles_k, const Tile
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The hybrid cast's quads halve its MXFP8 row stores' requests but make the walk's units twice as
-// coarse: where the tiles do not share out evenly over the CTAs the busiest CTA walks more of
-// them. The quads are chosen where the busiest CTA walks at most kQuadSlack more tiles than with
-// pairs (1 + kQuadSlack of the time): less than the quads saved where both walks came out even.
+// The hybrid cast's quads halve its MXFP8 row stores' requests, and the NVFP4 columnwise casts'
+// strips their scale bytes' requests, but both make the walk's units twice as coarse: where the
+// tiles do not share out evenly over the CTAs the busiest CTA walks more of them. Units of 4 are
+// chosen where the busiest CTA walks at most kQuadSlack more tiles than with pairs (1 + kQuadSlack
+// of the time): less than the quads saved where both walks came out even.
 constexpr double kQuadSlack = 0.05;
 
 template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE = kNvAny>
@@ -1287,10 +1336,11 @@ void launch_tiles(const TileArgs& a) {
               ". Quantize it in row chunks.");
   constexpr int kUnit = kUnitOf<NV, MODE>;
   const TileLaunch h = tile_launch<T, NV, FO6, MXR, MXC, MODE, kUnit>();
-  if constexpr (kQuadsOf<T, NV, MXR>) {
+  if constexpr (kQuadsOf<T, NV, MXR> || kStripsOf<NV, MXR, MODE>) {
     const TileLaunch hq = tile_launch<T, NV, FO6, MXR, MXC, MODE, 4>();
-    const int64_t quads = busiest_tiles<4>(tiles_m, tiles_k, hq), pairs = busiest_tiles<kUnit>(tiles_m, tiles_k, h);
-    if (a.walk == 4 || (a.walk == 0 && static_cast<double>(quads) <= (1.0 + kQuadSlack) * static_cast<double>(pairs)))
+    const int64_t fours = busiest_tiles<MXR, 4>(tiles_m, tiles_k, hq);
+    const int64_t pairs = busiest_tiles<MXR, kUnit>(tiles_m, tiles_k, h);
+    if (a.walk == 4 || (a.walk == 0 && static_cast<double>(fours) <= (1.0 + kQuadSlack) * static_cast<double>(pairs)))
       return launch_walk<T, NV, FO6, MXR, MXC, MODE, 4>(a, tiles_m, tiles_k, hq);
   }
   launch_walk<T, NV, FO6, MXR, MXC, MODE, kUnit>(a, tiles_m, tiles_k, h);
@@ -1380,10 +1430,21 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cuda(const at::Tensor& x, cons
                                                        bool columnwise, bool block_2d,
                                                        int64_t fourover6, int64_t bound, bool rht,
                                                        bool stochastic,
-                                                       const std::optional<at::Tensor>& sr_state) {
+                                                       const std::optional<at::Tensor>& sr_state, int64_t walk) {
   const char* op = "qtensor.nvfp4_quantize";
   const NvShape s = nv_shape(x, columnwise, block_2d, op);
   check_nv_options(fourover6, bound, columnwise, rht, stochastic, block_2d, amax.dim() == 1, op);
+  TORCH_CHECK(walk == 0 || walk == 2 || walk == 4, op, " takes walk 0 (chosen), 2 (pairs) or 4 (strips); got ", num(walk),
+              ".");
+  TORCH_CHECK(walk == 0 || columnwise, op, ": walk ", num(walk), " is a columnwise tile walk; the rowwise cast has none. "
+              "Pass walk 0.");
+  const int mode = nv_mode(NvFlags{columnwise, block_2d, rht, stochastic, amax.dim() == 1});
+  TORCH_CHECK(walk != 4 || (x.scalar_type() == at::kBFloat16 && fourover6 == 0 &&
+                            (mode == kNvCol || mode == kNvColRhtSr || mode == kNvCol2d)),
+              op, " walks strips in the bf16 columnwise casts of their own kernel only (plain, 2D, or RHT with "
+              "stochastic rounding, without 4over6); got ", x.scalar_type(), ", fourover6 ", num(fourover6),
+              ", rht ", (rht ? "true" : "false"), ", stochastic ", (stochastic ? "true" : "false"), ", block_2d ",
+              (block_2d ? "true" : "false"), ". Pass walk 0 or 2.");
   check_nv_amax(x, amax, s, op);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor q = at::empty({s.R, s.C / 2}, x.options().dtype(at::kByte));
@@ -1396,6 +1457,7 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cuda(const at::Tensor& x, cons
     return {q, sc.view(at::kFloat8_e4m3fn)};
   }
   TileArgs args = nv_args(a, columnwise, block_2d, fourover6, bound, rht, stochastic, sr, q, sc);
+  args.walk = static_cast<int>(walk);
   run_tiles(as_aligned_2d(x), args, true, false, false);
   return {q, sc.view(at::kFloat8_e4m3fn)};
 }
@@ -1450,7 +1512,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hybrid_quantize_cuda(
   check_nv_amax(x, amax, s, op);
   if (fourover6) {  // 4over6's register budget does not fit beside the MXFP8 phase: two passes
     auto mx = mxfp8_quantize_cuda(x, rule, true, false);
-    auto nv = nvfp4_quantize_cuda(x, amax, true, false, fourover6, bound, rht, stochastic, sr_state);
+    auto nv = nvfp4_quantize_cuda(x, amax, true, false, fourover6, bound, rht, stochastic, sr_state, 0);
     return {std::get<0>(mx), std::get<1>(mx), std::get<0>(nv), std::get<1>(nv)};
   }
   const c10::cuda::CUDAGuard guard(x.device());

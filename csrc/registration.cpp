@@ -24,10 +24,12 @@ TORCH_LIBRARY(qtensor, m) {
   // max|x| as fp32: a scalar, or one per row of the quantized matrix (per_row); with rht the
   // 16-runs along dim 0 are Hadamard-transformed (and rounded to bf16) first.
   m.def("amax(Tensor x, bool columnwise, bool rht, bool per_row) -> Tensor");
-  // NVFP4 codes uint8 [R, C/2] and E4M3 block scales [R, C/16] given the amax.
+  // NVFP4 codes uint8 [R, C/2] and E4M3 block scales [R, C/16] given the amax. `walk` picks the
+  // CUDA columnwise kernel's tile walk for tests and benchmarks (0: chosen by the shape, 2: pairs
+  // of tile rows, 4: strips of four, in the bf16 casts of their own kernel); the bytes are the same.
   m.def(
       "nvfp4_quantize(Tensor x, Tensor amax, bool columnwise, bool block_2d, int fourover6, "
-      "int e4m3_bound, bool rht, bool stochastic, Tensor? sr_state) -> (Tensor, Tensor)");
+      "int e4m3_bound, bool rht, bool stochastic, Tensor? sr_state, int walk=0) -> (Tensor, Tensor)");
   // MXFP8 (rowwise data, rowwise scale, columnwise data, columnwise scale) from one read; a side
   // not asked for comes back as empty tensors.
   m.def(

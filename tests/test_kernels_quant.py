@@ -617,6 +617,53 @@ def test_hybrid_cast_walk_errors_name_the_rule(device):
             hybrid_cast(x.float(), spec, None, 4)
 
 
+def nvfp4_cast(x, spec, sr, walk):
+    """NVFP4 codes and scales by the op, its CUDA columnwise tile walk forced to `walk` (0: chosen)."""
+    state = sr_state_tensor(sr, x.device) if sr is not None else None
+    a = Q.amax(x, columnwise=spec.columnwise, rht=spec.rht)
+    return torch.ops.qtensor.nvfp4_quantize.default(
+        x, a, spec.columnwise, spec.block_2d, 0, spec.e4m3_bound, spec.rht, spec.stochastic_rounding, state, walk)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(1056, 800), (1664, 224), (2432, 2080), (2048, 256)], ids=str)
+def test_nvfp4_columnwise_walks(device, shape):
+    # The bf16 NVFP4 columnwise casts of their own kernel walk 128 x 64 tiles by pairs of tile rows
+    # or by strips of four, whose second pair stores both pairs' scale bytes (32 a result row):
+    # each walk is forced here, and the choice (walk 0) taken too. 1056 x 800 is 9 tile rows (a
+    # last strip of one tile row, 32 rows of it in) and a last column of 32; 1664 x 224 is 13 tile
+    # rows (a last strip of one) and 3.5 tile columns; 2432 x 2080 is 19 (a last strip of three:
+    # its second pair half in); 2048 x 256 is whole strips, whose rows' 32 scale bytes are aligned
+    # sectors (M % 512 == 0).
+    x = spread_input(shape, torch.bfloat16, 29).to(device)
+    rht_sr = NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)
+    # Offsets 1 and 32: the stochastic codes' general hash and their block hash (a multiple of 16).
+    cases = ((NVFP4Spec(columnwise=True), None), (NVFP4Spec(columnwise=True, block_2d=True), None),
+             (rht_sr, SRSeed(5, 1)), (rht_sr, SRSeed(5, 32)))
+    for spec, sr in cases:
+        ref = nvfp4.quantize(x, spec, sr)
+        for walk in (0, 2, 4):
+            q, s = nvfp4_cast(x, spec, sr, walk)
+            what = f"{spec} {sr} walk {walk}"
+            assert_bytes_equal(q, ref.qdata, f"nvfp4 codes {what}")
+            assert_bytes_equal(s, ref.scale, f"nvfp4 scale {what}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nvfp4_walk_errors_name_the_rule(device):
+    x = torch.randn(128, 64).bfloat16().to(device)
+    col = NVFP4Spec(columnwise=True)
+    with pytest.raises(RuntimeError, match="walk 0 .chosen., 2 .pairs. or 4 .strips.; got 3"):
+        nvfp4_cast(x, col, None, 3)
+    if device != "cpu":
+        with pytest.raises(RuntimeError, match="walk 2 is a columnwise tile walk; the rowwise cast has none"):
+            nvfp4_cast(x, NVFP4Spec(), None, 2)
+        with pytest.raises(RuntimeError, match="strips in the bf16 columnwise casts .* got Float"):
+            nvfp4_cast(x.float(), col, None, 4)
+        with pytest.raises(RuntimeError, match="strips in the bf16 columnwise casts .* rht true, stochastic false"):
+            nvfp4_cast(x, NVFP4Spec(columnwise=True, rht=True), None, 4)
+
+
 # ---- stochastic rounding -------------------------------------------------------------------------
 
 

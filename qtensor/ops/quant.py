@@ -168,7 +168,7 @@ def _register_fakes() -> None:
         return x.new_empty((rows,) if per_row else (), dtype=torch.float32)
 
     @torch.library.register_fake(lib + "nvfp4_quantize")
-    def _(x, amax, columnwise, block_2d, fourover6, bound, rht, stochastic, sr_state):
+    def _(x, amax, columnwise, block_2d, fourover6, bound, rht, stochastic, sr_state, walk=0):
         k = x.shape[-1]
         m = x.numel() // k
         r, c = (k, m) if columnwise else (m, k)
