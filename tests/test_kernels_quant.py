@@ -571,6 +571,18 @@ def test_2d_rows_many_panels(device, spec):
         assert 0.02 < map4 < 0.98, f"map-to-4 tiles: {map4:.3f} of all"
 
 
+def assert_walks_match(cast, x, cases, walks, reference):
+    """Each (spec, sr) case cast by `cast(x, spec, sr, walk)` at every walk in `walks` gives the
+    bytes of `reference(spec, sr)`, a dict of the outputs in the op's order by name."""
+    for spec, sr in cases:
+        want = reference(spec, sr)
+        for walk in walks:
+            got = cast(x, spec, sr, walk)
+            assert len(got) == len(want), f"{len(got)} outputs, {len(want)} references"
+            for (name, w), g in zip(want.items(), got):
+                assert_bytes_equal(g, w, f"{name} {spec} {sr} walk {walk}")
+
+
 def hybrid_cast(x, spec, sr, walk):
     """The hybrid cast's four outputs by the op, its CUDA tile walk forced to `walk` (0: chosen)."""
     state = sr_state_tensor(sr, x.device) if sr is not None else None
@@ -595,15 +607,13 @@ def test_hybrid_cast_many_tiles(device, dtype, shape):
     cases = ((NVFP4Spec(columnwise=True), None), (rht_sr, SRSeed(3, 1)), (rht_sr, SRSeed(3, 32)))
     walks = (0, 2, 4) if dtype != torch.float32 else (0, 2)
     ref_mx = mxfp8.quantize(x, MXFP8Spec("rceil"))
-    for spec, sr in cases:
+
+    def reference(spec, sr):
         ref_nv = nvfp4.quantize(x, spec, sr)
-        for walk in walks:
-            rq, rs, nq, ns = hybrid_cast(x, spec, sr, walk)
-            what = f"{spec} {sr} walk {walk}"
-            assert_bytes_equal(rq, ref_mx.qdata, f"hybrid mxfp8 data {what}")
-            assert_bytes_equal(rs, ref_mx.scale, f"hybrid mxfp8 scale {what}")
-            assert_bytes_equal(nq, ref_nv.qdata, f"hybrid nvfp4 codes {what}")
-            assert_bytes_equal(ns, ref_nv.scale, f"hybrid nvfp4 scale {what}")
+        return {"hybrid mxfp8 data": ref_mx.qdata, "hybrid mxfp8 scale": ref_mx.scale,
+                "hybrid nvfp4 codes": ref_nv.qdata, "hybrid nvfp4 scale": ref_nv.scale}
+
+    assert_walks_match(hybrid_cast, x, cases, walks, reference)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -640,13 +650,12 @@ def test_nvfp4_columnwise_walks(device, shape):
     # Offsets 1 and 32: the stochastic codes' general hash and their block hash (a multiple of 16).
     cases = ((NVFP4Spec(columnwise=True), None), (NVFP4Spec(columnwise=True, block_2d=True), None),
              (rht_sr, SRSeed(5, 1)), (rht_sr, SRSeed(5, 32)))
-    for spec, sr in cases:
+
+    def reference(spec, sr):
         ref = nvfp4.quantize(x, spec, sr)
-        for walk in (0, 2, 4):
-            q, s = nvfp4_cast(x, spec, sr, walk)
-            what = f"{spec} {sr} walk {walk}"
-            assert_bytes_equal(q, ref.qdata, f"nvfp4 codes {what}")
-            assert_bytes_equal(s, ref.scale, f"nvfp4 scale {what}")
+        return {"nvfp4 codes": ref.qdata, "nvfp4 scale": ref.scale}
+
+    assert_walks_match(nvfp4_cast, x, cases, (0, 2, 4), reference)
 
 
 @pytest.mark.parametrize("device", DEVICES)
