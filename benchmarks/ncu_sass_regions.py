@@ -4,6 +4,8 @@
         --page source --print-source sass --csv python benchmarks/profile_quantize.py > src.csv
     python benchmarks/ncu_sass_regions.py src.csv --elements 134217728
 
+The CSV may be gzipped (a name ending in .gz), as dev/gpu-pending/quant-session.sh S leaves it.
+
 Consecutive instructions executed the same number of times form a region (a straight-line piece
 of code: a loop body, a branch taken by some warps). Each region prints with its warp-level
 executions, its instructions per element of the input (warp instructions x 32 / elements) and
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 from dataclasses import dataclass, field
 
 
@@ -32,7 +35,8 @@ class Instr:
 
 def read_kernels(path: str) -> dict[str, list[Instr]]:
     """Each profiled kernel's instructions, in address order, from the CSV's per-kernel tables."""
-    with open(path, newline="") as f:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", newline="") as f:
         rows = [r for r in csv.reader(f) if r]
     starts = [i for i, r in enumerate(rows) if r[0] == "Kernel Name"]
     if not starts:

@@ -4,6 +4,7 @@ Nsight Compute source-page CSV."""
 from __future__ import annotations
 
 import csv
+import gzip
 import sys
 from pathlib import Path
 
@@ -74,3 +75,11 @@ def test_a_csv_without_kernel_tables_is_refused(tmp_path: Path):
     path.write_text("==PROF== nothing profiled\n")
     with pytest.raises(SystemExit, match="no 'Kernel Name' table"):
         nsr.read_kernels(str(path))
+
+
+def test_a_gzipped_csv_reads_as_the_plain_one(two_kernels: Path, tmp_path: Path):
+    packed = tmp_path / "src.csv.gz"
+    packed.write_bytes(gzip.compress(two_kernels.read_bytes()))
+    plain, unpacked = nsr.read_kernels(str(two_kernels)), nsr.read_kernels(str(packed))
+    assert list(unpacked) == ["cast #0", "other #1"]
+    assert unpacked == plain
