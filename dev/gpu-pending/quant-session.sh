@@ -21,12 +21,15 @@
 #           for t in "${TMPDIR:-/tmp}"/compare/*/ "$PWD"; do (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/quant-session.sh B); done
 #   there, P (one call from main's root, where machines are scarce: builds every tree, a failed
 #           build stopping it, runs each series' quantizer CUDA suite, then PASSES bench passes
-#           over CASES and SHAPES in alternating tree order, each table to $OUT/p<k>_<series>.md,
+#           over CASES and SHAPES in alternating tree order, each table to p<k>_<series>.md,
 #           and prints
-#           dev/bench_ratios.py's verdicts of every series against main, eager and GPU time; after
-#           each stage everything under $OUT is packed into $OUT/results.tgz, one file to fetch.
+#           dev/bench_ratios.py's verdicts of every series against main, eager and GPU time (also
+#           to $OUT/verdicts_us.txt and verdicts_gpu.txt); the tables, suites and build log stay
+#           under $TMPDIR/compare/results and are packed into $OUT/results.tgz after each stage
+#           (a call brings back at most 8 files).
 #           Each finished stage leaves a mark under $TMPDIR/compare, so the same call issued again
-#           while the machine is warm goes on where a call cut at its limit stopped):
+#           while the machine is warm goes on where a call cut at its limit stopped; a call with
+#           other trees packed builds them and starts its passes afresh):
 #           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16 OUT
 #           bash dev/gpu-pending/quant-session.sh P
 #   there, S RANGE... (in one built tree, from its root): Nsight Compute's per-instruction SASS
@@ -111,32 +114,40 @@ case "${1:-}" in
       || { echo "quant-session: P runs from main's root with .whl/compare packed (run pack here)" >&2; exit 2; }
     t0=$(date +%s)
     say() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
-    keep() { tar -czf "$work/results.tgz" -C "$out" --exclude results.tgz . && cp "$work/results.tgz" "$out/"; }
-    mkdir -p "$work"
+    # Every table and log goes to $res on the machine, where a call issued again finds the
+    # stages before it ($OUT starts empty each call, and at most 8 of its files come back): $OUT
+    # gets them packed into one file, results.tgz, after each stage, and the verdicts beside it.
+    res="$work/results"
+    keep() { tar -czf "$out/results.tgz" -C "$res" .; }
+    mkdir -p "$res"
     # a command of its own in tree $1 (cd there, the tree first on PYTHONPATH)
     at() { local t=$1; shift; (cd "$t" && PYTHONPATH="$t${PYTHONPATH:+:$PYTHONPATH}" "$@"); }
-    if [ ! -f "$work/built" ]; then
+    # The mark of the build names the trees built; other trees (a call with another pack on the
+    # warm machine) are built again, and the passes of the trees before are not theirs.
+    packed=$(cd .whl/compare && ls -- *.tar | paste -sd' ')
+    if [ "$(cat "$work/built" 2>/dev/null)" != "$packed" ]; then
+      rm -f "$work"/pass* "$res"/p[0-9]*_*.md "$res"/verdicts_*.txt
       # compare_builds reports a failed build and goes on with the others: a failed tree stops P
-      dev/compare_builds.sh run .whl/compare true > "$out/build.txt" 2>&1
+      dev/compare_builds.sh run .whl/compare true > "$res/build.txt" 2>&1
       say "built"
-      if grep -A5 'build failed' "$out/build.txt"; then keep; exit 1; fi
-      touch "$work/built"
+      if grep -A5 'build failed' "$res/build.txt"; then keep; exit 1; fi
+      echo "$packed" > "$work/built"
     fi
     trees=("$PWD")
     names=(main)
     for tar in .whl/compare/*.tar; do
       t="$work/$(basename "$tar" .tar)"
-      [ -d "$t" ] || { echo "quant-session: $t was not unpacked (see $out/build.txt)" >&2; exit 1; }
+      [ -d "$t" ] || { echo "quant-session: $t was not unpacked (see build.txt in results.tgz)" >&2; exit 1; }
       trees+=("$t")
       names+=("$(cd "$t" && series)")
     done
     for i in "${!trees[@]}"; do
       [ "$i" -gt 0 ] && [ ! -f "$work/suite_${names[$i]}" ] || continue
-      at "${trees[$i]}" suite > "$out/suite_${names[$i]}.txt"
-      say "suite ${names[$i]}: $(tail -n 1 "$out/suite_${names[$i]}.txt")"
+      at "${trees[$i]}" suite > "$res/suite_${names[$i]}.txt"
+      say "suite ${names[$i]}: $(tail -n 1 "$res/suite_${names[$i]}.txt")"
       # only a whole suite's pass marks it (a hang ends at the limit without a summary line)
-      grep -qE '[0-9]+ passed' "$out/suite_${names[$i]}.txt" \
-        && ! grep -qE 'failed|error' "$out/suite_${names[$i]}.txt" && touch "$work/suite_${names[$i]}"
+      grep -qE '[0-9]+ passed' "$res/suite_${names[$i]}.txt" \
+        && ! grep -qE 'failed|error' "$res/suite_${names[$i]}.txt" && touch "$work/suite_${names[$i]}"
       keep
     done
     for p in $(seq 1 "$passes"); do
@@ -146,7 +157,7 @@ case "${1:-}" in
       whole=1
       for i in "${order[@]}"; do
         at "${trees[$i]}" timeout 120 python3 benchmarks/bench_quantize.py --no-peers \
-          --cases "$cases" --shapes "$shapes" --out "$out/p${p}_${names[$i]}.md" > /dev/null || whole=0
+          --cases "$cases" --shapes "$shapes" --out "$res/p${p}_${names[$i]}.md" > /dev/null || whole=0
       done
       [ "$whole" = 1 ] || { echo "quant-session: pass $p failed in a tree; rerun P" >&2; keep; exit 1; }
       touch "$work/pass$p"
@@ -155,11 +166,11 @@ case "${1:-}" in
     done
     args=()
     for name in "${names[@]}"; do
-      files=$(seq 1 "$passes" | sed "s|.*|$out/p&_$name.md|" | paste -sd,)
+      files=$(seq 1 "$passes" | sed "s|.*|$res/p&_$name.md|" | paste -sd,)
       args+=("$name=$files")
     done
     for time in us gpu; do
-      python3 dev/bench_ratios.py --time "$time" "${args[@]}" | tee "$out/verdicts_$time.txt"
+      python3 dev/bench_ratios.py --time "$time" "${args[@]}" | tee "$res/verdicts_$time.txt" "$out/verdicts_$time.txt"
     done
     keep
     ;;
