@@ -659,6 +659,37 @@ def test_nvfp4_columnwise_walks(device, shape):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(1024, 64), (512, 128)], ids=str)
+def test_walks_all_finite_bf16_patterns(device, shape):
+    # Every finite bf16 pattern (and the first 256 again, to fill 65,536) through each walk of
+    # the NVFP4 columnwise casts (pairs, strips of four tile rows) and of the hybrid cast (pairs,
+    # quads): 1024 x 64 is two whole strips in one tile column (quads without their second
+    # column), 512 x 128 one strip and one whole quad column. Down a column, an RHT run's 16 rows
+    # hold patterns 64 or 128 apart, spans of about 2**8 or 2**15 in magnitude, and far more
+    # across the sign boundary (the largest positive patterns beside -0 and the negative
+    # subnormals): they take the fp32 butterfly or, past the kernels' range test, the fp64 one.
+    p = all_bf16_patterns()
+    finite = p[torch.isfinite(p)]
+    x = torch.cat([finite, finite[:256]]).reshape(shape).to(device)
+    rht_sr = NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)
+    cases = ((NVFP4Spec(columnwise=True), None), (NVFP4Spec(columnwise=True, block_2d=True), None),
+             (rht_sr, SRSeed(7, 32)))
+    ref_mx = mxfp8.quantize(x, MXFP8Spec("rceil"))
+
+    def nv_reference(spec, sr):
+        ref = nvfp4.quantize(x, spec, sr)
+        return {"nvfp4 codes": ref.qdata, "nvfp4 scale": ref.scale}
+
+    def hybrid_reference(spec, sr):
+        ref_nv = nvfp4.quantize(x, spec, sr)
+        return {"hybrid mxfp8 data": ref_mx.qdata, "hybrid mxfp8 scale": ref_mx.scale,
+                "hybrid nvfp4 codes": ref_nv.qdata, "hybrid nvfp4 scale": ref_nv.scale}
+
+    assert_walks_match(nvfp4_cast, x, cases, (0, 2, 4), nv_reference)
+    assert_walks_match(hybrid_cast, x, (cases[0], cases[2]), (0, 2, 4), hybrid_reference)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_nvfp4_walk_errors_name_the_rule(device):
     x = torch.randn(128, 64).bfloat16().to(device)
     col = NVFP4Spec(columnwise=True)
