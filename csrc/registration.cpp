@@ -38,7 +38,8 @@ TORCH_LIBRARY(qtensor, m) {
   // The gradient cast of the dgrad-in-MXFP8 recipe from one read of x [M, K]: MXFP8 rowwise
   // (data, scale) and NVFP4 columnwise (codes, scales) given the columnwise amax. `walk` picks the
   // CUDA kernel's tile walk for tests and benchmarks (0: chosen by the shape, 2: pairs, 4: quads
-  // of 16-bit inputs); the bytes are the same.
+  // of 16-bit inputs); the bytes are the same. With 4over6 the cast runs as two passes, an MXFP8
+  // and an NVFP4 one, and takes the NVFP4 cast's chosen walk whatever `walk` says.
   m.def(
       "hybrid_quantize(Tensor x, Tensor amax, int scale_rule, int fourover6, int e4m3_bound, "
       "bool rht, bool stochastic, Tensor? sr_state, int walk=0) -> (Tensor, Tensor, Tensor, Tensor)");
