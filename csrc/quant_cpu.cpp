@@ -431,6 +431,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hybrid_quantize_cpu(
               shape_str(x), ".");
   TORCH_CHECK(walk == 0 || walk == 2 || walk == 4, "qtensor.hybrid_quantize takes walk 0 (chosen), 2 (pairs) or 4 "
               "(quads); got ", num(walk), ".");  // the CPU kernels have no tile walk
+  TORCH_CHECK(walk == 0 || fourover6 == 0, "qtensor.hybrid_quantize with 4over6 runs as two casts, an MXFP8 and an "
+              "NVFP4 one, and takes no tile walk; got walk ", num(walk), " with fourover6 ", num(fourover6),
+              ". Pass walk 0.");  // the CUDA op's rule, kept on every device
   auto mx = mxfp8_quantize_cpu(x, rule, true, false);
   auto nv = nvfp4_quantize_cpu(x, amax, true, false, fourover6, bound, rht, stochastic, sr_state, 0);
   return {std::get<0>(mx), std::get<1>(mx), std::get<0>(nv), std::get<1>(nv)};

@@ -1505,6 +1505,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hybrid_quantize_cuda(
               ".");
   TORCH_CHECK(walk != 4 || x.element_size() == 2, op, " walks quads of 16-bit inputs only; got ", x.scalar_type(),
               ". Pass walk 0 or 2.");
+  TORCH_CHECK(walk == 0 || fourover6 == 0, op, " with 4over6 runs as two casts, an MXFP8 and an NVFP4 one, and takes no "
+              "tile walk; got walk ", num(walk), " with fourover6 ", num(fourover6), ". Pass walk 0.");
   check_mx_shape(x, true, false, op);
   check_scale_rule(rule, op);
   const NvShape s = nv_shape(x, true, false, op);

@@ -39,7 +39,7 @@ TORCH_LIBRARY(qtensor, m) {
   // (data, scale) and NVFP4 columnwise (codes, scales) given the columnwise amax. `walk` picks the
   // CUDA kernel's tile walk for tests and benchmarks (0: chosen by the shape, 2: pairs, 4: quads
   // of 16-bit inputs); the bytes are the same. With 4over6 the cast runs as two passes, an MXFP8
-  // and an NVFP4 one, and takes the NVFP4 cast's chosen walk whatever `walk` says.
+  // and an NVFP4 one, with the NVFP4 cast's chosen walk, and takes walk 0 only.
   m.def(
       "hybrid_quantize(Tensor x, Tensor amax, int scale_rule, int fourover6, int e4m3_bound, "
       "bool rht, bool stochastic, Tensor? sr_state, int walk=0) -> (Tensor, Tensor, Tensor, Tensor)");

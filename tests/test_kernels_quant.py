@@ -625,6 +625,11 @@ def test_hybrid_cast_walk_errors_name_the_rule(device):
     if device != "cpu":
         with pytest.raises(RuntimeError, match="quads of 16-bit inputs only; got Float"):
             hybrid_cast(x.float(), spec, None, 4)
+    # With 4over6 the cast is two casts of their own walks: a forced walk is refused, not ignored.
+    a = Q.amax(x, columnwise=True, rht=False)
+    for walk in (2, 4):
+        with pytest.raises(RuntimeError, match=f"takes no tile walk; got walk {walk} with fourover6 1. Pass walk 0"):
+            torch.ops.qtensor.hybrid_quantize.default(x, a, 0, 1, 448, False, False, None, walk)
 
 
 def nvfp4_cast(x, spec, sr, walk):
