@@ -1322,7 +1322,7 @@ void launch_walk(const TileArgs& a, int64_t tiles_m, int64_t tiles_k, const Tile
 // tiles do not share out evenly over the CTAs the busiest CTA walks more of them. Units of 4 are
 // chosen where the busiest CTA walks at most kQuadSlack more tiles than with pairs (1 + kQuadSlack
 // of the time): less than the quads saved where both walks came out even.
-constexpr double kQuadSlack = 0.05;
+constexpr double kQuadSlack = 0.10;
 
 template <typename T, bool NV, int FO6, bool MXR, bool MXC, int MODE = kNvAny>
 void launch_tiles(const TileArgs& a) {
