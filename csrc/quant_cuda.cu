@@ -210,6 +210,9 @@ struct TileArgs {
   int rule;
   uint8_t *mxr_q, *mxr_s, *mxc_q, *mxc_s;
   int walk;  // read on the host: the NVFP4 columnwise walk if forced (2 or 4 tiles a unit), else 0 (launch_tiles)
+  // The units taken so far past each CTA's first, zero at the launch, where the CTAs take their
+  // next units as they go (launch_walk); nullptr where each walks every grid-th unit.
+  unsigned* next_unit;
 };
 
 // ---- NVFP4 blocks ----------------------------------------------------------------------------------
@@ -946,6 +949,12 @@ struct TileStep {
 struct TileWalk {
   uint32_t tm, tk;
   __device__ TileWalk(uint32_t t, uint32_t tiles_k) : tm(t / tiles_k), tk(t % tiles_k) {}
+  __device__ static TileWalk at(uint32_t tm, uint32_t tk) {
+    TileWalk w(0u, 1u);
+    w.tm = tm;
+    w.tk = tk;
+    return w;
+  }
   __device__ __forceinline__ void advance(const TileStep& by) {
     tm += by.rows;
     tk += by.cols;
@@ -969,6 +978,9 @@ struct Walk {
   TileWalk unit;
   uint32_t u, half;
   __device__ Walk(uint32_t first, uint32_t width) : unit(first, width), u(first), half(0u) {}
+  // The tile a stage holds, as fill() recorded it (where()).
+  __device__ explicit Walk(uint4 w) : unit(TileWalk::at(w.y, w.z)), u(w.x), half(w.w) {}
+  __device__ __forceinline__ uint4 where() const { return make_uint4(u, unit.tm, unit.tk, half); }
   __device__ __forceinline__ uint32_t tm() const { return ROWS * unit.tm + (COLS == 1 ? half : half >> 1); }
   __device__ __forceinline__ uint32_t tk() const { return COLS == 2 ? 2u * unit.tk + (half & 1u) : unit.tk; }
   __device__ __forceinline__ void advance(const TileStep& by, uint32_t step) {
@@ -979,6 +991,16 @@ struct Walk {
     half = 0u;
     unit.advance(by);
     u += step;
+  }
+  // On to the next tile, the next unit taken from *next (units `first` on are taken in turn;
+  // past `units`, the walk stays there).
+  __device__ __forceinline__ void take(unsigned* next, uint32_t first, uint32_t units, uint32_t width) {
+    if (half + 1u < kTiles) {
+      ++half;
+      return;
+    }
+    if (u >= units) return;
+    *this = Walk(first + atomicAdd(next, 1u), width);
   }
 };
 
@@ -1038,6 +1060,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, NV, FO6, MXR, MODE>)
   using W = Walk<kUnitRows<MXR, UNIT>, kUnitCols<MXR, UNIT>>;
   constexpr bool kQuads = MXR && UNIT == 4, kStrips = !MXR && UNIT == 4;
   __shared__ __align__(8) uint64_t landed[kRing];  // tensor copies: a stage's tile is in
+  __shared__ uint4 stage_tile[kRing];  // the tile each stage holds (Walk::where), set by fill()
   __shared__ uint32_t mx_rs[MXC && MXR ? kMxRows : 1];
   __shared__ std::conditional_t<NV && MXR, MxRowOut<kQuads ? 2 * kCols : kCols>, char> mx_rows;
   __shared__ uint4 strip_scales[kStrips ? kCols : 1];  // the scale bytes of a strip's first pair
@@ -1081,8 +1104,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, NV, FO6, MXR, MODE>)
   // The loop's first barrier orders the table's writes before any read.
   const uint32_t step = gridDim.x;
   // The tile coordinates advance by the grid without dividing (a division per tile and thread
-  // cost about 5 instructions per element): `cur` is the tile quantized, `ahead` the one
-  // refilled, kRing - 1 steps later. Tile counts, positions and their sums stay below 2**32
+  // cost about 5 instructions per element): `ahead` is the tile refilled, kRing - 1 tiles after
+  // the one quantized, `cur`, whose place its stage records (stage_tile). Tile counts, positions and their sums stay below 2**32
   // (set_tile_input, launch_tiles), so all of them are 32-bit; byte offsets are formed by wide().
   const uint32_t width = kQuads ? (tiles_k + 1u) / 2u : tiles_k;  // of the grid of units
   const TileStep by{step / width, step % width, width};
@@ -1093,6 +1116,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, NV, FO6, MXR, MODE>)
   // skip their rows and columns.
   auto fill = [&](int slot, const W& at) {
     const bool unit = at.u < units, in = unit && at.tm() < tiles_m && at.tk() < tiles_k;
+    if (threadIdx.x == 0) stage_tile[slot] = at.where();  // a unit past the last ends the walk
     // The amax walks the tiles from the input's last to its first, so that the cast after it
     // finds its first tiles still in L2 ([Note: the amax walks back] in quant_rows_cuda.cu).
     const uint32_t tm = kAmax ? tiles_m - 1u - at.tm() : at.tm();
@@ -1128,26 +1152,40 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, NV, FO6, MXR, MODE>)
     }
     __syncthreads();
   }
+  // With tensor copies and a.next_unit, thread 0 takes each next unit from the launch's
+  // counter as it refills (the units the CTAs take go to whichever CTA is ready: CTAs that walk
+  // every grid-th unit finish at different times, and the SMs of the first wait idle); the other
+  // threads read each stage's tile from stage_tile. A unit's tiles stay in one CTA, in order.
+  const bool dynamic = tma && a.next_unit != nullptr;
   W ahead(blockIdx.x, width);
+  auto advance = [&] {
+    if (dynamic) {
+      if (threadIdx.x == 0) ahead.take(a.next_unit, step, units, width);
+    } else {
+      ahead.advance(by, step);
+    }
+  };
 #pragma unroll
   for (int s = 0; s < kRing - 1; ++s) {  // the ring's first tiles
     fill(s, ahead);
-    ahead.advance(by, step);
+    advance();
   }
-  W cur(blockIdx.x, width);
+  __syncthreads();  // their stage_tile
   NvColCodes held{}, held1{};  // the codes of the pairs' first tiles (held1: a quad's second pair)
   int stage = 0;
   uint32_t parity = 0u;  // of the use of the stage's `landed` barrier that brings the tile
-  while (cur.u < units) {
+  for (;;) {
+    // Set by thread 0 two tiles ago, before the last barrier.
+    const W cur(stage_tile[stage]);
+    if (cur.u >= units) break;
     if constexpr (tma) mbar_wait(smem_addr(&landed[stage]), parity);  // the tile has landed
     else cp_async_wait<kRing - 2>();  // this thread's copies of the tile have
     __syncthreads();  // (cp.async: everyone's have,) and the stage refilled next is read out
     const int refill = stage == 0 ? kRing - 1 : stage - 1;
     fill(refill, ahead);
-    ahead.advance(by, step);
+    advance();
     unsigned char* tile = stages + stage * S::kBytes;
     const uint32_t m0 = cur.tm() * S::kRows, k0 = cur.tk() * S::kCols, half = cur.half;
-    cur.advance(by, step);
     if constexpr (MXC) {
       mx_patch_phase<T, MXR, tma>(a, tile, mx_rs, m0, k0, &q_map_c, &q_map_r);
     } else if constexpr (kAmax) {
@@ -1311,8 +1349,18 @@ void launch_walk(const TileArgs& a, int64_t tiles_m, int64_t tiles_k, const Tile
   }
   const int64_t units = walk_units<MXR, UNIT>(tiles_m, tiles_k);
   const int64_t grid = std::min<int64_t>(units, h.resident);
-  tile_kernel<T, NV, FO6, MXR, MXC, MODE, UNIT><<<grid, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
-      a, static_cast<uint32_t>(units), static_cast<uint32_t>(tiles_m), static_cast<uint32_t>(tiles_k), map, q_map_c,
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // Where the CTAs walk more than one unit each, they take their next units from a counter
+  // zeroed here (tile_kernel); the allocator keeps its bytes until the launch's stream is past it.
+  TileArgs args = a;
+  at::Tensor next;
+  if (h.copies && units > grid) {
+    next = at::empty({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c10::cuda::current_device()));
+    C10_CUDA_CHECK(cudaMemsetAsync(next.data_ptr(), 0, sizeof(int32_t), stream));
+    args.next_unit = reinterpret_cast<unsigned*>(next.data_ptr<int32_t>());
+  }
+  tile_kernel<T, NV, FO6, MXR, MXC, MODE, UNIT><<<grid, kThreads, smem, stream>>>(
+      args, static_cast<uint32_t>(units), static_cast<uint32_t>(tiles_m), static_cast<uint32_t>(tiles_k), map, q_map_c,
       q_map_r);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
