@@ -534,6 +534,43 @@ def test_tile_kernel_walks_many_tiles_a_cta(device, dtype):
             assert_bytes_equal(nv.scale, ref_nv.scale, f"hybrid nvfp4 scale {spec}")
 
 
+def poison_blocks(tensors):
+    """Blocks of the caching allocator of each tensor's size, filled with 0xFF and freed: the next
+    outputs of those sizes start as 0xFF, so bytes a kernel leaves unwritten show."""
+    blocks = [torch.full((t.numel() * t.element_size(),), 0xFF, dtype=torch.uint8, device=t.device) for t in tensors]
+    del blocks
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+def test_tile_walk_takes_every_unit_once(device):
+    # Where the tile kernel's CTAs walk more than one unit each, they take each next unit from a
+    # counter as they go (launch_walk): every tile must be quantized by one CTA. Each cast's
+    # outputs come from blocks just filled with 0xFF, so a tile no CTA took shows (outputs of an
+    # earlier cast of the same bytes would hide it). 16384 x 2048 is 4096 tiles: 2048 pairs or
+    # 1024 strips or quads, more than a GPU of 132 SMs holds CTAs.
+    x = spread_input((16384, 2048), torch.bfloat16, 43).to(device)
+    ref_mx = mxfp8.quantize(x, MXFP8Spec("rceil"))
+    ref_mxc = mxfp8.quantize(x, MXFP8Spec("rceil", columnwise=True))
+    rht_sr = NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)
+    for spec, sr in ((NVFP4Spec(columnwise=True), None), (rht_sr, SRSeed(4, 0))):
+        ref = nvfp4.quantize(x, spec, sr)
+        for walk in (2, 4):
+            poison_blocks((ref.qdata, ref.scale))
+            q, sc = nvfp4_cast(x, spec, sr, walk)
+            assert_bytes_equal(q, ref.qdata, f"codes {spec} walk {walk}")
+            assert_bytes_equal(sc, ref.scale, f"scale {spec} walk {walk}")
+            poison_blocks((ref_mx.qdata, ref_mx.scale, ref.qdata, ref.scale))
+            got = hybrid_cast(x, spec, sr, walk)
+            for g, w, what in zip(got, (ref_mx.qdata, ref_mx.scale, ref.qdata, ref.scale),
+                                  ("mxfp8 data", "mxfp8 scale", "nvfp4 codes", "nvfp4 scale")):
+                assert_bytes_equal(g, w, f"hybrid {what} {spec} walk {walk}")
+    poison_blocks((ref_mx.qdata, ref_mx.scale, ref_mxc.qdata, ref_mxc.scale))
+    got = Q.mxfp8_both(x, "rceil", True, True)
+    for g, w, what in zip(got, (ref_mx.qdata, ref_mx.scale, ref_mxc.qdata, ref_mxc.scale),
+                          ("row", "row scale", "col", "col scale")):
+        assert_bytes_equal(g, w, f"mx both {what}")
+
+
 @pytest.mark.parametrize("device", DEVICES[1:])
 @pytest.mark.parametrize("spec", [NVFP4Spec(fourover6="mae"), NVFP4Spec(fourover6="mse", e4m3_bound=256)], ids=str)
 def test_fourover6_rows_persistent_grid(device, spec):
