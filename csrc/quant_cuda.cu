@@ -1032,6 +1032,15 @@ constexpr int kUnitRows = UNIT / kUnitCols<MXR, UNIT>;
 // kernel (every flag's path: it spills at 80 registers), for fp32 tiles (32 KB a stage) and for
 // 4over6 (two candidates per block). The hybrid cast had run a ring of 4 stages
 // at 3 CTAs an SM, within noise of 3 stages with its NVFP4 outputs by pairs.
+// The kernels whose CTAs take their next units from a counter as they go (tile_kernel), where
+// the launch's input has kTakeFrom elements or more: below that, the counter's zeroing (a memset
+// launch, about 1 us of GPU time) cost more than the balance saved (8192x5120, 2026-12-07,
+// H100). Not the general NVFP4 kernel (every flag's path, its 16-bit forms at their register
+// cap).
+template <bool NV, bool MXR, int MODE>
+constexpr bool kTakesUnits = !(NV && !MXR && MODE == kNvAny);
+constexpr int64_t kTakeFrom = int64_t{1} << 26;
+
 template <typename T, bool NV, int FO6, bool MXR, int MODE>
 constexpr int kMinCtas = sizeof(T) == 2 && FO6 == 0 ? (!(NV && MXR) ? 4 : MODE != kNvAny ? 3 : 2) : 2;
 
@@ -1156,14 +1165,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, NV, FO6, MXR, MODE>)
   // counter as it refills (the units the CTAs take go to whichever CTA is ready: CTAs that walk
   // every grid-th unit finish at different times, and the SMs of the first wait idle); the other
   // threads read each stage's tile from stage_tile. A unit's tiles stay in one CTA, in order.
-  const bool dynamic = tma && a.next_unit != nullptr;
   W ahead(blockIdx.x, width);
   auto advance = [&] {
-    if (dynamic) {
-      if (threadIdx.x == 0) ahead.take(a.next_unit, step, units, width);
-    } else {
-      ahead.advance(by, step);
+    if constexpr (tma && kTakesUnits<NV, MXR, MODE>) {
+      if (a.next_unit != nullptr) {
+        if (threadIdx.x == 0) ahead.take(a.next_unit, step, units, width);
+        return;
+      }
     }
+    ahead.advance(by, step);
   };
 #pragma unroll
   for (int s = 0; s < kRing - 1; ++s) {  // the ring's first tiles
@@ -1350,11 +1360,13 @@ void launch_walk(const TileArgs& a, int64_t tiles_m, int64_t tiles_k, const Tile
   const int64_t units = walk_units<MXR, UNIT>(tiles_m, tiles_k);
   const int64_t grid = std::min<int64_t>(units, h.resident);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // Where the CTAs walk more than one unit each, they take their next units from a counter
-  // zeroed here (tile_kernel); the allocator keeps its bytes until the launch's stream is past it.
+  // Where the CTAs walk more than one unit each of a large input, they take their next units from
+  // a counter zeroed here (tile_kernel, kTakesUnits); the allocator keeps its bytes until the
+  // launch's stream is past it.
   TileArgs args = a;
   at::Tensor next;
-  if (h.copies && units > grid) {
+  if (kTakesUnits<NV, MXR, MODE> && h.copies && units > grid &&
+      static_cast<int64_t>(a.M) * static_cast<int64_t>(a.K) >= kTakeFrom) {
     next = at::empty({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c10::cuda::current_device()));
     C10_CUDA_CHECK(cudaMemsetAsync(next.data_ptr(), 0, sizeof(int32_t), stream));
     args.next_unit = reinterpret_cast<unsigned*>(next.data_ptr<int32_t>());
