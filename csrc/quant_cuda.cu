@@ -1034,12 +1034,14 @@ constexpr int kUnitRows = UNIT / kUnitCols<MXR, UNIT>;
 // at 3 CTAs an SM, within noise of 3 stages with its NVFP4 outputs by pairs.
 // The kernels whose CTAs take their next units from a counter as they go (tile_kernel), where
 // the launch's input has kTakeFrom elements or more: below that, the counter's zeroing (a memset
-// launch, about 1 us of GPU time) cost more than the balance saved (8192x5120, 2026-12-07,
-// H100). Not the general NVFP4 kernel (every flag's path, its 16-bit forms at their register
-// cap).
+// launch, about 1 us of GPU time) cost more than the balance saved. The MXFP8 and hybrid casts
+// gain 4-11 % from 2**26 elements (8192x8192); the NVFP4 columnwise casts alone 1-3 % at 2**27
+// (16384x8192) and lost 2 % at 2**26. Not the general NVFP4 kernel (every flag's path, its
+// 16-bit forms at their register cap).
 template <bool NV, bool MXR, int MODE>
 constexpr bool kTakesUnits = !(NV && !MXR && MODE == kNvAny);
-constexpr int64_t kTakeFrom = int64_t{1} << 26;
+template <bool NV, bool MXR>
+constexpr int64_t kTakeFrom = int64_t{1} << (NV && !MXR ? 27 : 26);
 
 template <typename T, bool NV, int FO6, bool MXR, int MODE>
 constexpr int kMinCtas = sizeof(T) == 2 && FO6 == 0 ? (!(NV && MXR) ? 4 : MODE != kNvAny ? 3 : 2) : 2;
@@ -1366,7 +1368,7 @@ void launch_walk(const TileArgs& a, int64_t tiles_m, int64_t tiles_k, const Tile
   TileArgs args = a;
   at::Tensor next;
   if (kTakesUnits<NV, MXR, MODE> && h.copies && units > grid &&
-      static_cast<int64_t>(a.M) * static_cast<int64_t>(a.K) >= kTakeFrom) {
+      static_cast<int64_t>(a.M) * static_cast<int64_t>(a.K) >= kTakeFrom<NV, MXR>) {
     next = at::empty({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c10::cuda::current_device()));
     C10_CUDA_CHECK(cudaMemsetAsync(next.data_ptr(), 0, sizeof(int32_t), stream));
     args.next_unit = reinterpret_cast<unsigned*>(next.data_ptr<int32_t>());

@@ -544,12 +544,12 @@ def poison_blocks(tensors):
 @pytest.mark.parametrize("device", DEVICES[1:])
 def test_tile_walk_takes_every_unit_once(device):
     # Where the tile kernel's CTAs walk more than one unit each, they take each next unit from a
-    # counter as they go, on inputs of 2**26 elements or more (launch_walk): every tile must be
-    # quantized by one CTA. Each cast's outputs come from blocks just filled with 0xFF, so a tile
-    # no CTA took shows (outputs of an earlier cast of the same bytes would hide it). 16384 x 4096
-    # is 8192 tiles: 4096 pairs or 2048 strips or quads, several for each CTA a GPU of 132 SMs
-    # holds.
-    x = spread_input((16384, 4096), torch.bfloat16, 43).to(device)
+    # counter as they go, on inputs of 2**26 elements or more (2**27 for the NVFP4 columnwise
+    # casts alone; launch_walk): every tile must be quantized by one CTA. Each cast's outputs come
+    # from blocks just filled with 0xFF, so a tile no CTA took shows (outputs of an earlier cast of
+    # the same bytes would hide it). 16384 x 8192 is 16384 tiles: 8192 pairs or 4096 strips or
+    # quads, several for each CTA a GPU of 132 SMs holds.
+    x = spread_input((16384, 8192), torch.bfloat16, 43).to(device)
     ref_mx = mxfp8.quantize(x, MXFP8Spec("rceil"))
     ref_mxc = mxfp8.quantize(x, MXFP8Spec("rceil", columnwise=True))
     rht_sr = NVFP4Spec(columnwise=True, rht=True, stochastic_rounding=True)
