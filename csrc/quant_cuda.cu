@@ -1025,13 +1025,6 @@ constexpr int kUnitCols = MXR && UNIT == 4 ? 2 : 1;
 template <bool MXR, int UNIT>
 constexpr int kUnitRows = UNIT / kUnitCols<MXR, UNIT>;
 
-// CTAs per SM the register budget is cut for: 4 for 16-bit inputs (3 stages of 16 KB and 64
-// registers a thread fit 4 times; MXFP8 both directions among them, at 71 registers without the
-// cut); 3 for the hybrid cast of a fixed mode (its staged MXFP8 rows leave room for three; 64
-// registers bound it, and the quads' second held codes take more); 2 for the general hybrid
-// kernel (every flag's path: it spills at 80 registers), for fp32 tiles (32 KB a stage) and for
-// 4over6 (two candidates per block). The hybrid cast had run a ring of 4 stages
-// at 3 CTAs an SM, within noise of 3 stages with its NVFP4 outputs by pairs.
 // The kernels whose CTAs take their next units from a counter as they go (tile_kernel), where
 // the launch's input has kTakeFrom elements or more: below that, the counter's zeroing (a memset
 // launch, about 1 us of GPU time) cost more than the balance saved. The MXFP8 and hybrid casts
@@ -1043,6 +1036,13 @@ constexpr bool kTakesUnits = !(NV && !MXR && MODE == kNvAny);
 template <bool NV, bool MXR>
 constexpr int64_t kTakeFrom = int64_t{1} << (NV && !MXR ? 27 : 26);
 
+// CTAs per SM the register budget is cut for: 4 for 16-bit inputs (3 stages of 16 KB and 64
+// registers a thread fit 4 times; MXFP8 both directions among them, at 71 registers without the
+// cut); 3 for the hybrid cast of a fixed mode (its staged MXFP8 rows leave room for three; 64
+// registers bound it, and the quads' second held codes take more); 2 for the general hybrid
+// kernel (every flag's path: it spills at 80 registers), for fp32 tiles (32 KB a stage) and for
+// 4over6 (two candidates per block). The hybrid cast had run a ring of 4 stages
+// at 3 CTAs an SM, within noise of 3 stages with its NVFP4 outputs by pairs.
 template <typename T, bool NV, int FO6, bool MXR, int MODE>
 constexpr int kMinCtas = sizeof(T) == 2 && FO6 == 0 ? (!(NV && MXR) ? 4 : MODE != kNvAny ? 3 : 2) : 2;
 
@@ -1116,8 +1116,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, NV, FO6, MXR, MODE>)
   const uint32_t step = gridDim.x;
   // The tile coordinates advance by the grid without dividing (a division per tile and thread
   // cost about 5 instructions per element): `ahead` is the tile refilled, kRing - 1 tiles after
-  // the one quantized, `cur`, whose place its stage records (stage_tile). Tile counts, positions and their sums stay below 2**32
-  // (set_tile_input, launch_tiles), so all of them are 32-bit; byte offsets are formed by wide().
+  // the one quantized, `cur`, whose place its stage records (stage_tile). Tile counts, positions
+  // and their sums stay below 2**32 (set_tile_input, launch_tiles), so all of them are 32-bit;
+  // byte offsets are formed by wide().
   const uint32_t width = kQuads ? (tiles_k + 1u) / 2u : tiles_k;  // of the grid of units
   const TileStep by{step / width, step % width, width};
   // Tile `at` into stage `slot`: by tensor copies from thread 0, else by every thread's cp.async
@@ -1187,7 +1188,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T, NV, FO6, MXR, MODE>)
   int stage = 0;
   uint32_t parity = 0u;  // of the use of the stage's `landed` barrier that brings the tile
   for (;;) {
-    // Set by thread 0 two tiles ago, before the last barrier.
+    // Set by thread 0 when it filled the stage, kRing - 1 tiles ago: before the last barrier.
     const W cur(stage_tile[stage]);
     if (cur.u >= units) break;
     if constexpr (tma) mbar_wait(smem_addr(&landed[stage]), parity);  // the tile has landed
@@ -1569,8 +1570,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hybrid_quantize_cuda(
               ".");
   TORCH_CHECK(walk != 4 || x.element_size() == 2, op, " walks quads of 16-bit inputs only; got ", x.scalar_type(),
               ". Pass walk 0 or 2.");
-  TORCH_CHECK(walk == 0 || fourover6 == 0, op, " with 4over6 runs as two casts, an MXFP8 and an NVFP4 one, and takes no "
-              "tile walk; got walk ", num(walk), " with fourover6 ", num(fourover6), ". Pass walk 0.");
+  TORCH_CHECK(walk == 0 || fourover6 == 0, op, " with 4over6 runs as two casts, an MXFP8 and an NVFP4 one, and "
+              "takes no tile walk; got walk ", num(walk), " with fourover6 ", num(fourover6), ". Pass walk 0.");
   check_mx_shape(x, true, false, op);
   check_scale_rule(rule, op);
   const NvShape s = nv_shape(x, true, false, op);
