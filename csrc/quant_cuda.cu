@@ -1384,7 +1384,7 @@ void launch_walk(const TileArgs& a, int64_t tiles_m, int64_t tiles_k, const Tile
 // strips their scale bytes' requests, but both make the walk's units twice as coarse: where the
 // tiles do not share out evenly over the CTAs the busiest CTA walks more of them. Units of 4 are
 // chosen where the busiest CTA walks at most kQuadSlack more tiles than with pairs (1 + kQuadSlack
-// of the time). The hybrid cast's quads run 4-6 % faster than its pairs where they give the
+// of the time). The hybrid cast's quads run 3-8 % faster than its pairs where they give the
 // busiest CTA 5-9 % more tiles (8192x8192, 16384x5120, 8192x14336 at 3 CTAs an SM), and slower
 // from about 14 % more (8192x5120).
 constexpr double kQuadSlack = 0.10;
