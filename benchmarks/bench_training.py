@@ -1,18 +1,22 @@
-"""Backward cost per linear and step: quantize(dY) + dgrad + wgrad, side by side (seed 000).
+"""Training step time of every recipe against bf16, ratios from one run (the training-speed goals).
 
-Configurations (the RL forward settings: no RHT / stochastic rounding / 2D):
-  bf16         dX = dY W and dW = dY^T X with torch.mm in bf16 (cuBLAS)
-  mxfp8        MXFP8 dY (both usages), MXFP8 dgrad and wgrad
-  nvfp4        NVFP4 dY (both usages), NVFP4 dgrad and wgrad
-  dgrad_mxfp8  hybrid dY (MXFP8 rowwise + NVFP4 columnwise), MXFP8 dgrad, NVFP4 wgrad
-The X columnwise operand (quantized in the forward) and the W columnwise operand (once per
-optimizer step) are built before timing and reported apart (quant_w_ms). Every quantized
-operand goes through the recipe's role pieces and the GEMM layer (qtensor.gemm.dense), so the
-numbers are those of whatever GEMM backend the tensors resolved (printed per row). A second
-table times forward + backward of a whole TrainingLinear against nn.Linear in bf16.
+Sections (`--sections`, default all but `backward`):
+  layer     a Llama-8B-like decoder layer (hidden 4096, 32 heads / 8 KV heads, SwiGLU 14336) on
+            8192 tokens (4 x 2048): forward, backward and an SGD update (so the weights are
+            quantized again each step), eager and compiled (fullgraph), bf16 weights
+  gpt       the small byte-level GPT of the study (width 512, 6 layers, 8192 tokens a step, fp32
+            masters under bf16 autocast, AdamW), eager and compiled
+  moe       Qwen3-30B-A3B-like experts (128 experts, top-8: 65536 routed tokens, 2048 -> 768 x 2
+            -> 2048, SwiGLU) through GroupedLinear, against bf16 torch._grouped_mm
+  qat       MXFP4 weight QAT on both hosts (MXFP8, FP8 128x128) on the layer's SwiGLU MLP
+  gemm      the GEMMs alone at M >= 4096 (NVFP4 x NVFP4, MXFP8 x MXFP8, activation and weight
+            quantized before timing) against bf16 cuBLAS
+  backward  (RL forward settings) quantize(dY) + dgrad + wgrad per linear, side by side
+Recipes: nvfp4 (the default: 2D weights, RHT, SR), dgrad_mxfp8, 4over6 (all roles, no RHT),
+4over6_grad, row_scaled, hp_bwd (backward_override="high_precision").
 
-Timing: CUDA events around each piece, median of --iters after --warmup calls, warm L2.
-Run on the GPU machine: python benchmarks/bench_training.py --out results.json
+Timing: CUDA events around each step, median of --iters after --warmup steps, warm L2.
+Run on the GPU machine: python benchmarks/bench_training.py --out results.json [--md table.md]
 """
 
 from __future__ import annotations
@@ -79,45 +83,324 @@ def linear_times(t, k, n, warmup, iters) -> dict:
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
-    args = ap.parse_args()
+RECIPES = {
+    "nvfp4": {},
+    "dgrad_mxfp8": {"dgrad_mxfp8": True},
+    "4over6": {"fourover6_roles": "all", "rht": False},
+    "4over6_grad": {"fourover6_roles": "all", "fourover6_grad": True, "rht": False,
+                    "stochastic_rounding": False},
+    "row_scaled": {"row_scaled_activation": True, "rht": False, "weight_2d": False,
+                   "stochastic_rounding": False},
+    "hp_bwd": {"backward_override": "high_precision"},
+}
+
+
+def step_ms(step, warmup, iters) -> float:
+    return cuda_time_ms(step, warmup, iters)
+
+
+def sgd_step(model, loss_fn):
+    """forward + backward + an in-place update (bumps each weight's version: the next forward
+    quantizes it again, as after an optimizer step)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step():
+        loss_fn(model).backward()
+        with torch.no_grad():
+            for p in params:
+                p.add_(p.grad, alpha=-1e-6)
+                p.grad = None
+    return step
+
+
+def quantized_copy(model, recipe_kw, filter_fn=None):
+    import copy
+
+    from torchao.quantization import quantize_
+
+    from qtensor.training import TrainingConfig
+
+    m = copy.deepcopy(model)
+    quantize_(m, TrainingConfig(NVFP4TrainingRecipe(**recipe_kw)), filter_fn=filter_fn)
+    return m
+
+
+def rows_of(name, build, loss_of, recipes, compiled, warmup, iters, filter_fn=None):
+    """{config: {eager_ms, compiled_ms}} for bf16 and each recipe of a model."""
+    out = {}
+    base = build()
+    for cfg in ["bf16", *recipes]:
+        model = base if cfg == "bf16" else quantized_copy(base, RECIPES[cfg], filter_fn)
+        r = {"eager_ms": step_ms(sgd_step(model, loss_of), warmup, iters)}
+        if cfg in compiled:
+            torch._dynamo.reset()
+            cm = torch.compile(model, fullgraph=True)
+            r["compiled_ms"] = step_ms(sgd_step(cm, loss_of), warmup + 2, iters)
+        out[cfg] = r
+        print(f"{name:6s} {cfg:12s} " + " ".join(f"{k} {v:8.2f}" for k, v in r.items()), flush=True)
+        if model is not base:
+            del model
+        torch.cuda.empty_cache()
+    return out
+
+
+def layer_section(recipes, compiled, warmup, iters):
+    from qtensor.cli.models import Block, DemoConfig, rotary_tables
+
+    cfg = DemoConfig(vocab_size=256, hidden=4096, layers=1, heads=32, kv_heads=8,
+                     intermediate=14336)
+    x = torch.randn(4, 2048, 4096, device="cuda", dtype=torch.bfloat16)
+    cos, sin = rotary_tables(2048, cfg.head_dim, cfg.rope_theta, x.device)
+    dy = torch.randn_like(x) * 1e-3
+
+    def build():
+        torch.manual_seed(0)
+        return Block(cfg).to(device="cuda", dtype=torch.bfloat16)
+
+    def loss(model):
+        return (model(x, cos, sin) * dy).sum()
+    return rows_of("layer", build, loss, recipes, compiled, warmup, iters)
+
+
+def gpt_section(recipes, compiled, warmup, iters):
+    from qtensor.cli.models import DemoConfig, build_demo_model
+
+    cfg = DemoConfig(vocab_size=256, hidden=512, layers=6, heads=8, kv_heads=4, intermediate=1408)
+    tokens = torch.randint(0, 256, (16, 513), device="cuda")
+    out = {}
+    for name in ["bf16", *recipes]:
+        torch.manual_seed(0)
+        model = build_demo_model(cfg, dtype=torch.float32, device="cuda").train()
+        if name != "bf16":
+            from torchao.quantization import quantize_
+
+            from qtensor.training import TrainingConfig
+            quantize_(model, TrainingConfig(NVFP4TrainingRecipe(**RECIPES[name])),
+                      filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and n != "lm_head")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def make_step(fwd):
+            def step():
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    logits = fwd(tokens[:, :-1])
+                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                                         tokens[:, 1:].flatten())
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            return step
+        r = {"eager_ms": step_ms(make_step(model), warmup, iters)}
+        if name in compiled:
+            torch._dynamo.reset()
+            r["compiled_ms"] = step_ms(make_step(torch.compile(model, fullgraph=True)),
+                                       warmup + 2, iters)
+        out[name] = r
+        print(f"gpt    {name:12s} " + " ".join(f"{k} {v:8.2f}" for k, v in r.items()), flush=True)
+        del model, opt
+        torch.cuda.empty_cache()
+    return out
+
+
+def moe_section(recipes, warmup, iters, experts=128, top_k=8, tokens=8192, hidden=2048,
+                inter=768):
+    from qtensor.training import GroupedLinear
+
+    routed = tokens * top_k
+    g = torch.Generator().manual_seed(0)
+    counts = torch.multinomial(torch.ones(experts), routed, replacement=True, generator=g)
+    counts = torch.bincount(counts, minlength=experts)
+    counts = (counts // 32) * 32  # a quantized backward blocks along each expert's tokens
+    counts[0] += routed - int(counts.sum())
+    splits = counts.tolist()
+    offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
+    x = torch.randn(routed, hidden, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(routed, hidden, device="cuda", dtype=torch.bfloat16) * 1e-3
+    out = {}
+    w1 = (torch.randn(experts, 2 * inter, hidden, device="cuda") * 0.02).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, device="cuda") * 0.02).bfloat16()
+    try:
+        w1b, w2b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+
+        def bf16_loss(_):
+            h = torch._grouped_mm(x, w1b.transpose(-2, -1), offs=offs)
+            gate, up = h.chunk(2, dim=-1)
+            y = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2b.transpose(-2, -1),
+                                  offs=offs)
+            return (y * dy).sum()
+        holder = torch.nn.ParameterList([w1b, w2b])
+        out["bf16"] = {"eager_ms": step_ms(sgd_step(holder, bf16_loss), warmup, iters)}
+    except Exception as e:  # noqa: BLE001 - reported, the quantized rows still run
+        out["bf16"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    print(f"moe    bf16         {out['bf16']}", flush=True)
+    for name in recipes:
+        recipe = NVFP4TrainingRecipe(**RECIPES[name])
+        fc1 = GroupedLinear(experts, hidden, 2 * inter, bias=False, recipe=recipe,
+                            device="cuda", dtype=torch.bfloat16)
+        fc2 = GroupedLinear(experts, inter, hidden, bias=False, recipe=recipe, device="cuda",
+                            dtype=torch.bfloat16)
+        with torch.no_grad():
+            fc1.weight.copy_(w1)
+            fc2.weight.copy_(w2)
+        mods = torch.nn.ModuleList([fc1, fc2])
+
+        def loss(_, fc1=fc1, fc2=fc2):
+            gate, up = fc1(x, splits).chunk(2, dim=-1)
+            return (fc2(torch.nn.functional.silu(gate) * up, splits) * dy).sum()
+        try:
+            out[name] = {"eager_ms": step_ms(sgd_step(mods, loss), 1, max(3, iters // 3))}
+        except Exception as e:  # noqa: BLE001
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        print(f"moe    {name:12s} {out[name]}", flush=True)
+        del fc1, fc2, mods
+        torch.cuda.empty_cache()
+    return out
+
+
+def qat_section(warmup, iters):
+    from qtensor.cli.models import DemoConfig, SwiGLU
+    from qtensor.qat import MXFP4QATConfig
+    from qtensor.qat import quantize_ as qat_quantize_
+
+    cfg = DemoConfig(vocab_size=256, hidden=4096, layers=1, heads=32, kv_heads=8,
+                     intermediate=14336)
+    x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x) * 1e-3
     torch.manual_seed(0)
-    dev = torch.cuda.get_device_name()
-    print(f"device {dev}, torch {torch.__version__}")
+    base = SwiGLU(cfg).to(device="cuda", dtype=torch.bfloat16)
+
+    def loss(model):
+        return (model(x) * dy).sum()
+    out = {"bf16": {"eager_ms": step_ms(sgd_step(base, loss), warmup, iters)}}
+    print(f"qat    bf16         {out['bf16']}", flush=True)
+    import copy
+    for host in ("mxfp8", "fp8_block128"):
+        for native in ((False, True) if host == "fp8_block128" else (False,)):
+            m = copy.deepcopy(base)
+            qat_quantize_(m, MXFP4QATConfig(host=host, direct=True, native_gemm=native))
+            name = f"{host}{' native' if native else ' emulated' if host != 'mxfp8' else ''}"
+            out[name] = {"eager_ms": step_ms(sgd_step(m, loss), warmup, iters)}
+            print(f"qat    {name:12s} {out[name]}", flush=True)
+            del m
+            torch.cuda.empty_cache()
+    return out
+
+
+def gemm_section(warmup, iters):
+    from qtensor import MXFP8Tensor, NVFP4Tensor
+    from qtensor.gemm import quantized_mm
+
+    out = {}
+    for m, n, k in ((8192, 14336, 4096), (8192, 4096, 14336), (4096, 4096, 4096),
+                    (8192, 8192, 8192)):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        r = {"bf16_us": 1e3 * step_ms(lambda: a @ b.t(), warmup, iters)}
+        for fmt, cls in (("nvfp4", NVFP4Tensor), ("mxfp8", MXFP8Tensor)):
+            qa, qb = cls.from_hp(a, check_finite=False), cls.from_hp(b, check_finite=False)
+            r[f"{fmt}_us"] = 1e3 * step_ms(lambda: quantized_mm(qa, qb.t()), warmup, iters)
+        out[f"{m}x{n}x{k}"] = r
+        print(f"gemm   {m}x{n}x{k}: " + " ".join(f"{k_} {v:8.1f}" for k_, v in r.items()) +
+              f"  nvfp4 {r['bf16_us'] / r['nvfp4_us']:.3f}x mxfp8 {r['bf16_us'] / r['mxfp8_us']:.3f}x",
+              flush=True)
+        del a, b
+    return out
+
+
+def backward_section(shapes, warmup, iters) -> dict:
+    """The RL forward settings' backward table (quantize(dY) + dgrad + wgrad)."""
+    results = {"backward": {}, "linear_fwd_bwd": {}}
     print(f"{'shape (tokens, in, out)':42s} {'bf16':>8s} {'mxfp8':>8s} {'nvfp4':>8s} "
           f"{'dgrad_mxfp8':>11s} {'dgmx/bf16':>9s}  backend")
-    results = {"device": dev, "backward": {}, "linear_fwd_bwd": {}}
-    for name in args.shapes.split(","):
+    for name in shapes:
         t, k, n = SHAPES[name]
         x = (torch.randn(t, k, device="cuda") * 0.5).to(torch.bfloat16)
         w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
         dy = (torch.randn(t, n, device="cuda") * 1e-3).to(torch.bfloat16)
-        r = backward_times(x, w, dy, args.warmup, args.iters)
+        r = backward_times(x, w, dy, warmup, iters)
         results["backward"][name] = r
         b = {c: r[c]["bwd_ms"] for c in r}
         print(f"{name + ' ' + str((t, k, n)):42s} {b['bf16']:8.3f} {b['mxfp8']:8.3f} "
               f"{b['nvfp4']:8.3f} {b['dgrad_mxfp8']:11.3f} {b['dgrad_mxfp8'] / b['bf16']:9.2f}"
               f"  {r['nvfp4']['backend']}", flush=True)
         del x, w, dy
-        lt = linear_times(t, k, n, args.warmup, args.iters)
+        lt = linear_times(t, k, n, warmup, iters)
         results["linear_fwd_bwd"][name] = lt
         print(f"{'  Linear fwd+bwd (ms)':42s} {lt['bf16']:8.3f} {'':>8s} {lt['nvfp4']:8.3f} "
               f"{lt['dgrad_mxfp8']:11.3f} {lt['dgrad_mxfp8'] / lt['bf16']:9.2f}", flush=True)
         torch.cuda.empty_cache()
-    large = [n for n in results["backward"] if not n.startswith("qwen3-30b")]
-    bwd = results["backward"]
-    ratios = [bwd[n]["dgrad_mxfp8"]["bwd_ms"] / bwd[n]["bf16"]["bwd_ms"] for n in large]
-    if ratios:
-        print(f"dgrad_mxfp8 backward / bf16 at the large shapes: max {max(ratios):.2f}x "
-              f"(goal <= 1.25x)")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    return results
+
+
+def markdown(results: dict) -> str:
+    """The step tables: ms and the ratio to bf16 of the same section and mode."""
+    lines = [f"device {results['device']}, torch {results['torch']}", ""]
+    for sec in ("layer", "gpt", "moe", "qat"):
+        if sec not in results:
+            continue
+        rows = results[sec]
+        base = rows.get("bf16", {})
+        lines += [f"### {sec}", "", "| config | eager ms | vs bf16 | compiled ms | vs bf16 |",
+                  "|---|---|---|---|---|"]
+        for name, r in rows.items():
+            cells = []
+            for mode in ("eager_ms", "compiled_ms"):
+                v, b = r.get(mode), base.get(mode)
+                cells += [f"{v:.2f}" if v else "", f"{v / b:.2f}x" if v and b else ""]
+            if "error" in r:
+                cells = [r["error"][:80], "", "", ""]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if "gemm" in results:
+        lines += ["### gemm", "", "| M x N x K | bf16 us | NVFP4 us | vs bf16 | MXFP8 us | vs bf16 |",
+                  "|---|---|---|---|---|---|"]
+        for shape, r in results["gemm"].items():
+            lines.append(f"| {shape} | {r['bf16_us']:.0f} | {r['nvfp4_us']:.0f} | "
+                         f"{r['bf16_us'] / r['nvfp4_us']:.3f}x | {r['mxfp8_us']:.0f} | "
+                         f"{r['bf16_us'] / r['mxfp8_us']:.3f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--sections", default="layer,gpt,moe,qat,gemm")
+    ap.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated names")
+    ap.add_argument("--compiled", default="nvfp4,dgrad_mxfp8,4over6",
+                    help="recipes also timed compiled (bf16 always is, with any)")
+    ap.add_argument("--moe-recipes", default="nvfp4,row_scaled")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="backward section: names")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--md", default=None, help="write the step tables as markdown here")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    print(f"device {results['device']}, torch {results['torch']}", flush=True)
+    recipes = [r for r in args.recipes.split(",") if r]
+    compiled = [r for r in args.compiled.split(",") if r]
+    compiled = ["bf16", *compiled] if compiled else []
+    for sec in args.sections.split(","):
+        if sec == "layer":
+            results[sec] = layer_section(recipes, compiled, args.warmup, args.iters)
+        elif sec == "gpt":
+            results[sec] = gpt_section(recipes, compiled, args.warmup, args.iters)
+        elif sec == "moe":
+            results[sec] = moe_section(args.moe_recipes.split(","), args.warmup, args.iters)
+        elif sec == "qat":
+            results[sec] = qat_section(args.warmup, args.iters)
+        elif sec == "gemm":
+            results[sec] = gemm_section(args.warmup, args.iters)
+        elif sec == "backward":
+            results.update(backward_section(args.shapes.split(","), args.warmup, args.iters))
+        else:
+            raise SystemExit(f"unknown section {sec!r}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+        if args.md:
+            with open(args.md, "w") as f:
+                f.write(markdown(results))
+    print(markdown(results))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """The `scaled_mm` GEMM backend: native block-scaled torch._scaled_mm on sm_100+ (NVFP4,
 MXFP8), and on sm_90+ for FP8 with 1x128 / 128x128 fp32 block scales (FP8BlockTensor).
 
-UNTESTED ON HARDWARE: the project's GPU machine is an H200 (sm_90), which has no block-scaled
-FP4/MX tensor cores, and this backend is never selected there (qtensor.backends). What is tested
-(on CPU) is the argument construction below: operand views, column-major right operand,
-swizzled scales (docs/formats.md, "Scale layouts"; qtensor/formats/scale_layout.py) checked against
-torchao's layout helper.
+The NVFP4 / MXFP8 calls are untested on hardware: the project's GPU machines are Hoppers (sm_90),
+which have no block-scaled FP4/MX tensor cores, and this backend is never selected there
+(qtensor.backends). What is tested (on CPU) is their argument construction: operand views,
+column-major right operand, swizzled scales (docs/formats.md, "Scale layouts";
+qtensor/formats/scale_layout.py) checked against torchao's layout helper. The FP8 block call runs
+on sm_90 and is tested there against the emulation (tests/test_qat_kernels.py).
 
 The call returns the fp32 block-scaled product `sum_k units_a * units_b` (what the emulated
 reference's matmul computes); the per-tensor factors, row scaling, bias and cast are then the
@@ -20,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from qtensor.backends import QuantBackend
-from qtensor.formats import scale_layout
+from qtensor.formats import fp8_block, scale_layout
 from qtensor.ops import quant
 from qtensor.ops.gemm_operands import apply_epilogue
 from qtensor.tensors.base import QuantizedTensor
@@ -95,32 +96,49 @@ def _fp8_block_problem(a_op, b_op, bias) -> str | None:
         return "torch._scaled_mm runs on CUDA"
     if a_op.block != "1x128":
         return "the left operand must have 1x128 blocks"
+    if b_op.shape[1] % 16:
+        return f"cuBLAS needs N a multiple of 16 (aligned output rows); got N={b_op.shape[1]}"
     if bias is not None and bias.dim() != 1:
         return "bias must be 1-D"
     return None
 
 
-def _col_major(t: torch.Tensor) -> torch.Tensor:
-    return t.t().contiguous().t()
+# cuBLAS reads 128x128 tile scales with a leading dimension of a whole number of 16-byte
+# groups: a K-block count that is not a multiple of 4 gives wrong products (measured on sm_90,
+# torch 2.11), and ATen's stride check admits no padding. Such products take the tiles as 1x128
+# blocks instead, each row of a tile carrying the tile's scale: the same numbers.
+TILE_K_BLOCKS = 4
+
+
+def fp8_block_scales(a_side, b_side, tiles: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale_a, scale_b) of torch._scaled_mm for operands as rows along K: a [M, K] with 1x128
+    scales [M, K/128]; b [N, K] with 128x128 tile scales [N/128, K/128] (tiles) or 1x128 scales
+    [N, K/128]. scale_a is [M, K/128] column-major; scale_b is the tile scales' [K/128, N/128]
+    transpose view (strides (1, K/128)) or 1x128 scales [K/128, N] row-major."""
+    scale_a = a_side.t().contiguous().t()
+    if tiles and b_side.shape[1] % TILE_K_BLOCKS == 0:
+        return scale_a, b_side.contiguous().t()
+    if tiles:
+        b_side = b_side.repeat_interleave(fp8_block.BLOCK, dim=0)
+    return scale_a, b_side.t().contiguous()
 
 
 def fp8_block_scaled_mm(a_op, b_op, bias, out_dtype) -> torch.Tensor:
     """a [M, K] (1x128 rowwise) @ b [K, N] (128x128 tiles, or 1x128 along K) through
-    torch._scaled_mm with DeepSeek-style block scales; + bias in fp32, the cast.
+    torch._scaled_mm with fp32 block scales (fp8_block_scales), + bias in fp32, the cast.
 
-    The shape checks in ATen: a row-major with 1x128 scales (M, K/128) in column-major strides;
-    b column-major. A 128x128 b = W.t() takes W's tile scales (N/128, K/128) in column-major
-    strides (1, N/128), the layout reported to run on the H200 at full speed; a 1x128 b takes its
-    (K/128, N) scales row-major, the same memory as (N, K/128) column-major. On the H200 with
-    torch 2.11 (two scale layouts tried) the products still differ from the emulation
-    (tests/test_qat_kernels.py, xfail), so this path stays opt-in (MXFP4QATConfig.native_gemm).
+    The products of E4M3 values and power-of-two scales are exact; cuBLAS sums each 128-element
+    K block on the FP8 tensor cores, whose accumulator keeps fewer bits than fp32 on sm_90, and
+    the blocks in fp32: the result differs from the emulation by a few 1e-4 of the output's
+    largest magnitude (docs/qat.md; tests/test_qat_kernels.py states the bound).
     """
-    tiles = b_op.block == "128x128"
-    scale_b = _col_major(b_op.scale.t()) if tiles else b_op.scale.contiguous()
+    a_data, a_scale, *_ = a_op.gemm_rows(True)
+    b_data, b_scale, *_ = b_op.gemm_rows(False)  # rows along K: [N, K]
+    scale_a, scale_b = fp8_block_scales(a_scale, b_scale, b_op.block == "128x128")
     acc = torch._scaled_mm(
-        a_op.qdata.contiguous(),
-        _col_major(b_op.qdata),
-        scale_a=_col_major(a_op.scale),
+        a_data.contiguous(),
+        b_data.contiguous().t(),
+        scale_a=scale_a,
         scale_b=scale_b,
         out_dtype=torch.float32 if bias is not None else out_dtype,
     )

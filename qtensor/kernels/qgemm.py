@@ -10,6 +10,9 @@ Small M (<= 64, decode) runs split-K: the weight is what must stream, and N / 64
 (128 for N = 8192) leave most of the 132 SMs of an H200 idle; the K range is split so that about
 four programs per SM are in flight, each writes fp32 partials, and a second kernel sums the
 splits in a fixed order and applies the epilogue (deterministic; no atomics, no memset).
+
+Large products of bf16 operands (quantized ones decoded first) run a persistent kernel where the
+GPU has TMA (sm_90+): [Note: persistent TMA GEMM].
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ import triton.language as tl
 
 from qtensor.kernels import tiles
 from qtensor.kernels.launch import Launcher
+
+try:  # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: every product takes the tiled kernel
+    TensorDescriptor = None
 
 FMT_HP, FMT_NVFP4, FMT_MXFP8 = 0, 1, 2
 
@@ -70,6 +78,18 @@ class Config(NamedTuple):
     group_m: int = 8  # M tiles walked together for L2 reuse of the B tiles
 
 
+class TmaConfig(NamedTuple):
+    """A tile config of the persistent TMA kernel ([Note: persistent TMA GEMM])."""
+
+    bm: int
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+    warp_specialize: bool
+    group_m: int = 8
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -91,6 +111,60 @@ def pick_config(m: int, n: int, k: int, batch: int, sms: int) -> Config:
         split = max(1, min(steps // 4, cdiv(4 * sms, tiles_mn)))
         return Config(bm, bn, bk, split, warps=4, stages=4)
     return Config(128, 256, 64, 1, warps=8, stages=4)  # 858 us vs 882 with 3 (sweep, H200)
+
+
+# [Note: persistent TMA GEMM]
+# A product of two bf16 operands [M, K] x [N, K] (a high-precision activation, or quantized
+# operands decoded to exact bf16 units by decode_bf16) with more than DECODE_FIRST_M rows and at
+# least TMA_MIN_MNK multiply-adds runs `_tma_gemm_kernel` where the GPU has TMA (sm_90+) and the
+# operands' rows are 16-byte aligned: one program per SM walks the output tiles (grouped by
+# GROUP_M rows of tiles for L2 reuse), the tiles of A and B arrive by TMA into a ring of
+# `stages` buffers, Triton's warp specialization puts the loads and the MMAs in separate warps,
+# and the epilogue (the same terms and order as `tiles.epilogue`, no FMA contraction) stores
+# each half tile by TMA. Out-of-range rows and K columns load as zeros and out-of-range stores
+# are dropped, so ragged shapes need no masks. The sums are the same exact products in another
+# fp32 order. Other products, and every GPU without TMA, keep the tiled kernel.
+TMA_CONFIG = TmaConfig(128, 256, 64, 8, 3, True)
+TMA_MIN_MNK = 1 << 33
+
+
+def tma_problem(a: "Operand", b: "Operand", out_dtype, m: int, n: int, k: int) -> str | None:
+    """Why the persistent TMA kernel cannot run this product, or None."""
+    if TensorDescriptor is None:
+        return "this Triton has no host TMA descriptors"
+    if a.fmt != FMT_HP or b.fmt != FMT_HP or a.data.dtype != torch.bfloat16 or \
+            b.data.dtype != torch.bfloat16:
+        return "both operands must be bf16 (decoded)"
+    if a.batch() != 1 or b.batch() != 1:
+        return "batched products take the tiled kernel"
+    if torch.cuda.get_device_capability(b.data.device)[0] < 9:
+        return "TMA needs sm_90 or newer"
+    item = torch.empty((), dtype=out_dtype).element_size()
+    for t in (a.data, b.data):
+        if t.stride(-1) != 1 or (t.stride(-2) * 2) % 16 or t.data_ptr() % 16:
+            return "an operand's rows are not 16-byte aligned and contiguous"
+    if (n * item) % 16:
+        return f"the output rows ({n} x {item} bytes) are not 16-byte aligned"
+    return None
+
+
+def _tma_gemm(a: "Operand", b: "Operand", ep: "Epilogue", out_dtype, m: int, n: int, k: int,
+              cfg: TmaConfig) -> torch.Tensor:
+    out = torch.empty((1, m, n), dtype=out_dtype, device=b.data.device)
+    a2, b2 = a.data.reshape(m, a.data.shape[-1]), b.data.reshape(n, b.data.shape[-1])
+    a_desc = TensorDescriptor.from_tensor(a2, [cfg.bm, cfg.bk])
+    b_desc = TensorDescriptor.from_tensor(b2, [cfg.bn, cfg.bk])
+    c_desc = TensorDescriptor.from_tensor(out[0], [cfg.bm, cfg.bn // 2])
+    left, _, l_r, inv, right, _, r_c, bias = ep.terms(b.data)
+    sms = _sm_count(b.data.device.index or 0)
+    programs = min(sms, cdiv(m, cfg.bm) * cdiv(n, cfg.bn))
+    _tma_gemm_kernel[(programs,)](
+        a_desc, b_desc, c_desc, left, l_r, inv, right, r_c, bias, m, n, k, **ep.flags(),
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, PROGRAMS=programs,
+        WS=cfg.warp_specialize, num_warps=cfg.warps, num_stages=cfg.stages,
+        enable_fp_fusion=False,
+    )
+    return out
 
 
 def vector_strides(t: torch.Tensor | None) -> tuple[int, int]:
@@ -129,7 +203,13 @@ class Epilogue(NamedTuple):
 
 def qgemm(a: Operand, b: Operand, ep: Epilogue, *, out_dtype, m: int, n: int, k: int,
           config: Config | None = None) -> torch.Tensor:
-    """[B, M, N] = epilogue(A @ B^T) for operands given as rows along K."""
+    """[B, M, N] = epilogue(A @ B^T) for operands given as rows along K. `config`: a tiled
+    kernel's Config, or a TmaConfig to run the persistent TMA kernel (which must be able to:
+    tma_problem); None picks."""
+    if isinstance(config, TmaConfig) or (
+            config is None and m > DECODE_FIRST_M and m * n * k >= TMA_MIN_MNK and
+            tma_problem(a, b, out_dtype, m, n, k) is None):
+        return _tma_gemm(a, b, ep, out_dtype, m, n, k, config or TMA_CONFIG)
     batch = max(a.batch(), b.batch())
     dev = b.data.device
     cfg = config or pick_config(m, n, k, batch, _sm_count(dev.index or 0))
@@ -323,6 +403,42 @@ def _splitk_epilogue_kernel(
         r_c, bias_ptr, LEFT, HAS_RIGHT, HAS_BIAS,
     )
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tma_gemm_kernel(
+    a_desc, b_desc, c_desc, left_ptr, l_r, inv, right_ptr, r_c, bias_ptr, M, N, K,
+    LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
+    WS: tl.constexpr,
+):
+    """[Note: persistent TMA GEMM]: program p computes tiles p, p + PROGRAMS, ..."""
+    num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=True,
+                         warp_specialize=WS):
+        group = GROUP_M * num_n
+        first_m = (tile // group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        off_m = (first_m + (tile % group) % size_m) * BM
+        off_n = ((tile % group) // size_m) * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kt in range(k_tiles):
+            a = a_desc.load([off_m, kt * BK])
+            b = b_desc.load([off_n, kt * BK])
+            acc = tl.dot(a, b.T, acc)
+        rows = off_m + tl.arange(0, BM)
+        rmask = rows < M
+        halves = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
+        acc0, acc1 = tl.split(halves)
+        cols = off_n + tl.arange(0, BN // 2)
+        acc0 = tiles.epilogue(acc0, rows, cols, rmask, cols < N, left_ptr, l_r, inv, right_ptr,
+                              r_c, bias_ptr, LEFT, HAS_RIGHT, HAS_BIAS)
+        c_desc.store([off_m, off_n], acc0.to(c_desc.dtype))
+        cols = cols + BN // 2
+        acc1 = tiles.epilogue(acc1, rows, cols, rmask, cols < N, left_ptr, l_r, inv, right_ptr,
+                              r_c, bias_ptr, LEFT, HAS_RIGHT, HAS_BIAS)
+        c_desc.store([off_m, off_n + BN // 2], acc1.to(c_desc.dtype))
 
 
 _QGEMM = Launcher(_qgemm_kernel)

@@ -17,11 +17,12 @@ the host's bytes (`weight_operand`, the fused ops of kernels.py, reference conve
 The weight's RoleSpec records those usages (the OperandSpecs checks pair them with the others).
 
 GEMM backends, chosen once per device (`gemm_backend`): EMULATED multiplies the exact decoded
-values through the GEMM ops (every platform, exact up to fp32 summation order); SCALED_MM,
-opt-in (MXFP4QATConfig.native_gemm), runs the FP8 block host natively through torch._scaled_mm
-on sm_90+ (qtensor/gemm/scaled_mm.py; 1x128 x 128x128 for fprop and dgrad, 1x128 x 1x128 for
-wgrad); on the H200 it does not yet match the emulation (docs/qat.md, Status). The MXFP8 host
-has no native GEMM on Hopper (block-scaled MX needs sm_100) and stays emulated there.
+values through the GEMM ops (every platform, exact up to fp32 summation order; the reference);
+SCALED_MM, the default where the GPU has it (MXFP4QATConfig.native_gemm), runs the FP8 block
+host natively through torch._scaled_mm on sm_90+ (qtensor/gemm/scaled_mm.py; 1x128 x 128x128
+for fprop and dgrad, 1x128 x 1x128 for wgrad), within a stated bound of the emulation
+(docs/qat.md, Status). The MXFP8 host has no native GEMM on Hopper (block-scaled MX needs
+sm_100) and stays emulated there.
 """
 
 from __future__ import annotations
@@ -93,8 +94,7 @@ _NATIVE_FORMAT = {Host.MXFP8: None, Host.FP8_BLOCK128: ScaledMMFormat.FP8_BLOCK1
 
 
 def gemm_backend(host: Host, device: torch.device, native: bool = False) -> GemmBackend:
-    """Chosen once per (host, device, native): the native FP8 block GEMM when asked for on
-    sm_90+, else exact emulation (qtensor.backends.qat_gemm_backend). `native` is opt-in
-    (MXFP4QATConfig.native_gemm) until the torch._scaled_mm scale layouts are verified on the
-    GPU machine (docs/qat.md, status)."""
+    """Chosen once per (host, device, native): the native FP8 block GEMM when asked for
+    (MXFP4QATConfig.native_gemm, on by default) on sm_90+, else exact emulation
+    (qtensor.backends.qat_gemm_backend)."""
     return qat_gemm_backend(_NATIVE_FORMAT[host], device, native)

@@ -63,7 +63,8 @@ class FP8BlockTensor(QuantizedTensor):
 
     @classmethod
     def gemm_backend_for(cls, device) -> str:
-        """The exact emulation on every device: the native FP8 block GEMM is opt-in
+        """The exact emulation on every device: a plain FP8 block tensor multiplies as the
+        reference does. The MXFP4 QAT host asks for the native GEMM where the GPU has it
         (MXFP4QATConfig.native_gemm; docs/qat.md, "Status")."""
         return GemmBackend.EMULATED.value
 
@@ -71,9 +72,8 @@ class FP8BlockTensor(QuantizedTensor):
     def wrap(cls, x, spec: FP8BlockSpec, data: FP8BlockData, backend: QuantBackend,
              gemm_backend: GemmBackend = GemmBackend.EMULATED) -> "FP8BlockTensor":
         """The tensor holding `data` (FP8BlockData of x quantized with spec). Its products run
-        the exact emulation unless `gemm_backend` asks for the native scaled_mm call: the
-        default is not the device's fastest backend, because the native FP8 block GEMM is
-        opt-in (docs/qat.md, "Status")."""
+        the exact emulation unless `gemm_backend` asks for the native scaled_mm call, whose
+        sums differ from it within a stated bound (docs/qat.md, "Status")."""
         qdata, scale = data
         return cls(
             x.shape,
