@@ -219,7 +219,8 @@ def moe_section(recipes, warmup, iters, experts=128, top_k=8, tokens=8192, hidde
     w1 = (torch.randn(experts, 2 * inter, hidden, device="cuda") * 0.02).bfloat16()
     w2 = (torch.randn(experts, hidden, inter, device="cuda") * 0.02).bfloat16()
     try:
-        w1b, w2b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        holder = torch.nn.ParameterList([w1.clone(), w2.clone()])
+        w1b, w2b = holder[0], holder[1]
 
         def bf16_loss(_):
             h = torch._grouped_mm(x, w1b.transpose(-2, -1), offs=offs)
@@ -227,7 +228,6 @@ def moe_section(recipes, warmup, iters, experts=128, top_k=8, tokens=8192, hidde
             y = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2b.transpose(-2, -1),
                                   offs=offs)
             return (y * dy).sum()
-        holder = torch.nn.ParameterList([w1b, w2b])
         out["bf16"] = {"eager_ms": step_ms(sgd_step(holder, bf16_loss), warmup, iters)}
     except Exception as e:  # noqa: BLE001 - reported, the quantized rows still run
         out["bf16"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
@@ -285,6 +285,12 @@ def qat_section(warmup, iters):
     return out
 
 
+def back_to_back_us(fn, warmup, iters, calls=10) -> float:
+    """GPU microseconds per call of `calls` calls issued back to back (the host runs ahead, as
+    in a training step), median over `iters` such runs."""
+    return 1e3 * cuda_time_ms(lambda: [fn() for _ in range(calls)], warmup, iters) / calls
+
+
 def gemm_section(warmup, iters):
     from qtensor import MXFP8Tensor, NVFP4Tensor
     from qtensor.gemm import quantized_mm
@@ -294,15 +300,31 @@ def gemm_section(warmup, iters):
                     (8192, 8192, 8192)):
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        r = {"bf16_us": 1e3 * step_ms(lambda: a @ b.t(), warmup, iters)}
+        r = {"bf16_us": back_to_back_us(lambda: a @ b.t(), warmup, iters)}
         for fmt, cls in (("nvfp4", NVFP4Tensor), ("mxfp8", MXFP8Tensor)):
             qa, qb = cls.from_hp(a, check_finite=False), cls.from_hp(b, check_finite=False)
-            r[f"{fmt}_us"] = 1e3 * step_ms(lambda: quantized_mm(qa, qb.t()), warmup, iters)
+            r[f"{fmt}_us"] = back_to_back_us(lambda: quantized_mm(qa, qb.t()), warmup, iters)
         out[f"{m}x{n}x{k}"] = r
         print(f"gemm   {m}x{n}x{k}: " + " ".join(f"{k_} {v:8.1f}" for k_, v in r.items()) +
               f"  nvfp4 {r['bf16_us'] / r['nvfp4_us']:.3f}x mxfp8 {r['bf16_us'] / r['mxfp8_us']:.3f}x",
               flush=True)
         del a, b
+    from qtensor.gemm.grouped import grouped_mm
+
+    for experts, tokens, k, n in ((8, 8192, 2048, 1536), (128, 65536, 2048, 1536)):
+        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (tokens // experts)
+        r = {"bf16_us": back_to_back_us(
+            lambda: torch._grouped_mm(x, w.transpose(-1, -2), offs=offs), warmup, iters)}
+        for fmt, cls in (("nvfp4", NVFP4Tensor), ("mxfp8", MXFP8Tensor)):
+            qa = cls.from_hp(x, check_finite=False)
+            qw = cls.from_hp(w, check_finite=False).transpose(-1, -2)
+            r[f"{fmt}_us"] = back_to_back_us(lambda: grouped_mm(qa, qw, offs), warmup, iters)
+        out[f"grouped E={experts} {tokens}x{n}x{k}"] = r
+        print(f"gemm   grouped E={experts}: " + " ".join(f"{k_} {v:8.1f}" for k_, v in r.items()),
+              flush=True)
+        del x, w
     return out
 
 

@@ -160,3 +160,51 @@ def test_explicit_gemm_backend_asks_the_format(monkeypatch):
         dense.with_gemm_backend(mx, "triton")
     with pytest.raises(ValueError, match="no native MXFP4 GEMM"):
         dense.with_gemm_backend(mx, "scaled_mm")
+
+
+def _canon_nan(t):
+    """E4M3 bytes with -NaN (0xFF) read as NaN (0x7F): a NaN's sign inside torch is not part of
+    the format."""
+    b = t.contiguous().view(torch.uint8)
+    return torch.where(b == 0xFF, torch.full_like(b, 0x7F), b)
+
+
+def _check_op_against_reference(x, columnwise):
+    data, scale = torch.ops.qtensor.fp8_block_quantize(x, columnwise)
+    want = fp8_block.quantize(x, COLS if columnwise else ROWS)
+    assert data.shape == want.qdata.shape and scale.shape == want.scale.shape
+    assert torch.equal(_canon_nan(data), _canon_nan(want.qdata)), "data bytes differ"
+    assert torch.equal(scale.view(torch.int32), want.scale.view(torch.int32)), "scales differ"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_kernel_all_bf16_patterns_and_edges():
+    """The Triton kernel of qtensor::fp8_block_quantize byte for byte against the reference on
+    every bf16 pattern (each block of 128 consecutive patterns: zeros, subnormal-only blocks,
+    Inf and NaN blocks, the largest values), both directions; then fp32 and fp16 inputs (fp32
+    values near the top code and subnormal amaxes), all-zero and -0 blocks, ragged row counts
+    and a 3-D input, and the tensor class's bytes."""
+    from conftest import all_bf16_patterns
+
+    p = all_bf16_patterns().cuda()
+    _check_op_against_reference(p.reshape(512, 128), False)
+    _check_op_against_reference(p.reshape(128, 512), True)
+    _check_op_against_reference(p.reshape(512, 128).t().contiguous(), True)
+    g = torch.Generator("cuda").manual_seed(5)
+    x = torch.randn(300, 640, device="cuda", generator=g)
+    x[0] = 3.0e38  # code 254 territory
+    x[1] = 1.0e-40  # an fp32 subnormal amax
+    x[2] = 0.0
+    x[3] = -0.0
+    x[4, 7] = float("inf")
+    x[5, 300] = float("nan")
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        xd = x.to(dtype)
+        _check_op_against_reference(xd, False)
+        _check_op_against_reference(xd[:256], True)
+    _check_op_against_reference(x.reshape(3, 100, 640), False)
+    t = FP8BlockTensor.from_spec(x[:256].bfloat16(), COLS, check_finite=False)
+    assert t.quant_backend == "cuda"
+    want = fp8_block.quantize(x[:256].bfloat16(), COLS)
+    assert torch.equal(_canon_nan(t.qdata), _canon_nan(want.qdata))

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from qtensor.backends import GemmBackend, QuantBackend
+from qtensor.backends import GemmBackend, QuantBackend, quant_backend
 from qtensor.formats import fp8_block as ref
 from qtensor.formats.fp8_block import FP8BlockData, FP8BlockSpec
+from qtensor.ops import fp8_block as _fp8_block_op  # noqa: F401  (registers the op)
 from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.layout import slice_op, view_op
 from qtensor.tensors.common import (
@@ -49,14 +50,21 @@ class FP8BlockTensor(QuantizedTensor):
     @classmethod
     def from_spec(cls, x, spec: FP8BlockSpec, *, generator=None,
                   check_finite=True) -> "FP8BlockTensor":
-        """Quantize x with the reference (the only implementation of these bytes)."""
+        """Quantize x: 1x128 blocks on a GPU with the project's kernels through
+        qtensor::fp8_block_quantize (qtensor/ops/fp8_block.py), else (and 128x128 tiles) with
+        the reference; the same bytes."""
         if generator is not None:
             raise TypeError(
                 "FP8 block scaling rounds to nearest; it takes no stochastic-rounding generator "
                 f"(got {type(generator).__name__}). Leave generator=None."
             )
         check_hp_input(x, "FP8 block")
-        out = cls.wrap(x, spec, ref.quantize(x, spec), QuantBackend.REFERENCE)
+        backend = quant_backend(x.device)
+        if backend is QuantBackend.CUDA and spec.block == "1x128" and x.device.type == "cuda":
+            data = FP8BlockData(*_fp8_block_op.fp8_block_quantize(x, spec.columnwise))
+        else:
+            backend, data = QuantBackend.REFERENCE, ref.quantize(x, spec)
+        out = cls.wrap(x, spec, data, backend)
         if check_finite:
             require_finite(x, "FP8 block", out)
         return out
