@@ -183,7 +183,7 @@ def test_fp8_block_scale_layouts():
     [K/128, N/128] transpose view when the K-block count is a multiple of 4, else expanded to
     one 1x128 row per weight row (each carrying its tile's scale); 1x128 right scales [K/128, N]
     row-major."""
-    from qtensor.gemm.scaled_mm import fp8_block_scales
+    from qtensor.ops.fp8_block import scaled_mm_scales as fp8_block_scales
 
     a = torch.rand(260, 5)
     tiles5, tiles8, rows = torch.rand(3, 5), torch.rand(3, 8), torch.rand(384, 5)

@@ -169,7 +169,7 @@ def _fastest_cuda_backend(index: int) -> str:
 def qat_gemm_backend(native_format: ScaledMMFormat | None, device: torch.device,
                      native: bool = False) -> GemmBackend:
     """Chosen once per (format, device, native): SCALED_MM when the native GEMM is asked for
-    (`native`, MXFP4QATConfig.native_gemm, on by default) and the host has one (`native_format`: the
+    (`native`, MXFP4QATConfig.native_gemm, opt-in) and the host has one (`native_format`: the
     FP8 block host's, on sm_90+; None for a host with none), else exact emulation."""
     fmt = native_format.value if native_format is not None else None
     return GEMM_BACKENDS[_qat_gemm_backend_name(fmt, device.type, device.index, native)]

@@ -21,7 +21,8 @@ from typing import NamedTuple
 import torch
 
 from qtensor.backends import QuantBackend
-from qtensor.formats import fp8_block, scale_layout
+from qtensor.formats import scale_layout
+from qtensor.ops import fp8_block as fp8_block_op
 from qtensor.ops import quant
 from qtensor.ops.gemm_operands import apply_epilogue
 from qtensor.tensors.base import QuantizedTensor
@@ -103,29 +104,10 @@ def _fp8_block_problem(a_op, b_op, bias) -> str | None:
     return None
 
 
-# cuBLAS reads 128x128 tile scales with a leading dimension of a whole number of 16-byte
-# groups: a K-block count that is not a multiple of 4 gives wrong products (measured on sm_90,
-# torch 2.11), and ATen's stride check admits no padding. Such products take the tiles as 1x128
-# blocks instead, each row of a tile carrying the tile's scale: the same numbers.
-TILE_K_BLOCKS = 4
-
-
-def fp8_block_scales(a_side, b_side, tiles: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale_a, scale_b) of torch._scaled_mm for operands as rows along K: a [M, K] with 1x128
-    scales [M, K/128]; b [N, K] with 128x128 tile scales [N/128, K/128] (tiles) or 1x128 scales
-    [N, K/128]. scale_a is [M, K/128] column-major; scale_b is the tile scales' [K/128, N/128]
-    transpose view (strides (1, K/128)) or 1x128 scales [K/128, N] row-major."""
-    scale_a = a_side.t().contiguous().t()
-    if tiles and b_side.shape[1] % TILE_K_BLOCKS == 0:
-        return scale_a, b_side.contiguous().t()
-    if tiles:
-        b_side = b_side.repeat_interleave(fp8_block.BLOCK, dim=0)
-    return scale_a, b_side.t().contiguous()
-
-
 def fp8_block_scaled_mm(a_op, b_op, bias, out_dtype) -> torch.Tensor:
     """a [M, K] (1x128 rowwise) @ b [K, N] (128x128 tiles, or 1x128 along K) through
-    torch._scaled_mm with fp32 block scales (fp8_block_scales), + bias in fp32, the cast.
+    qtensor::fp8_block_scaled_mm (qtensor/ops/fp8_block.py): torch._scaled_mm with fp32 block
+    scales, + bias in fp32, the cast.
 
     The products of E4M3 values and power-of-two scales are exact; cuBLAS sums each 128-element
     K block on the FP8 tensor cores, whose accumulator keeps fewer bits than fp32 on sm_90, and
@@ -134,12 +116,5 @@ def fp8_block_scaled_mm(a_op, b_op, bias, out_dtype) -> torch.Tensor:
     """
     a_data, a_scale, *_ = a_op.gemm_rows(True)
     b_data, b_scale, *_ = b_op.gemm_rows(False)  # rows along K: [N, K]
-    scale_a, scale_b = fp8_block_scales(a_scale, b_scale, b_op.block == "128x128")
-    acc = torch._scaled_mm(
-        a_data.contiguous(),
-        b_data.contiguous().t(),
-        scale_a=scale_a,
-        scale_b=scale_b,
-        out_dtype=torch.float32 if bias is not None else out_dtype,
-    )
-    return apply_epilogue(acc, None, None, bias, out_dtype)
+    return fp8_block_op.fp8_block_scaled_mm(a_data, a_scale, b_data, b_scale,
+                                            b_op.block == "128x128", bias, out_dtype)

@@ -18,10 +18,9 @@ The weight's RoleSpec records those usages (the OperandSpecs checks pair them wi
 
 GEMM backends, chosen once per device (`gemm_backend`): EMULATED multiplies the exact decoded
 values through the GEMM ops (every platform, exact up to fp32 summation order; the reference);
-SCALED_MM, the default where the GPU has it (MXFP4QATConfig.native_gemm), runs the FP8 block
-host natively through torch._scaled_mm on sm_90+ (qtensor/gemm/scaled_mm.py; 1x128 x 128x128
-for fprop and dgrad, 1x128 x 1x128 for wgrad), within a stated bound of the emulation
-(docs/qat.md, Status). The MXFP8 host has no native GEMM on Hopper (block-scaled MX needs
+SCALED_MM, opt-in (MXFP4QATConfig.native_gemm), runs the FP8 block host natively through
+torch._scaled_mm on sm_90+ (qtensor/gemm/scaled_mm.py; 1x128 x 128x128 for fprop and dgrad,
+1x128 x 1x128 for wgrad), within a stated bound of the emulation (docs/qat.md, Status). The MXFP8 host has no native GEMM on Hopper (block-scaled MX needs
 sm_100) and stays emulated there.
 """
 
@@ -95,6 +94,6 @@ _NATIVE_FORMAT = {Host.MXFP8: None, Host.FP8_BLOCK128: ScaledMMFormat.FP8_BLOCK1
 
 def gemm_backend(host: Host, device: torch.device, native: bool = False) -> GemmBackend:
     """Chosen once per (host, device, native): the native FP8 block GEMM when asked for
-    (MXFP4QATConfig.native_gemm, on by default) on sm_90+, else exact emulation
+    (MXFP4QATConfig.native_gemm, opt-in) on sm_90+, else exact emulation
     (qtensor.backends.qat_gemm_backend)."""
     return qat_gemm_backend(_NATIVE_FORMAT[host], device, native)

@@ -72,7 +72,7 @@ class FP8BlockTensor(QuantizedTensor):
     @classmethod
     def gemm_backend_for(cls, device) -> str:
         """The exact emulation on every device: a plain FP8 block tensor multiplies as the
-        reference does. The MXFP4 QAT host asks for the native GEMM where the GPU has it
+        reference does. The MXFP4 QAT host asks for the native GEMM when configured to
         (MXFP4QATConfig.native_gemm; docs/qat.md, "Status")."""
         return GemmBackend.EMULATED.value
 
