@@ -24,7 +24,6 @@ from qtensor.backends import QuantBackend
 from qtensor.formats import scale_layout
 from qtensor.ops import fp8_block as fp8_block_op
 from qtensor.ops import quant
-from qtensor.ops.gemm_operands import apply_epilogue
 from qtensor.tensors.base import QuantizedTensor
 
 
