@@ -3,10 +3,13 @@ equal the exact reference on this GPU, per shape; and its time beside bf16 at 81
 
     python dev/train_probes/fp8_block_probe.py OUT_DIR
 """
-import statistics
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from _common import cuda_time_ms  # noqa: E402
 
 from qtensor.formats import fp8_block as ref
 from qtensor.ops.gemm_ops import reference_fp8_block_mm
@@ -85,18 +88,7 @@ def main():
     b, b_s = ref.quantize(w, TILES)
 
     def t(fn):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(10):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e))
-        return statistics.median(ts)
+        return cuda_time_ms(fn, 3, 10)
     bf = t(lambda: x @ w.t())
     lines.append("")
     lines.append(f"8192^3: bf16 {bf:.3f} ms; emulated {t(lambda: reference_fp8_block_mm(a, a_s, b, b_s, True, None, torch.bfloat16)):.3f} ms")

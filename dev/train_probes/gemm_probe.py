@@ -10,13 +10,16 @@ host time too.
 
     python dev/train_probes/gemm_probe.py OUT_DIR
 """
-import statistics
 import sys
+from pathlib import Path
 
 import torch
 import triton
 
-from qtensor import MXFP8Tensor, NVFP4Tensor
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from _common import cuda_time_ms  # noqa: E402
+
+from qtensor import MXFP8Tensor, NVFP4Tensor  # noqa: E402
 from qtensor.gemm.dense import dense_sides, operands, quantized_mm
 from qtensor.kernels import qgemm
 from qtensor.ops import gemm_ops
@@ -26,18 +29,8 @@ TensorDescriptor = qgemm.TensorDescriptor
 
 
 def bench(fn, iters=20, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts) * 1e3  # us
+    """GPU microseconds of one call (median; benchmarks/_common.py's timer)."""
+    return 1e3 * cuda_time_ms(fn, warmup, iters)
 
 
 def tma_gemm(a, b, ep, out_dtype, cfg):
