@@ -95,6 +95,11 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 # Products with more rows than this decode each quantized operand to bf16 once (decode_bf16)
 # and run the plain bf16 GEMM; up to it, the weight is decoded in registers while it streams.
 DECODE_FIRST_M = 64
@@ -140,9 +145,9 @@ def tma_problem(a: "Operand", b: "Operand", out_dtype, m: int, n: int, k: int) -
         return "both operands must be bf16 (decoded)"
     if a.batch() != 1 or b.batch() != 1:
         return "batched products take the tiled kernel"
-    if torch.cuda.get_device_capability(b.data.device)[0] < 9:
+    if _capability(b.data.device.index or 0)[0] < 9:
         return "TMA needs sm_90 or newer"
-    item = torch.empty((), dtype=out_dtype).element_size()
+    item = out_dtype.itemsize
     for t in (a.data, b.data):
         if t.stride(-1) != 1 or (t.stride(-2) * 2) % 16 or t.data_ptr() % 16:
             return "an operand's rows are not 16-byte aligned and contiguous"

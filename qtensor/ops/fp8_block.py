@@ -13,6 +13,7 @@ import torch
 
 from qtensor.formats import fp8_block as ref
 from qtensor.formats.fp8_block import FP8BlockSpec
+from qtensor.ops.gemm_operands import apply_epilogue
 
 
 @torch.library.custom_op("qtensor::fp8_block_quantize", mutates_args=())
@@ -73,9 +74,7 @@ def fp8_block_scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
     scale_a, scale_b = scaled_mm_scales(a_scale, b_scale, b_tiles)
     acc = torch._scaled_mm(a.contiguous(), b.contiguous().t(), scale_a=scale_a, scale_b=scale_b,
                            out_dtype=torch.float32 if bias is not None else out_dtype)
-    if bias is None:
-        return acc
-    return (acc + bias.float()).to(out_dtype)
+    return acc if bias is None else apply_epilogue(acc, None, None, bias, out_dtype)
 
 
 @fp8_block_scaled_mm.register_fake

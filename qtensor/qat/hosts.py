@@ -20,8 +20,8 @@ GEMM backends, chosen once per device (`gemm_backend`): EMULATED multiplies the 
 values through the GEMM ops (every platform, exact up to fp32 summation order; the reference);
 SCALED_MM, opt-in (MXFP4QATConfig.native_gemm), runs the FP8 block host natively through
 torch._scaled_mm on sm_90+ (qtensor/gemm/scaled_mm.py; 1x128 x 128x128 for fprop and dgrad,
-1x128 x 1x128 for wgrad), within a stated bound of the emulation (docs/qat.md, Status). The MXFP8 host has no native GEMM on Hopper (block-scaled MX needs
-sm_100) and stays emulated there.
+1x128 x 1x128 for wgrad), within a stated bound of the emulation (docs/qat.md, Status). The
+MXFP8 host has no native GEMM on Hopper (block-scaled MX needs sm_100) and stays emulated there.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch
 from qtensor.backends import GemmBackend, QuantBackend, quant_backend
 from qtensor.formats import fp8_block as ref
 from qtensor.formats.fp8_block import FP8BlockData, FP8BlockSpec
-from qtensor.ops import fp8_block as _fp8_block_op  # noqa: F401  (registers the op)
+from qtensor.ops import fp8_block as fp8_block_op
 from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.layout import slice_op, view_op
 from qtensor.tensors.common import (
@@ -60,8 +60,8 @@ class FP8BlockTensor(QuantizedTensor):
             )
         check_hp_input(x, "FP8 block")
         backend = quant_backend(x.device)
-        if backend is QuantBackend.CUDA and spec.block == "1x128" and x.device.type == "cuda":
-            data = FP8BlockData(*_fp8_block_op.fp8_block_quantize(x, spec.columnwise))
+        if backend is QuantBackend.CUDA and spec.block == "1x128":
+            data = FP8BlockData(*fp8_block_op.fp8_block_quantize(x, spec.columnwise))
         else:
             backend, data = QuantBackend.REFERENCE, ref.quantize(x, spec)
         out = cls.wrap(x, spec, data, backend)
