@@ -52,9 +52,11 @@ from qtensor.ops import gemm_ops
 from qtensor.ops.gemm_ops import FP8_BLOCK, MXFP4, NO_KERNEL, Side
 from qtensor.gemm.scaled_mm import fp8_block_scaled_mm, scaled_mm_args, scaled_mm_problem
 from qtensor.tensors.base import QuantizedTensor
-from qtensor.tensors.common import ROWWISE
+from qtensor.tensors.common import COLUMNWISE, ROWWISE
 from qtensor.tensors.decode import DecodeWeight
-from qtensor.tensors.hybrid import quantize_spec
+from qtensor.tensors.hybrid import HybridTensor, quantize_spec
+from qtensor.tensors.mxfp8 import MXFP8Tensor
+from qtensor.tensors.nvfp4 import NVFP4Tensor
 from qtensor.tensors.layout import map_parts
 
 aten = torch.ops.aten
@@ -242,6 +244,51 @@ def quantized_mm(a, b, bias=None, out_dtype=None) -> torch.Tensor:
     if backend is GemmBackend.SCALED_MM:
         return native_scaled_mm(a_op, b_op, bias, out_dtype)
     return _run_dense(*sides[:3], bias, out_dtype, sides[3], backend)
+
+
+# The classes whose GEMM rows do not change under a transpose: x.t()'s rows with one flag are x's
+# rows with the other (NVFP4's storage is the same bytes either way; MXFP8's transpose is a view
+# of both tensors, which gemm_rows undoes).
+_FLIP_SAFE = (NVFP4Tensor, MXFP8Tensor)
+
+
+def _transposed_part(x, side: str):
+    """The part of x that multiplies on `side` of a product taking x.t(), or None where the
+    transposed view must be built (another class, more than 2 dims, a wrong axis: the regular
+    path then raises its own error)."""
+    if x.dim() != 2:
+        return None
+    if isinstance(x, HybridTensor):  # x.t()'s rowwise side is x's columnwise side, and back
+        part = x.columnwise if side == "left" else x.rowwise
+        return part if part is not None and type(part) in _FLIP_SAFE else None
+    if type(x) is torch.Tensor:
+        return x
+    want = COLUMNWISE if side == "left" else ROWWISE  # the axis x.t() flips to `side`'s
+    return x if type(x) in _FLIP_SAFE and x.axis == want else None
+
+
+def quantized_mm_t(a, b, bias=None, out_dtype=None, *, a_t: bool = False, b_t: bool = False):
+    """quantized_mm(a.t() if a_t else a, b.t() if b_t else b, bias, out_dtype) for 2-D operands,
+    without building the transposed views.
+
+    The training products (fprop x @ w.t(), wgrad dy.t() @ x) take a transposed operand; on a
+    small layer the view's wrappers (a HybridTensor and its two parts) cost more host time than
+    launching the product. Here the part that multiplies is picked from the untransposed tensor
+    and its rows taken with the other flag: the same sides, planner and op as quantized_mm, so
+    the same bits. Anything else (other classes, batched operands, the native scaled_mm
+    backend, which takes the logical operands) goes through quantized_mm itself."""
+    a_op = _transposed_part(a, "left") if a_t else _side(a, "left")
+    b_op = _transposed_part(b, "right") if b_t else _side(b, "right")
+    if a_op is None or b_op is None or a_op.dim() != 2 or b_op.dim() != 2:
+        return quantized_mm(a.t() if a_t else a, b.t() if b_t else b, bias, out_dtype)
+    _check_pair(a_op, b_op)
+    out_dtype = out_dtype or a.dtype
+    fmt = _format(a_op, b_op)
+    sides = (fmt, _rows_side(a_op, not a_t), _rows_side(b_op, b_t), ())
+    backend = plan(a_op, b_op, bias, out_dtype, sides)
+    if backend is GemmBackend.SCALED_MM:
+        return quantized_mm(a.t() if a_t else a, b.t() if b_t else b, bias, out_dtype)
+    return _run_dense(*sides[:3], bias, out_dtype, (), backend)
 
 
 def with_gemm_backend(x: QuantizedTensor, backend: GemmBackend | str) -> QuantizedTensor:

@@ -19,9 +19,19 @@ def bytes_spec(spec):
     """The spec a tensor stores: the one it was quantized with, less stochastic rounding, which
     is how the codes were rounded, not part of what they mean (a tensor rounded stochastically
     and one rounded to nearest hold bytes of one format and copy into each other)."""
-    if getattr(spec, "stochastic_rounding", False):
+    if not getattr(spec, "stochastic_rounding", False):
+        return spec
+    if torch.compiler.is_compiling():
         return dataclasses.replace(spec, stochastic_rounding=False)
-    return spec
+    # Eagerly kept per spec (specs are frozen): a replace per quantized gradient costs
+    # microseconds of the training step's host time.
+    out = _BYTES_SPECS.get(spec)
+    if out is None:
+        out = _BYTES_SPECS[spec] = dataclasses.replace(spec, stochastic_rounding=False)
+    return out
+
+
+_BYTES_SPECS: dict = {}
 
 
 def check_hp_input(x: torch.Tensor, fmt: str) -> None:

@@ -144,7 +144,7 @@ class NVFP4Tensor(QuantizedTensor):
     def wrap(cls, x, spec: NVFP4Spec, data, backend) -> "NVFP4Tensor":
         """The tensor holding `data` (reference-layout NVFP4Data of x quantized with spec)."""
         qdata, scale, amax = data
-        if not spec.columnwise:
+        if not spec.columnwise and x.dim() != 2:  # the kernels' 2-D results, back to x's dims
             lead = x.shape[:-1]
             qdata = qdata.reshape(*lead, qdata.shape[-1])
             scale = scale.reshape(*lead, scale.shape[-1])

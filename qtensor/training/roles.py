@@ -21,7 +21,7 @@ import torch
 from qtensor.formats.fp8_block import FP8BlockSpec
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
-from qtensor.gemm.dense import quantized_mm
+from qtensor.gemm.dense import quantized_mm, quantized_mm_t
 from qtensor.tensors import HybridTensor, QuantizedTensor, quantize_spec
 from qtensor.tensors.hybrid import gradient_cast, is_gradient_cast
 from qtensor.tensors.hybrid import SOURCES
@@ -150,22 +150,32 @@ def _slot_spec(specs: OperandSpecs, slot: str) -> Spec | None:
     return getattr(specs.role(name), usage)
 
 
-@torch.library.custom_op("qtensor::sr_advance", mutates_args=("state",))
 def advance(state: torch.Tensor, calls: int = 1) -> torch.Tensor:
     """This step's (seed, offset) rows (a copy), then every seed of the module's buffer moves on
     by `calls` in place: call j of the step uses seed + j (`nth_call`). mix32 of the seed in
     the bit hash (formats/nvfp4.py sr_bits) makes neighbouring seeds' streams unrelated.
 
-    An opaque op on purpose: written as clone + add_, AOTAutograd's partitioner moves the
-    clone (used only by the backward) into the backward graph, where it reads the buffer after
-    the forward's in-place advance, and the backward rounds with the next step's bits."""
+    Compiled, it is the opaque op `qtensor::sr_advance`: written as clone + add_, AOTAutograd's
+    partitioner moves the clone (used only by the backward) into the backward graph, where it
+    reads the buffer after the forward's in-place advance, and the backward rounds with the
+    next step's bits. Eagerly the same two tensor ops run directly: the custom op's Python
+    dispatch costs several times the ops themselves on every training linear's forward."""
+    if torch.compiler.is_compiling():
+        return _advance_op(state, calls)
+    return _advance(state, calls)
+
+
+def _advance(state: torch.Tensor, calls: int) -> torch.Tensor:
     taken = state.clone()
-    state[:, 0] += calls
+    state.select(1, 0).add_(calls)
     return taken
 
 
-@advance.register_fake
-def _(state, calls=1):
+_advance_op = torch.library.custom_op("qtensor::sr_advance", mutates_args=("state",))(_advance)
+
+
+@_advance_op.register_fake
+def _(state, calls):
     return torch.empty_like(state)
 
 
@@ -246,7 +256,7 @@ def _with_context(fn, name, usage, x, *args, **kwargs):
 
 def fprop(x_op, w_op, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """Y [M, N] = X [M, K] @ W [N, K]^T (+ bias): input rowwise x weight rowwise."""
-    return quantized_mm(x_op, w_op.t(), bias, out_dtype=out_dtype)
+    return quantized_mm_t(x_op, w_op, bias, out_dtype=out_dtype, b_t=True)
 
 
 def dgrad(dy_op, w_op, out_dtype: torch.dtype) -> torch.Tensor:
@@ -256,4 +266,4 @@ def dgrad(dy_op, w_op, out_dtype: torch.dtype) -> torch.Tensor:
 
 def wgrad(dy_op, x_op, out_dtype: torch.dtype) -> torch.Tensor:
     """dW [N, K] = dY [M, N]^T @ X [M, K]: grad_output columnwise x input columnwise."""
-    return quantized_mm(dy_op.t(), x_op, out_dtype=out_dtype)
+    return quantized_mm_t(dy_op, x_op, out_dtype=out_dtype, a_t=True)
