@@ -293,3 +293,42 @@ def test_3d_input_and_shape_errors():
     xs = torch.randn(24, K, requires_grad=True)
     hp(xs).sum().backward()
     assert torch.isfinite(xs.grad).all()
+
+
+# ---- one amax for both usages ----------------------------------------------------------------
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kw, shared", [
+    ({}, {"weight"}),  # the default: RHT on the wgrad operands, 2D weights
+    (dict(fourover6_roles="all", rht=False), {"input", "weight", "grad_output"}),
+    (RL, {"input", "weight", "grad_output"}),
+    (dict(RL, row_scaled_activation=True), {"weight", "grad_output"}),
+])
+def test_roles_share_an_amax_only_where_it_is_the_same(kw, shared, device):
+    """A role whose columnwise cast takes the rowwise side's amax (no RHT, no row scaling) has
+    both sides byte-equal to casts that each compute their own; the other roles compute two."""
+    from qtensor.tensors import quantize_spec
+    from qtensor.training.roles import quantize_role, sr_for_role
+
+    specs = NVFP4TrainingRecipe(**kw).operand_specs()
+    states = SRSeeds(7, 0).initial_state(device)
+    gen = torch.Generator(device).manual_seed(0)
+    x = torch.randn(64, 128, generator=gen, device=device).to(torch.bfloat16)
+    x[3, 5] = 40.0  # the amax sits in one block of each direction
+    for name in ("input", "weight", "grad_output"):
+        role = specs.role(name)
+        sr = sr_for_role(name, role, states)
+        op = quantize_role(x, role, name, sr)
+        assert (op.columnwise.amax is op.rowwise.amax) == (name in shared), name
+        for part, spec, state in ((op.rowwise, role.rowwise, sr[0]),
+                                  (op.columnwise, role.columnwise, sr[1])):
+            alone = quantize_spec(x, spec, generator=state, check_finite=False)
+            for field in ("qdata", "scale", "amax"):
+                a, b = getattr(part, field), getattr(alone, field)
+                assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                                   b.view(torch.uint8) if b.dtype.itemsize == 1 else b), \
+                    (name, spec, field)

@@ -22,7 +22,7 @@ from qtensor.formats.fp8_block import FP8BlockSpec
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.gemm.dense import quantized_mm, quantized_mm_t
-from qtensor.tensors import HybridTensor, QuantizedTensor, quantize_spec
+from qtensor.tensors import HybridTensor, NVFP4Tensor, QuantizedTensor, quantize_spec
 from qtensor.tensors.hybrid import gradient_cast, is_gradient_cast
 from qtensor.tensors.hybrid import SOURCES
 
@@ -227,15 +227,33 @@ def quantize_role(x: torch.Tensor, role: RoleSpec, name: str, sr=(None, None),
     if role.columnwise is None:
         return row
     src = row.dequantize(x.dtype) if role.columnwise_source == "rowwise_dequantized" else x
-    col = _quantize(src, role.columnwise, name, "columnwise", sr[1])
+    col = _quantize(src, role.columnwise, name, "columnwise", sr[1], _shared_amax(row, role))
     return HybridTensor(x.shape, x.dtype, x.device, rowwise=row, columnwise=col,
                         columnwise_source=role.columnwise_source)
 
 
-def _quantize(x, spec, name, usage, sr):
+def _quantize(x, spec, name, usage, sr, amax=None):
     # Not checked for NaN/Inf: the check costs a device sync per operand; a non-finite
     # value poisons its amax and decodes to NaN, which the loss then shows.
+    if amax is not None:
+        return _with_context(NVFP4Tensor.from_spec, name, usage, x, spec, generator=sr,
+                             check_finite=False, global_amax=amax)
     return _with_context(quantize_spec, name, usage, x, spec, generator=sr, check_finite=False)
+
+
+def _shared_amax(row, role: RoleSpec) -> torch.Tensor | None:
+    """The rowwise side's amax where the columnwise cast of the same tensor would compute the
+    same one, else None. Without RHT or row scaling an NVFP4 amax is max |x| over every element,
+    whichever way the blocks run (every backend reduces it with the same code for both
+    directions), so the second amax pass over x is skipped: a weight's two usages, and every
+    role of the recipes without RHT."""
+    col = role.columnwise
+    if role.columnwise_source != "original" or not isinstance(row, NVFP4Tensor) or \
+            not isinstance(role.rowwise, NVFP4Spec) or not isinstance(col, NVFP4Spec):
+        return None
+    if role.rowwise.rht or col.rht or role.rowwise.row_scaled or col.row_scaled:
+        return None
+    return row.amax
 
 
 def _with_context(fn, name, usage, x, *args, **kwargs):
