@@ -13,6 +13,9 @@ Sections (`--sections`, default all but `backward`):
   gemm      the GEMMs alone at M >= 4096 (NVFP4 x NVFP4, MXFP8 x MXFP8, activation and weight
             quantized before timing) against bf16 cuBLAS
   backward  (RL forward settings) quantize(dY) + dgrad + wgrad per linear, side by side
+  host      the host time of one training linear's step (forward, backward, a weight update)
+            on a layer too small for its kernels to matter (64 x 64, 64 tokens): what a small
+            model's eager step pays per quantized linear; runs on the CPU too (--device cpu)
 Recipes: nvfp4 (the default: 2D weights, RHT, SR), dgrad_mxfp8, 4over6 (all roles, no RHT),
 4over6_grad, row_scaled, hp_bwd (backward_override="high_precision").
 
@@ -287,6 +290,45 @@ def qat_section(warmup, iters):
     return out
 
 
+def host_section(recipes, device, reps=7, steps=200):
+    """Median microseconds of a linear's training step (forward, backward, in-place update) at
+    64 x 64 x 64, where the host's work is the step's time; on a GPU the loop is synchronized
+    once per `steps` steps, so the figure is the host's issue rate while the queue is short."""
+    import statistics
+    import time
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(64, 64, device=device, dtype=torch.bfloat16)
+    out = {}
+    for name in ["bf16", *recipes]:
+        if name == "bf16":
+            mod = torch.nn.Linear(64, 64, bias=False, device=device, dtype=torch.bfloat16)
+        else:
+            mod = TrainingLinear(64, 64, bias=False, device=device, dtype=torch.bfloat16,
+                                 recipe=NVFP4TrainingRecipe(**RECIPES[name]))
+
+        def step(mod=mod):
+            mod(x).backward(g)
+            with torch.no_grad():
+                mod.weight.add_(mod.weight.grad, alpha=-1e-6)
+                mod.weight.grad = None
+        times = []
+        for rep in range(reps + 1):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(steps):
+                step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if rep:  # the first pass warms up
+                times.append(1e6 * (time.perf_counter() - t) / steps)
+        out[name] = {"host_us": statistics.median(times)}
+        print(f"host   {name:12s} {out[name]['host_us']:8.1f} us a step", flush=True)
+    return out
+
+
 def back_to_back_us(fn, warmup, iters, calls=10) -> float:
     """GPU microseconds per call of `calls` calls issued back to back (the host runs ahead, as
     in a training step), median over `iters` such runs."""
@@ -378,6 +420,14 @@ def markdown(results: dict) -> str:
                 cells = [r["error"][:80]] + [""] * (2 * len(modes) - 1)
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
+    if "host" in results:
+        rows = results["host"]
+        base = rows.get("bf16", {}).get("host_us")
+        lines += ["### host", "", "| config | us a linear step | vs bf16 |", "|---|---|---|"]
+        for name, r in rows.items():
+            lines.append(f"| {name} | {r['host_us']:.1f} | "
+                         f"{r['host_us'] / base:.2f}x |" if base else f"| {name} | {r['host_us']:.1f} | |")
+        lines.append("")
     if "gemm" in results:
         lines += ["### gemm", "", "| M x N x K | bf16 us | NVFP4 us | vs bf16 | MXFP8 us | vs bf16 |",
                   "|---|---|---|---|---|---|"]
@@ -398,11 +448,14 @@ def main():
                     help="recipes also timed compiled (bf16 always is, with any)")
     ap.add_argument("--moe-recipes", default="nvfp4,row_scaled")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="backward section: names")
+    ap.add_argument("--device", default="cuda", help="host section: cuda or cpu")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--md", default=None, help="write the step tables as markdown here")
     args = ap.parse_args()
     torch.manual_seed(0)
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    gpu = args.device == "cuda"
+    results = {"device": torch.cuda.get_device_name() if gpu else "CPU",
+               "torch": torch.__version__}
     print(f"device {results['device']}, torch {results['torch']}", flush=True)
     recipes = [r for r in args.recipes.split(",") if r]
     compiled = [r for r in args.compiled.split(",") if r]
@@ -418,6 +471,8 @@ def main():
             results[sec] = qat_section(args.warmup, args.iters)
         elif sec == "gemm":
             results[sec] = gemm_section(args.warmup, args.iters)
+        elif sec == "host":
+            results[sec] = host_section(recipes, args.device)
         elif sec == "backward":
             results.update(backward_section(args.shapes.split(","), args.warmup, args.iters))
         else:
