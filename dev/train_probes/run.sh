@@ -9,6 +9,8 @@
 #   bench: benchmarks/bench_training.py --sections "$SECTIONS" (COMPILED: its --compiled)
 #   native: native_fp8_compile_probe.py, why a compiled QAT step with native FP8 GEMMs differed
 #   gpt:   gpt_profile.py "$r/gpt" $GPT_ARGS, where the small GPT's (and MoE's) step time goes
+#   train: the CUDA tests of the training linear and its compiled steps (a shorter `tests`)
+#   host:  bench_training.py --sections host, a training linear's host time a step on the GPU
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 r=$OUT/r
@@ -23,6 +25,8 @@ for p in "$@"; do
   case $p in
     tests) timeout 300 python -m pytest -q -m cuda tests/test_compile_gpu.py tests/test_tensors_fp8_block.py tests/test_qat_kernels.py tests/test_gemm_triton.py tests/test_qat_linear.py tests/test_training_linear.py tests/test_compile_training.py tests/test_grouped_mm.py tests/test_gemm_ops.py >"$r/tests.log" 2>&1; echo "tests rc=$?"; tail -15 "$r/tests.log" ;;
     bench) timeout ${BENCH_LIMIT:-300} python benchmarks/bench_training.py --sections "$SECTIONS" --compiled "${COMPILED-nvfp4,dgrad_mxfp8,4over6}" --out "$r/bench_training.json" --md "$r/bench_training.md" >"$r/bench_training.log" 2>&1; echo "bench rc=$?"; grep -v "^|\|^#\|^$" "$r/bench_training.log" | tail -40; cat "$r/bench_training.md" ;;
+    train) timeout ${TRAIN_LIMIT:-200} python -m pytest -q -m cuda tests/test_training_linear.py tests/test_training_modules.py tests/test_training_grouped.py tests/test_compile_gpu.py -k "training or default_recipe or share or graph" >"$r/train.log" 2>&1; echo "train rc=$?"; tail -8 "$r/train.log" ;;
+    host) timeout 120 python benchmarks/bench_training.py --sections host --md "$r/host.md" >"$r/host.log" 2>&1; echo "host rc=$?"; cat "$r/host.md" ;;
     native) timeout 200 python dev/train_probes/native_fp8_compile_probe.py >"$r/native.log" 2>&1; echo "native rc=$?"; tail -20 "$r/native.log" ;;
     gpt) timeout ${GPT_LIMIT:-360} python dev/train_probes/gpt_profile.py "$r/gpt" ${GPT_ARGS:-} >"$r/gpt.log" 2>&1; echo "gpt rc=$?"; grep -v "^ *$" "$r/gpt.log" | tail -40 ;;
     fp8) timeout 120 python dev/train_probes/fp8_block_probe.py "$r" >"$r/fp8.log" 2>&1; echo "fp8 rc=$?"; grep -c MATCH "$r/fp8.log"; tail -8 "$r/fp8.log" ;;
