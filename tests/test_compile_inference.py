@@ -175,7 +175,6 @@ def test_dynamic_graph_calls_qtensor_ops_and_no_dequantize():
 
     assert_expected_inline(ops_of("nvfp4_dynamic"), """\
 <built-in function getitem>
-aten.view.default
 qtensor.amax.default
 qtensor.nvfp4_mm.default
 qtensor.nvfp4_quantize.default""")
