@@ -166,42 +166,51 @@ def layer_section(recipes, compiled, warmup, iters):
     return rows_of("layer", build, loss, recipes, compiled, warmup, iters)
 
 
-def gpt_section(recipes, compiled, warmup, iters):
+GPT_CFG = dict(vocab_size=256, hidden=512, layers=6, heads=8, kv_heads=4, intermediate=1408)
+
+
+def gpt_step(name, mode="eager"):
+    """One training step of the small GPT (bf16 or a recipe of RECIPES, every Linear but the
+    head quantized): forward under bf16 autocast, cross-entropy, backward, AdamW. `mode`:
+    "eager", or a torch.compile mode ("default", "reduce-overhead") for the model."""
     from qtensor.cli.models import DemoConfig, build_demo_model
 
-    cfg = DemoConfig(vocab_size=256, hidden=512, layers=6, heads=8, kv_heads=4, intermediate=1408)
-    tokens = torch.randint(0, 256, (16, 513), device="cuda")
+    tokens = torch.randint(0, 256, (16, 513), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(0))
+    torch.manual_seed(0)
+    model = build_demo_model(DemoConfig(**GPT_CFG), dtype=torch.float32, device="cuda").train()
+    if name != "bf16":
+        from torchao.quantization import quantize_
+
+        from qtensor.training import TrainingConfig
+        quantize_(model, TrainingConfig(NVFP4TrainingRecipe(**RECIPES[name])),
+                  filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and n != "lm_head")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    fwd = model
+    if mode != "eager":
+        torch._dynamo.reset()
+        fwd = torch.compile(model, fullgraph=True, mode=None if mode == "default" else mode)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = fwd(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                                 tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def gpt_section(recipes, compiled, warmup, iters):
     out = {}
     for name in ["bf16", *recipes]:
-        torch.manual_seed(0)
-        model = build_demo_model(cfg, dtype=torch.float32, device="cuda").train()
-        if name != "bf16":
-            from torchao.quantization import quantize_
-
-            from qtensor.training import TrainingConfig
-            quantize_(model, TrainingConfig(NVFP4TrainingRecipe(**RECIPES[name])),
-                      filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and n != "lm_head")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def make_step(fwd):
-            def step():
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    logits = fwd(tokens[:, :-1])
-                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
-                                                         tokens[:, 1:].flatten())
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            return step
-        r = {"eager_ms": step_ms(make_step(model), warmup, iters)}
+        r = {"eager_ms": step_ms(gpt_step(name), warmup, iters)}
         if name in compiled:
-            for key, mode in (("compiled_ms", None), ("graphed_ms", "reduce-overhead")):
-                torch._dynamo.reset()
-                cm = torch.compile(model, fullgraph=True, mode=mode)
-                r[key] = step_ms(make_step(cm), warmup + 2, iters)
+            for key, mode in (("compiled_ms", "default"), ("graphed_ms", "reduce-overhead")):
+                r[key] = step_ms(gpt_step(name, mode), warmup + 2, iters)
         out[name] = r
         print(f"gpt    {name:12s} " + " ".join(f"{k} {v:8.2f}" for k, v in r.items()), flush=True)
-        del model, opt
         torch.cuda.empty_cache()
     return out
 

@@ -20,38 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_training import RECIPES  # noqa: E402
-
-from qtensor.cli.models import DemoConfig, build_demo_model  # noqa: E402
-from qtensor.training import NVFP4TrainingRecipe, TrainingConfig  # noqa: E402
-
-
-def gpt_step(recipe_name, compile_mode):
-    from torchao.quantization import quantize_
-
-    cfg = DemoConfig(vocab_size=256, hidden=512, layers=6, heads=8, kv_heads=4, intermediate=1408)
-    tokens = torch.randint(0, 256, (16, 513), device="cuda",
-                           generator=torch.Generator("cuda").manual_seed(0))
-    torch.manual_seed(0)
-    model = build_demo_model(cfg, dtype=torch.float32, device="cuda").train()
-    if recipe_name != "bf16":
-        quantize_(model, TrainingConfig(NVFP4TrainingRecipe(**RECIPES[recipe_name])),
-                  filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and n != "lm_head")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    fwd = model
-    if compile_mode is not None:
-        torch._dynamo.reset()
-        fwd = torch.compile(model, fullgraph=True, mode=compile_mode)
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = fwd(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
-                                                 tokens[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
+from bench_training import gpt_step  # noqa: E402
 
 
 def timed(step, warmup=3, iters=10):
@@ -144,7 +113,7 @@ def main():
         for mode in a.modes.split(","):
             tag = f"gpt_{name}_{mode}"
             try:
-                step = gpt_step(name, None if mode == "eager" else mode)
+                step = gpt_step(name, mode)
                 t0 = time.perf_counter()
                 step()
                 torch.cuda.synchronize()
