@@ -14,7 +14,7 @@ from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.training import NVFP4TrainingRecipe, OperandSpecs, RoleSpec, SRSeeds
 from qtensor.training.recipe import RENAMED_FIELDS
-from qtensor.training.roles import SR_SLOTS, advance, nth_call
+from qtensor.training.roles import SR_SLOTS, advance, each_call
 
 RL = dict(rht=False, stochastic_rounding=False, weight_2d=False)
 
@@ -315,5 +315,9 @@ def test_advance_returns_this_step_and_moves_the_buffer_in_place():
     taken = advance(buf, calls=3)
     assert torch.equal(taken, first) and taken.data_ptr() != buf.data_ptr()
     assert torch.equal(buf[:, 0], first[:, 0] + 3) and torch.equal(buf[:, 1], first[:, 1])
-    assert torch.equal(nth_call(taken, 2)[:, 0], first[:, 0] + 2)
-    assert nth_call(taken, 0) is taken and nth_call(None, 1) is None
+    calls = each_call(taken, 5)
+    assert calls.shape == (5, *taken.shape) and calls.data_ptr() != taken.data_ptr()
+    for j in range(5):
+        assert torch.equal(calls[j][:, 0], first[:, 0] + j)
+        assert torch.equal(calls[j][:, 1], first[:, 1])
+    assert torch.equal(taken, first) and each_call(None, 3) is None

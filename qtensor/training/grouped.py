@@ -39,7 +39,7 @@ from qtensor.training.linear import (
     take_sr_state,
 )
 from qtensor.training.recipe import NVFP4TrainingRecipe
-from qtensor.training.roles import SRSeeds, fprop, nth_call, quantize_rowwise
+from qtensor.training.roles import SRSeeds, each_call, fprop, quantize_rowwise
 from qtensor.training.weight_cache import WeightCache
 
 
@@ -67,6 +67,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.to(dtype)
             shared = shared_input_rowwise(x2, state)
+            calls = each_call(sr, len(splits))
             for e, (start, m) in enumerate(_bounds(splits)):
                 if m == 0:
                     x_saved.append(None)
@@ -75,7 +76,8 @@ class GroupedLinearFunction(torch.autograd.Function):
                 x_e = x2[start:start + m]
                 row = shared[start:start + m] if shared is not None else None
                 # Expert e rounds with seed + e: the step advanced the state by E seeds.
-                x_op = forward_input(x_e, state, backward, rowwise=row, sr=nth_call(sr, e))
+                x_op = forward_input(x_e, state, backward, rowwise=row,
+                                     sr=None if calls is None else calls[e])
                 b_e = bias[e].to(dtype) if bias is not None else None
                 ys.append(fprop(x_op, w_holder.op[e], b_e, dtype))
                 xs, ws = saved_for_backward(x_e, x_op, weight[e], w_holder.op[e], override)
@@ -100,11 +102,13 @@ class GroupedLinearFunction(torch.autograd.Function):
         dw = torch.zeros(w_shape, dtype=w_dtype, device=dy.device) if need[1] else None
         with torch.autocast(dy.device.type, enabled=False):
             dy2 = dy.to(dtype)
+            calls = each_call(sr, n_exp)
             for e, (start, m) in enumerate(_bounds(ctx.splits)):
                 if m == 0:
                     continue
                 dx_e, dw_e = backward_gemms(dy2[start:start + m], x_saved[e], w_saved[e],
-                                            ctx.state, dtype, w_dtype, need, nth_call(sr, e))
+                                            ctx.state, dtype, w_dtype, need,
+                                            None if calls is None else calls[e])
                 dxs.append(dx_e)
                 if dw is not None:
                     dw[e] = dw_e

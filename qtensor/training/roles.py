@@ -152,7 +152,7 @@ def _slot_spec(specs: OperandSpecs, slot: str) -> Spec | None:
 
 def advance(state: torch.Tensor, calls: int = 1) -> torch.Tensor:
     """This step's (seed, offset) rows (a copy), then every seed of the module's buffer moves on
-    by `calls` in place: call j of the step uses seed + j (`nth_call`). mix32 of the seed in
+    by `calls` in place: call j of the step uses seed + j (`each_call`). mix32 of the seed in
     the bit hash (formats/nvfp4.py sr_bits) makes neighbouring seeds' streams unrelated.
 
     Compiled, it is the opaque op `qtensor::sr_advance`: written as clone + add_, AOTAutograd's
@@ -179,14 +179,15 @@ def _(state, calls):
     return torch.empty_like(state)
 
 
-def nth_call(states: torch.Tensor | None, n: int) -> torch.Tensor | None:
-    """The rows of call n of a step (seed + n), e.g. expert n of a grouped linear."""
-    if states is None or n == 0:
-        return states
-    # Shift the seed column on the device: a new_tensor([n, 0]) would be a host-to-device copy
-    # per expert per step (and one a CUDA graph capture cannot take).
-    out = states.clone()
-    out[:, 0] += n
+def each_call(states: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """The rows of calls 0..n-1 of a step, [n, slots, 2] with seed + j for call j (e.g. expert j
+    of a grouped linear): one tensor for all the calls, built on the device in three launches,
+    rather than a copy and an add per call (and never a host-to-device copy, which a CUDA graph
+    capture could not take)."""
+    if states is None:
+        return None
+    out = states.unsqueeze(0).repeat(n, 1, 1)
+    out.select(2, 0).add_(torch.arange(n, device=states.device, dtype=states.dtype)[:, None])
     return out
 
 
