@@ -250,3 +250,60 @@ def test_plain_mm_with_dynamic_activation_weight_refuses():
     with pytest.raises(ValueError, match="quantizes its activation inside F.linear"):
         torch.mm(x, w.t())
     assert torch.nn.functional.linear(x, w).shape == (8, 32)
+
+
+# ---- products of a transposed operand without its view -----------------------------------------
+
+
+def _hybrid(x, cls, **kw):
+    row = cls.from_hp(x, **kw)
+    col = cls.from_hp(x, columnwise=True, **kw)
+    return HybridTensor(x.shape, x.dtype, x.device, rowwise=row, columnwise=col,
+                        columnwise_source="original")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_quantized_mm_t_equals_the_transposed_views(fmt):
+    """quantized_mm_t(a, b, a_t, b_t) is quantized_mm on a.t() / b.t(), bit for bit, and matches
+    the oracle: fprop's x @ w.t() and wgrad's dy.t() @ x on hybrids, single-usage tensors and a
+    bf16 left operand."""
+    from qtensor.gemm.dense import quantized_mm_t
+
+    cls = NVFP4Tensor if fmt == "nvfp4" else MXFP8Tensor
+    x, w, dy = _x(64, 128, seed=1), _x(96, 128, seed=2), _x(64, 96, seed=3, scale=1e-2)
+    hx, hw, hdy = _hybrid(x, cls), _hybrid(w, cls), _hybrid(dy, cls)
+    cases = [
+        ((hx, hw), dict(b_t=True), (hx, hw.t())),  # fprop
+        ((hdy, hx), dict(a_t=True), (hdy.t(), hx)),  # wgrad
+        ((cls.from_hp(x), cls.from_hp(w)), dict(b_t=True), (cls.from_hp(x), cls.from_hp(w).t())),
+        ((cls.from_hp(dy, columnwise=True), cls.from_hp(x, columnwise=True)), dict(a_t=True),
+         (cls.from_hp(dy, columnwise=True).t(), cls.from_hp(x, columnwise=True))),
+        ((x, hw), dict(b_t=True), (x, hw.t())),  # a bf16 activation
+    ]
+    bias = _x(96, seed=4)
+    for (a, b), flags, (va, vb) in cases:
+        for bb in ((bias, None) if vb.shape[-1] == 96 else (None,)):
+            got = quantized_mm_t(a, b, bb, torch.float32, **flags)
+            ref = quantized_mm(va, vb, bb, out_dtype=torch.float32)
+            assert torch.equal(got, ref), flags
+            # The oracle reads the part each side multiplies (a hybrid hands over one).
+            pa = va.gemm_operand("left") if isinstance(va, HybridTensor) else va
+            pb = vb.gemm_operand("right") if isinstance(vb, HybridTensor) else vb
+            want, bound = oracle(pa, pb, bb)
+            assert_matches(got, want, bound, torch.float32)
+
+
+def test_quantized_mm_t_takes_the_regular_path_elsewhere():
+    """A batched operand and a wrong orientation go through quantized_mm: the same result, and
+    the same error naming the operand to transpose."""
+    from qtensor.gemm.dense import quantized_mm_t
+
+    w = NVFP4Tensor.from_hp(_x(48, 128, seed=2))
+    x3 = _x(2, 8, 128, seed=1)
+    assert torch.equal(quantized_mm_t(x3, w, b_t=True), quantized_mm(x3, w.t()))
+    col = NVFP4Tensor.from_hp(_x(48, 128, seed=2), columnwise=True)  # blocks along dim 0
+    with pytest.raises(ValueError, match="right operand of a quantized GEMM") as got:
+        quantized_mm_t(_x(8, 48, seed=1), col, b_t=True)
+    with pytest.raises(ValueError) as ref:
+        quantized_mm(_x(8, 48, seed=1), col.t())
+    assert str(got.value) == str(ref.value)
