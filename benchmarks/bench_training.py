@@ -299,82 +299,67 @@ def qat_section(warmup, iters):
     return out
 
 
-def host_section(recipes, device, reps=7, steps=200):
-    """Median microseconds of a linear's training step (forward, backward, in-place update) at
-    64 x 64 x 64, where the host's work is the step's time; on a GPU the loop is synchronized
-    once per `steps` steps, so the figure is the host's issue rate while the queue is short."""
+def host_us(step, device, reps, steps) -> float:
+    """Median microseconds a call of step() over `reps` loops of `steps` calls (after one loop
+    of warm-up); on a GPU each loop is synchronized once, at its ends."""
     import statistics
     import time
 
+    times = []
+    for rep in range(reps + 1):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if rep:  # the first loop warms up
+            times.append(1e6 * (time.perf_counter() - t) / steps)
+    return statistics.median(times)
+
+
+def update_step(mod, fwd, grad):
+    """fwd(mod) and its backward from `grad`, then an in-place update of the weight (the next
+    forward quantizes it again, as after an optimizer step)."""
+    def step():
+        fwd(mod).backward(grad)
+        with torch.no_grad():
+            mod.weight.add_(mod.weight.grad, alpha=-1e-6)
+            mod.weight.grad = None
+    return step
+
+
+def host_section(recipes, device, reps=7, steps=200):
+    """Median microseconds of a linear's training step (forward, backward, in-place update) at
+    64 x 64 x 64, where the host's work is the step's time; on a GPU the loop is synchronized
+    once per `steps` steps, so the figure is the host's issue rate while the queue is short.
+    Then a GroupedLinear of 8 such experts with 32 tokens each (a quantized backward needs
+    token counts of whole 32-blocks), per expert."""
+    from qtensor.training import GroupedLinear
+
     torch.manual_seed(0)
+    kw = dict(bias=False, device=device, dtype=torch.bfloat16)
     x = torch.randn(64, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(64, 64, device=device, dtype=torch.bfloat16)
     out = {}
     for name in ["bf16", *recipes]:
-        if name == "bf16":
-            mod = torch.nn.Linear(64, 64, bias=False, device=device, dtype=torch.bfloat16)
-        else:
-            mod = TrainingLinear(64, 64, bias=False, device=device, dtype=torch.bfloat16,
-                                 recipe=NVFP4TrainingRecipe(**RECIPES[name]))
-
-        def step(mod=mod):
-            mod(x).backward(g)
-            with torch.no_grad():
-                mod.weight.add_(mod.weight.grad, alpha=-1e-6)
-                mod.weight.grad = None
-        times = []
-        for rep in range(reps + 1):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(steps):
-                step()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            if rep:  # the first pass warms up
-                times.append(1e6 * (time.perf_counter() - t) / steps)
-        out[name] = {"host_us": statistics.median(times)}
+        mod = torch.nn.Linear(64, 64, **kw) if name == "bf16" else TrainingLinear(
+            64, 64, recipe=NVFP4TrainingRecipe(**RECIPES[name]), **kw)
+        step = update_step(mod, lambda m: m(x), g)
+        out[name] = {"host_us": host_us(step, device, reps, steps)}
         print(f"host   {name:12s} {out[name]['host_us']:8.1f} us a step", flush=True)
-    out.update(grouped_host(recipes, device, reps, steps // 4))
-    return out
-
-
-def grouped_host(recipes, device, reps, steps, experts=8, tokens=32):
-    """The same for a GroupedLinear of 8 experts of 64 x 64 with 32 tokens each (a
-    quantized backward needs token counts of whole 32-blocks): us a step per expert."""
-    import statistics
-    import time
-
-    from qtensor.training import GroupedLinear
-
-    x = torch.randn(experts * tokens, 64, device=device, dtype=torch.bfloat16,
-                    requires_grad=True)
-    g = torch.randn(experts * tokens, 64, device=device, dtype=torch.bfloat16)
+    experts, tokens = 8, 32
+    xg = torch.randn(experts * tokens, 64, device=device, dtype=torch.bfloat16,
+                     requires_grad=True)
+    gg = torch.randn(experts * tokens, 64, device=device, dtype=torch.bfloat16)
     splits = [tokens] * experts
-    out = {}
     for name in recipes:
-        mod = GroupedLinear(experts, 64, 64, bias=False, device=device, dtype=torch.bfloat16,
-                            recipe=NVFP4TrainingRecipe(**RECIPES[name]))
-
-        def step(mod=mod):
-            mod(x, splits).backward(g)
-            with torch.no_grad():
-                mod.weight.add_(mod.weight.grad, alpha=-1e-6)
-                mod.weight.grad = None
-        times = []
-        for rep in range(reps + 1):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(steps):
-                step()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            if rep:
-                times.append(1e6 * (time.perf_counter() - t) / steps / experts)
-        out[f"grouped {name}"] = {"host_us": statistics.median(times)}
-        print(f"host   grouped {name:12s} {out[f'grouped {name}']['host_us']:8.1f} us a step "
-              "per expert", flush=True)
+        mod = GroupedLinear(experts, 64, 64, recipe=NVFP4TrainingRecipe(**RECIPES[name]), **kw)
+        step = update_step(mod, lambda m: m(xg, splits), gg)
+        key = f"grouped {name}"
+        out[key] = {"host_us": host_us(step, device, reps, steps // 4) / experts}
+        print(f"host   {key:20s} {out[key]['host_us']:8.1f} us a step per expert", flush=True)
     return out
 
 
