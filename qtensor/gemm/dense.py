@@ -279,16 +279,15 @@ def quantized_mm_t(a, b, bias=None, out_dtype=None, *, a_t: bool = False, b_t: b
     backend, which takes the logical operands) goes through quantized_mm itself."""
     a_op = _transposed_part(a, "left") if a_t else _side(a, "left")
     b_op = _transposed_part(b, "right") if b_t else _side(b, "right")
-    if a_op is None or b_op is None or a_op.dim() != 2 or b_op.dim() != 2:
-        return quantized_mm(a.t() if a_t else a, b.t() if b_t else b, bias, out_dtype)
-    _check_pair(a_op, b_op)
-    out_dtype = out_dtype or a.dtype
-    fmt = _format(a_op, b_op)
-    sides = (fmt, _rows_side(a_op, not a_t), _rows_side(b_op, b_t), ())
-    backend = plan(a_op, b_op, bias, out_dtype, sides)
-    if backend is GemmBackend.SCALED_MM:
-        return quantized_mm(a.t() if a_t else a, b.t() if b_t else b, bias, out_dtype)
-    return _run_dense(*sides[:3], bias, out_dtype, (), backend)
+    if a_op is not None and b_op is not None and a_op.dim() == b_op.dim() == 2:
+        _check_pair(a_op, b_op)
+        out_dtype = out_dtype or a.dtype
+        fmt = _format(a_op, b_op)
+        sides = (fmt, _rows_side(a_op, not a_t), _rows_side(b_op, b_t), ())
+        backend = plan(a_op, b_op, bias, out_dtype, sides)
+        if backend is not GemmBackend.SCALED_MM:
+            return _run_dense(*sides[:3], bias, out_dtype, (), backend)
+    return quantized_mm(a.t() if a_t else a, b.t() if b_t else b, bias, out_dtype)
 
 
 def with_gemm_backend(x: QuantizedTensor, backend: GemmBackend | str) -> QuantizedTensor:
