@@ -86,17 +86,34 @@ def test_cpu_plan_is_emulated():
 
 @pytest.mark.cuda
 @cuda
+@pytest.mark.parametrize("kernel", ["persistent, codes", "persistent, decoded", "tiled"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_triton_grouped_matches_reference(kind):
+def test_triton_grouped_matches_reference(kind, kernel, monkeypatch):
     # 8 experts over 700 tokens, two empty, off-tile K and N; rows 690.. belong to none.
+    from qtensor.kernels import grouped_qgemm, qgemm
+
     a, b = _moe(kind, t=700, e=8, k=352, n=200, device="cuda", seed=1)
     offs = torch.tensor([100, 100, 233, 400, 401, 401, 650, 690], dtype=torch.int32,
                         device="cuda")
     bias = torch.randn(8, 200, device="cuda").bfloat16()
     a_op, b_op = operands(a, b)
     assert grouped_plan(a_op, b_op, bias, torch.bfloat16) is GemmBackend.TRITON
-    for out_dtype in (torch.float32, torch.bfloat16):
+    weights = []  # the weight operand's format of each persistent launch
+    persistent = grouped_qgemm._grouped_tma
+    monkeypatch.setattr(grouped_qgemm, "_grouped_tma",
+                        lambda *args: weights.append(args[1].fmt) or persistent(*args))
+    monkeypatch.setattr(grouped_qgemm, "STREAM_WEIGHT_CODES", kernel == "persistent, codes")
+    monkeypatch.setattr(grouped_qgemm, "TMA_MIN_MNK", 0)  # this product is far smaller
+    if kernel == "tiled":
+        monkeypatch.setattr(grouped_qgemm, "tma_problem", lambda *args: "the test's choice")
+    for calls, out_dtype in enumerate((torch.float32, torch.bfloat16), 1):
         out = torch._grouped_mm(a, b, offs, bias, out_dtype)
+        # Every operand is aligned here and the size limit is off, so the sm_90+ GPUs these
+        # tests run on take the persistent kernel, on the weight's codes or decoded as the case
+        # says.
+        want = {"persistent, codes": [qgemm.FMT_NVFP4 if "nvfp4" in kind else qgemm.FMT_MXFP8],
+                "persistent, decoded": [qgemm.FMT_HP], "tiled": []}[kernel]
+        assert weights == want * calls
         ref = grouped_mm_reference(a_op, b_op, offs, bias, out_dtype)
         assert torch.equal(out[690:], torch.zeros_like(out[690:]))
         if out_dtype == torch.float32:

@@ -1,10 +1,23 @@
 """Grouped GEMM for MoE experts (torch._grouped_mm semantics) on quantized operands (Triton).
 
 out[rows of e] = epilogue_e(A[rows of e] @ B[e]^T), expert e owning rows [offs[e-1], offs[e]).
-No host sync: the grid has an upper bound of M tiles, cdiv(T, BM) + E + 1 (each expert wastes at
-most one partial tile, plus the zero tail), and each program finds its expert by walking offs
-(E scalar loads, negligible next to a K loop of K / BK tile loads). Programs past the experts'
-tiles zero the rows after offs[-1]; the rest exit.
+No host sync: the M tiles have an upper bound, cdiv(T, BM) + E + 1 (each expert wastes at most
+one partial tile, plus the zero tail), and each tile finds its expert by walking offs (E scalar
+loads, negligible next to a K loop of K / BK tile loads). Tiles past the experts' zero the rows
+after offs[-1]; the rest do nothing.
+
+[Note: persistent grouped GEMM]
+Where the GPU has TMA, the decoded bf16 tokens are 16-byte aligned and the product has at least
+TMA_MIN_MNK multiply-adds, one program per SM walks these tiles (`_grouped_tma_kernel`). The token tile arrives by TMA at any row offset (rows past
+T arrive as zeros). The expert's weight tile either streams as its codes (NVFP4 or MXFP8, with
+their scales), decoded in registers as the tiled kernel decodes them and put in element order,
+or arrives by TMA from weights decoded to bf16 first (B viewed as [E * N, K]); the first spares
+the layer a bf16 copy of all E x N x K weights, written and read back on every call
+(`STREAM_WEIGHT_CODES`, off: slower as measured below). The rows of a tile that belong to the next expert, and the columns past
+N, are computed and never stored: the stores are masked, as the tiled kernel's are, and go out
+by quarters of the tile to keep the epilogue's registers down. The epilogue is the same terms
+in the same order. Consecutive tiles share an M tile and walk N, so the programs in flight read
+a few experts' weights at a time from L2.
 """
 
 from __future__ import annotations
@@ -15,16 +28,80 @@ import triton.language as tl
 
 from qtensor.kernels import tiles
 from qtensor.kernels.launch import Launcher
-from qtensor.kernels.qgemm import Epilogue, Operand, cdiv
+from qtensor.kernels.qgemm import (
+    FMT_HP,
+    TMA_CONFIG,
+    Epilogue,
+    Operand,
+    TensorDescriptor,
+    TmaConfig,
+    _capability,
+    _sm_count,
+    cdiv,
+)
 
 CONFIG = (128, 256, 64, 8, 3)  # BM, BN, BK, warps, stages: bf16 operands (decoded first)
+# The persistent kernel on the weights' codes: 128x256 tiles leave no registers for the decode
+# (ptxas spills), 128x128 with 8 warps fit.
+CODES_CONFIG = TmaConfig(128, 128, 64, 8, 4, False)
+
+
+def tma_problem(a: Operand, b: Operand, out_dtype) -> str | None:
+    """Why the persistent grouped kernel cannot run this product, or None. A is bf16 (decoded);
+    B is bf16, or NVFP4 / MXFP8 codes that the kernel decodes as they stream."""
+    if TensorDescriptor is None:
+        return "this Triton has no host TMA descriptors"
+    if a.fmt != FMT_HP or a.data.dtype != torch.bfloat16:
+        return "the tokens must be bf16 (decoded)"
+    if b.fmt == FMT_HP and b.data.dtype != torch.bfloat16:
+        return "high-precision expert weights must be bf16 (decoded)"
+    if a.data.dim() != 2 and a.data.shape[0] != 1:
+        return "the tokens must be one [T, K] matrix"
+    if _capability(b.data.device.index or 0)[0] < 9:
+        return "TMA needs sm_90 or newer"
+    if b.fmt == FMT_HP and not b.data.is_contiguous():
+        return "the expert weights must be one contiguous [E, N, K] tensor"
+    if b.fmt != FMT_HP and (b.data.stride(-1) != 1 or b.scale.stride(-1) != 1):
+        return "the expert weights' codes and scales must have contiguous rows"
+    for t in ((a.data, b.data) if b.fmt == FMT_HP else (a.data,)):
+        if t.stride(-1) != 1 or (t.stride(-2) * 2) % 16 or t.data_ptr() % 16:
+            return "an operand's rows are not 16-byte aligned and contiguous"
+    return None
+
+
+# Products of fewer multiply-adds keep the tiled kernel: the persistent kernel goes through
+# Triton's own launch (its TMA descriptors are not keys the direct launcher takes), about 100 us
+# more host time a call, which an MoE layer of 8 experts at 8192 tokens (2**34.6 multiply-adds)
+# does not win back on the GPU (H100: 92 us against the tiled kernel's 101 us on decoded
+# operands, but 349 us against 253 us a call back to back, host-bound); 128 experts at 65,536
+# tokens (2**37.6) run 1348 us against 1582 us.
+TMA_MIN_MNK = 1 << 36
+
+# Whether the layer hands the persistent kernel the expert weights' codes, decoded in the
+# kernel as they stream, rather than decoding every weight to bf16 first (an E x N x K bf16
+# copy written and read back on every call). Off: the in-register decode costs the kernel more
+# than the copy costs (H100, 128 experts, 65,536 x 1536 x 2048: the kernel on NVFP4 codes
+# 2468-2585 us and on MXFP8 codes 1427-1447 us, against 831 us on bf16 operands after a weight
+# decode of 364 us for NVFP4 and about 420 us for MXFP8).
+STREAM_WEIGHT_CODES = False
+
+
+def takes_codes(a: Operand, b: Operand, out_dtype, t: int, n: int, k: int) -> bool:
+    """Whether grouped_qgemm runs on b's codes as they are (else decode b with decode_bf16)."""
+    return STREAM_WEIGHT_CODES and b.fmt != FMT_HP and t * n * k >= TMA_MIN_MNK and \
+        tma_problem(a, b, out_dtype) is None
 
 
 def grouped_qgemm(a: Operand, b: Operand, offs, ep: Epilogue, *, out_dtype, t: int, n: int,
-                  k: int, config=CONFIG) -> torch.Tensor:
+                  k: int, config=None) -> torch.Tensor:
     """[T, N]; a is [T, K*] (or [1, T, K*]), b is [E, N, K*] rows along K; amax_a 0-d or [T],
-    amax_b 0-d or [E, N]."""
-    bm, bn, bk, warps, stages = config
+    amax_b 0-d or [E, N]. `config`: a tiled kernel's (BM, BN, BK, warps, stages), or a TmaConfig
+    for the persistent kernel (which must be able to: tma_problem); None picks."""
+    if isinstance(config, TmaConfig) or (
+            config is None and t * n * k >= TMA_MIN_MNK and tma_problem(a, b, out_dtype) is None):
+        cfg = config or (TMA_CONFIG if b.fmt == FMT_HP else CODES_CONFIG)
+        return _grouped_tma(a, b, offs, ep, out_dtype, t, n, k, cfg)
+    bm, bn, bk, warps, stages = config or CONFIG
     experts = b.data.shape[0]
     out = torch.empty((t, n), dtype=out_dtype, device=b.data.device)
     (_, a_r, a_k), (_, as_r, as_k) = a.strides()
@@ -44,15 +121,39 @@ def grouped_qgemm(a: Operand, b: Operand, offs, ep: Epilogue, *, out_dtype, t: i
     return out
 
 
+def _grouped_tma(a: Operand, b: Operand, offs, ep: Epilogue, out_dtype, t: int, n: int, k: int,
+                 cfg: TmaConfig) -> torch.Tensor:
+    """[Note: persistent grouped GEMM]."""
+    experts = b.data.shape[0]
+    out = torch.empty((t, n), dtype=out_dtype, device=b.data.device)
+    a2 = a.data.reshape(t, a.data.shape[-1])
+    a_desc = TensorDescriptor.from_tensor(a2, [cfg.bm, cfg.bk])
+    if b.fmt == FMT_HP:
+        b_desc = TensorDescriptor.from_tensor(b.data.reshape(experts * n, b.data.shape[-1]),
+                                              [cfg.bn, cfg.bk])
+        b_args = (b.data, b.data, 0, 0, 0, 0)
+    else:  # codes decoded in the kernel: NVFP4 [E, N, K/2] + [E, N, K/16], MXFP8 [E, N, K] +
+        # [E, N, K/32], each row contiguous
+        b_desc = None
+        b_args = (b.data, b.scale, b.data.stride(0), b.data.stride(1), b.scale.stride(0),
+                  b.scale.stride(1))
+    lf, _, l_r, inv, rf, r_e, r_c, bias = ep.terms(b.data)
+    tiles_mn = (cdiv(t, cfg.bm) + experts + 1) * cdiv(n, cfg.bn)
+    programs = min(_sm_count(b.data.device.index or 0), tiles_mn)
+    # Triton's own launch: the descriptors are not keys the direct launcher can hash.
+    _grouped_tma_kernel[(programs,)](
+        a_desc, b_desc, *b_args, offs, lf, l_r, inv, rf, r_e, r_c, bias,
+        ep.bias.stride(0) if ep.bias is not None else 0, out, experts, t, n, k,
+        FMT_B=b.fmt, **ep.flags(), BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, PROGRAMS=programs,
+        num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=False,
+    )
+    return out
+
+
 @triton.jit
-def _grouped_kernel(
-    a_ptr, as_ptr, a_r, a_k, as_r, as_k,
-    b_ptr, bs_ptr, b_e, b_r, b_k, bs_e, bs_r, bs_k, offs_ptr,
-    left_ptr, l_r, inv, right_ptr, r_e, r_c, bias_ptr, bias_e, out_ptr, E, T, N, K,
-    FMT_A: tl.constexpr, FMT_B: tl.constexpr, LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+def _expert_of(offs_ptr, pid_m, E, BM: tl.constexpr):
+    """(expert, first row, end row) of M tile pid_m; expert -1 past the experts' tiles, its
+    first row then the first of the zero tail's rows it covers."""
     # Loop-carried scalars need one type throughout the loop: int32 from the start.
     start = tl.full([], 0, tl.int32)
     seen = tl.full([], 0, tl.int32)
@@ -68,6 +169,20 @@ def _grouped_kernel(
         row_end = tl.where(hit, end, row_end)
         seen += count
         start = end
+    row0 = tl.where(expert >= 0, row0, start + (pid_m - seen) * BM)
+    return expert, row0, row_end
+
+
+@triton.jit
+def _grouped_kernel(
+    a_ptr, as_ptr, a_r, a_k, as_r, as_k,
+    b_ptr, bs_ptr, b_e, b_r, b_k, bs_e, bs_r, bs_k, offs_ptr,
+    left_ptr, l_r, inv, right_ptr, r_e, r_c, bias_ptr, bias_e, out_ptr, E, T, N, K,
+    FMT_A: tl.constexpr, FMT_B: tl.constexpr, LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    expert, row0, row_end = _expert_of(offs_ptr, pid_m, E, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     cmask = cols < N
     if expert >= 0:
@@ -86,11 +201,85 @@ def _grouped_kernel(
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mask)
     else:
-        rows = start + (pid_m - seen) * BM + tl.arange(0, BM)
+        rows = row0 + tl.arange(0, BM)
         rmask = rows < T
         zero = tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], zero,
                  mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _grouped_tma_kernel(
+    a_desc, b_desc, b_ptr, bs_ptr, b_e, b_r, bs_e, bs_r, offs_ptr, left_ptr, l_r, inv,
+    right_ptr, r_e, r_c, bias_ptr, bias_e, out_ptr, E, T, N, K,
+    FMT_B: tl.constexpr, LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PROGRAMS: tl.constexpr,
+):
+    """[Note: persistent grouped GEMM]: program p takes tiles p, p + PROGRAMS, ..."""
+    num_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    for tile in range(tl.program_id(0), (tl.cdiv(T, BM) + E + 1) * num_n, PROGRAMS):
+        pid_m, pid_n = tile // num_n, tile % num_n
+        expert, row0, row_end = _expert_of(offs_ptr, pid_m, E, BM)
+        rows = row0 + tl.arange(0, BM)
+        if expert >= 0:
+            off_n = pid_n * BN
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            if FMT_B == tiles.NVFP4:
+                # The expert's codes decoded in registers as they stream (no bf16 copy of the
+                # weights), put back in element order so that A multiplies from shared memory
+                # as TMA left it.
+                cols_b = off_n + tl.arange(0, BN)
+                bmask = cols_b < N
+                for kt in range(k_tiles):
+                    a = a_desc.load([row0, kt * BK])
+                    b_ev, b_od = tiles.load_nvfp4(
+                        b_ptr + expert * b_e, bs_ptr + expert * bs_e, cols_b, bmask,
+                        kt * (BK // 2), K // 2, b_r, 1, bs_r, 1, BN, BK // 2)
+                    acc = tl.dot(a, tl.trans(tl.interleave(b_ev, b_od)), acc)
+            elif FMT_B == tiles.MXFP8:
+                cols_b = off_n + tl.arange(0, BN)
+                bmask = cols_b < N
+                for kt in range(k_tiles):
+                    a = a_desc.load([row0, kt * BK])
+                    b = tiles.load_mxfp8(b_ptr + expert * b_e, bs_ptr + expert * bs_e, cols_b,
+                                         bmask, kt * BK, K, b_r, 1, bs_r, 1, BN, BK)
+                    acc = tl.dot(a, tl.trans(b), acc)
+            else:
+                for kt in range(k_tiles):
+                    a = a_desc.load([row0, kt * BK])
+                    b = b_desc.load([expert * N + off_n, kt * BK])
+                    acc = tl.dot(a, b.T, acc)
+            rmask = rows < row_end
+            # Quarters of the tile, each through the epilogue and stored: fewer live registers.
+            q = tl.permute(tl.reshape(acc, (BM, 2, 2, BN // 4)), (0, 3, 2, 1))
+            h0, h1 = tl.split(q)
+            acc00, acc01 = tl.split(h0)
+            acc10, acc11 = tl.split(h1)
+            cols = off_n + tl.arange(0, BN // 4)
+            _epilogue_store(acc00, rows, cols, rmask, N, left_ptr, l_r, inv, right_ptr + expert * r_e,
+                            r_c, bias_ptr + expert * bias_e, out_ptr, LEFT, HAS_RIGHT, HAS_BIAS)
+            _epilogue_store(acc01, rows, cols + BN // 4, rmask, N, left_ptr, l_r, inv, right_ptr + expert * r_e,
+                            r_c, bias_ptr + expert * bias_e, out_ptr, LEFT, HAS_RIGHT, HAS_BIAS)
+            _epilogue_store(acc10, rows, cols + BN // 2, rmask, N, left_ptr, l_r, inv, right_ptr + expert * r_e,
+                            r_c, bias_ptr + expert * bias_e, out_ptr, LEFT, HAS_RIGHT, HAS_BIAS)
+            _epilogue_store(acc11, rows, cols + 3 * BN // 4, rmask, N, left_ptr, l_r, inv, right_ptr + expert * r_e,
+                            r_c, bias_ptr + expert * bias_e, out_ptr, LEFT, HAS_RIGHT, HAS_BIAS)
+        else:
+            zcols = pid_n * BN + tl.arange(0, BN)
+            zero = tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows[:, None] * N + zcols[None, :], zero,
+                     mask=(rows < T)[:, None] & (zcols < N)[None, :])
+
+
+@triton.jit
+def _epilogue_store(acc, rows, cols, rmask, N, left_ptr, l_r, inv, right_ptr, r_c, bias_ptr,
+                    out_ptr, LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    cmask = cols < N
+    acc = tiles.epilogue(acc, rows, cols, rmask, cmask, left_ptr, l_r, inv, right_ptr, r_c,
+                         bias_ptr, LEFT, HAS_RIGHT, HAS_BIAS)
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
 
 
 _GROUPED = Launcher(_grouped_kernel)

@@ -265,13 +265,16 @@ def triton_mm(fmt: str, a: Side, b: Side, bias, out_dtype, config=None, predecod
 
 
 def triton_grouped_mm(fmt: str, a: Side, b: Side, offs, bias, out_dtype):
-    """The operands are decoded to exact bf16 once (each weight is read by T / BM tiles), then
-    the grouped bf16 kernel applies the per-expert epilogue."""
+    """The tokens are decoded to exact bf16 once, and so are the expert weights unless the
+    persistent kernel is set to stream their codes (grouped_qgemm.takes_codes). The kernel
+    applies the per-expert epilogue."""
     from qtensor.kernels import grouped_qgemm, qgemm
 
     t, n, k = a.data.shape[0], b.data.shape[1], reduction_k(fmt, b)
     ka = qgemm.decode_bf16(_kernel_operand(fmt, a, qgemm), t, k)
-    kb = qgemm.decode_bf16(_kernel_operand(fmt, b, qgemm), n, k)
+    kb = _kernel_operand(fmt, b, qgemm)
+    if not grouped_qgemm.takes_codes(ka, kb, out_dtype, t, n, k):
+        kb = qgemm.decode_bf16(kb, n, k)
     ep = qgemm.Epilogue(*epilogue_terms(fmt, a, b), bias)
     return grouped_qgemm.grouped_qgemm(ka, kb, offs, ep, out_dtype=out_dtype, t=t, n=n, k=k)
 
