@@ -8,16 +8,17 @@ after offs[-1]; the rest do nothing.
 
 [Note: persistent grouped GEMM]
 Where the GPU has TMA, the decoded bf16 tokens are 16-byte aligned and the product has at least
-TMA_MIN_MNK multiply-adds, one program per SM walks these tiles (`_grouped_tma_kernel`). The token tile arrives by TMA at any row offset (rows past
-T arrive as zeros). The expert's weight tile either streams as its codes (NVFP4 or MXFP8, with
-their scales), decoded in registers as the tiled kernel decodes them and put in element order,
-or arrives by TMA from weights decoded to bf16 first (B viewed as [E * N, K]); the first spares
-the layer a bf16 copy of all E x N x K weights, written and read back on every call
-(`STREAM_WEIGHT_CODES`, off: slower as measured below). The rows of a tile that belong to the next expert, and the columns past
-N, are computed and never stored: the stores are masked, as the tiled kernel's are, and go out
-by quarters of the tile to keep the epilogue's registers down. The epilogue is the same terms
-in the same order. Consecutive tiles share an M tile and walk N, so the programs in flight read
-a few experts' weights at a time from L2.
+TMA_MIN_MNK multiply-adds, one program per SM walks these tiles (`_grouped_tma_kernel`). The token
+tile arrives by TMA at any row offset (rows past T arrive as zeros). The expert's weight tile
+either streams as its codes (NVFP4 or MXFP8, with their scales), decoded in registers as the tiled
+kernel decodes them and put in element order, or arrives by TMA from weights decoded to bf16 first
+(B viewed as [E * N, K]); the first spares the layer a bf16 copy of all E x N x K weights, written
+and read back on every call (`STREAM_WEIGHT_CODES`, off: slower, as measured at the flag). The rows
+of a tile that belong to the next expert, and the columns past N, are computed and never stored:
+the stores are masked, as the tiled kernel's are, and go out by quarters of the tile to keep the
+epilogue's registers down. The epilogue is the same terms in the same order. Consecutive tiles
+share an M tile and walk N, so the programs in flight read a few experts' weights at a time from
+L2.
 """
 
 from __future__ import annotations
@@ -257,13 +258,17 @@ def _grouped_tma_kernel(
             acc00, acc01 = tl.split(h0)
             acc10, acc11 = tl.split(h1)
             cols = off_n + tl.arange(0, BN // 4)
-            _epilogue_store(acc00, rows, cols, rmask, N, left_ptr, l_r, inv, right_ptr + expert * r_e,
+            _epilogue_store(acc00, rows, cols, rmask, N,
+                            left_ptr, l_r, inv, right_ptr + expert * r_e,
                             r_c, bias_ptr + expert * bias_e, out_ptr, LEFT, HAS_RIGHT, HAS_BIAS)
-            _epilogue_store(acc01, rows, cols + BN // 4, rmask, N, left_ptr, l_r, inv, right_ptr + expert * r_e,
+            _epilogue_store(acc01, rows, cols + BN // 4, rmask, N,
+                            left_ptr, l_r, inv, right_ptr + expert * r_e,
                             r_c, bias_ptr + expert * bias_e, out_ptr, LEFT, HAS_RIGHT, HAS_BIAS)
-            _epilogue_store(acc10, rows, cols + BN // 2, rmask, N, left_ptr, l_r, inv, right_ptr + expert * r_e,
+            _epilogue_store(acc10, rows, cols + BN // 2, rmask, N,
+                            left_ptr, l_r, inv, right_ptr + expert * r_e,
                             r_c, bias_ptr + expert * bias_e, out_ptr, LEFT, HAS_RIGHT, HAS_BIAS)
-            _epilogue_store(acc11, rows, cols + 3 * BN // 4, rmask, N, left_ptr, l_r, inv, right_ptr + expert * r_e,
+            _epilogue_store(acc11, rows, cols + 3 * BN // 4, rmask, N,
+                            left_ptr, l_r, inv, right_ptr + expert * r_e,
                             r_c, bias_ptr + expert * bias_e, out_ptr, LEFT, HAS_RIGHT, HAS_BIAS)
         else:
             zcols = pid_n * BN + tl.arange(0, BN)
