@@ -39,6 +39,7 @@ from qtensor.kernels.qgemm import (
     _capability,
     _sm_count,
     cdiv,
+    tma_rows,
 )
 
 CONFIG = (128, 256, 64, 8, 3)  # BM, BN, BK, warps, stages: bf16 operands (decoded first)
@@ -64,9 +65,8 @@ def tma_problem(a: Operand, b: Operand, out_dtype) -> str | None:
         return "the expert weights must be one contiguous [E, N, K] tensor"
     if b.fmt != FMT_HP and (b.data.stride(-1) != 1 or b.scale.stride(-1) != 1):
         return "the expert weights' codes and scales must have contiguous rows"
-    for t in ((a.data, b.data) if b.fmt == FMT_HP else (a.data,)):
-        if t.stride(-1) != 1 or (t.stride(-2) * 2) % 16 or t.data_ptr() % 16:
-            return "an operand's rows are not 16-byte aligned and contiguous"
+    if not tma_rows(a.data) or (b.fmt == FMT_HP and not tma_rows(b.data)):
+        return "an operand's rows are not 16-byte aligned and contiguous"
     return None
 
 

@@ -148,12 +148,17 @@ def tma_problem(a: "Operand", b: "Operand", out_dtype, m: int, n: int, k: int) -
     if _capability(b.data.device.index or 0)[0] < 9:
         return "TMA needs sm_90 or newer"
     item = out_dtype.itemsize
-    for t in (a.data, b.data):
-        if t.stride(-1) != 1 or (t.stride(-2) * 2) % 16 or t.data_ptr() % 16:
-            return "an operand's rows are not 16-byte aligned and contiguous"
+    if not (tma_rows(a.data) and tma_rows(b.data)):
+        return "an operand's rows are not 16-byte aligned and contiguous"
     if (n * item) % 16:
         return f"the output rows ({n} x {item} bytes) are not 16-byte aligned"
     return None
+
+
+def tma_rows(t: torch.Tensor) -> bool:
+    """Whether a bf16 operand's rows can be TMA tiles: contiguous, 16-byte aligned start and
+    row stride."""
+    return t.stride(-1) == 1 and (t.stride(-2) * 2) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def _tma_gemm(a: "Operand", b: "Operand", ep: "Epilogue", out_dtype, m: int, n: int, k: int,
