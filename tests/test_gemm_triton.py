@@ -79,6 +79,48 @@ def test_dense_matches_reference(kind, m, n, k):
 
 @pytest.mark.cuda
 @cuda
+@pytest.mark.parametrize("kind", KINDS)
+def test_codes_in_kernel_and_decoded_first_match_reference(kind, monkeypatch):
+    """[Note: codes in the tiled kernel]: a small product of more than DECODE_FIRST_M rows runs
+    on the operands' codes with no decode pass, a larger one decodes each quantized operand
+    first, and an operand strided along K (MXFP8 columnwise data, transposed) is decoded first
+    at any size; every way matches the reference, and the bf16 output is the fp32 one cast."""
+    from qtensor.gemm.dense import triton_mm
+    from qtensor.kernels import qgemm
+
+    g = torch.Generator("cuda").manual_seed(11)
+    m, n, k = 300, 272, 352
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+    a, b = _operands(kind, x, w)
+    a_op, b_op = operands(a, b)
+    bias = torch.randn(n, device="cuda", generator=g).bfloat16()
+    ref = emulated_mm(a_op, b_op, bias, torch.float32)
+    decodes = []
+    real_decode = qgemm.decode_bf16
+    monkeypatch.setattr(qgemm, "decode_bf16",
+                        lambda x, *args: decodes.append(x.fmt) or real_decode(x, *args))
+    quantized = sum(type(t) is not torch.Tensor for t in (a, b))
+    for limit, passes in ((qgemm.CODES_MAX_MNK, 0), (0, quantized)):
+        monkeypatch.setattr(qgemm, "CODES_MAX_MNK", limit)
+        decodes.clear()
+        out32 = triton_mm(a_op, b_op, bias, torch.float32)
+        assert len([f for f in decodes if f != qgemm.FMT_HP]) == passes, (limit, decodes)
+        assert_matches_reference(out32, ref)
+        assert torch.equal(triton_mm(a_op, b_op, bias, torch.bfloat16), out32.bfloat16())
+    # MXFP8 columnwise data [K, M] read as rows along K: a transpose view, strided along K.
+    monkeypatch.setattr(qgemm, "CODES_MAX_MNK", 1 << 40)
+    cols = torch.zeros(k, m, dtype=torch.float8_e4m3fn, device="cuda")
+    strided = qgemm.Operand(qgemm.FMT_MXFP8, cols.t(), torch.zeros(k // 32, m, dtype=torch.uint8,
+                                                                   device="cuda").t())
+    contiguous = qgemm.Operand(qgemm.FMT_MXFP8, cols.t().contiguous(), strided.scale)
+    assert qgemm.takes_codes(contiguous, contiguous, m, n, k)
+    assert not qgemm.takes_codes(strided, contiguous, m, n, k)
+    assert not qgemm.takes_codes(contiguous, strided, m, n, k)
+
+
+@pytest.mark.cuda
+@cuda
 @pytest.mark.parametrize("kind", ["nvfp4", "nvfp4_rowscaled", "mxfp8", "bf16_nvfp4"])
 @pytest.mark.parametrize("config", [(128, 256, 64, 8, 3, True), (128, 128, 64, 4, 4, False)])
 def test_persistent_tma_kernel_matches_reference(kind, config):
@@ -204,27 +246,50 @@ def test_import_does_not_load_triton():
 
 @pytest.mark.cuda
 @cuda
-def test_direct_launch_equals_tritons_own_launch():
+def test_direct_launch_equals_tritons_own_launch(monkeypatch):
     """[Note: direct launch]: the cached compiled kernels launched directly give the bytes
-    Triton's own launch gives, for split-K decode shapes, large M, grouped, and an operand
-    whose pointer is not 16-byte aligned (a key of its own); no launch fell back."""
+    Triton's own launch gives, for split-K decode shapes, large M, grouped, an operand whose
+    pointer is not 16-byte aligned (a key of its own), and the persistent kernels, whose TMA
+    descriptors are keys too; no launch fell back."""
     from qtensor.kernels import grouped_qgemm, qgemm
 
     launchers = [qgemm._QGEMM, qgemm._SPLITK_EPILOGUE, qgemm._DECODE, grouped_qgemm._GROUPED]
+    persistent = [qgemm._TMA_GEMM, grouped_qgemm._GROUPED_TMA]
+    has_tma = qgemm.TensorDescriptor is not None and torch.cuda.get_device_capability()[0] >= 9
     g = torch.Generator("cuda").manual_seed(9)
     w = torch.randn(208, 2080, device="cuda", generator=g)
     wide = torch.randn(300, 2081, device="cuda", generator=g).bfloat16()
+    offs = torch.tensor([17, 40], dtype=torch.int32, device="cuda")
+
+    def grouped(tokens=wide[:40, :2080]):
+        return torch._grouped_mm(
+            tokens, NVFP4Tensor.from_hp(w.reshape(2, 104, 2080)).transpose(-1, -2), offs)
+
+    def large():
+        return quantized_mm(NVFP4Tensor.from_hp(wide[:, :2080].float()), NVFP4Tensor.from_hp(w).t())
+
+    def persistent_kernels(fn):
+        def run():
+            with monkeypatch.context() as m:  # these products are far below the size limits
+                m.setattr(qgemm, "TMA_MIN_MNK", 0)
+                m.setattr(grouped_qgemm, "TMA_MIN_MNK", 0)
+                return fn()
+        return run
+
     cases = {
         "split-K bf16 x NVFP4": lambda: torch.nn.functional.linear(
             wide[:1, :2080], NVFP4Tensor.from_hp(w)),
         "misaligned bf16 x MXFP8": lambda: torch.nn.functional.linear(
             wide[:5, 1:], MXFP8Tensor.from_hp(w)),
-        "M=300 NVFP4 x NVFP4": lambda: quantized_mm(
-            NVFP4Tensor.from_hp(wide[:, :2080].float()), NVFP4Tensor.from_hp(w).t()),
-        "grouped": lambda: torch._grouped_mm(
-            wide[:40, :2080], NVFP4Tensor.from_hp(w.reshape(2, 104, 2080)).transpose(-1, -2),
-            torch.tensor([17, 40], dtype=torch.int32, device="cuda")),
+        "M=300 NVFP4 x NVFP4": large,
+        "grouped": grouped,
     }
+    if has_tma:
+        launchers += persistent
+        cases["persistent M=300 NVFP4 x NVFP4"] = persistent_kernels(large)
+        # The persistent grouped kernel takes TMA-aligned token rows.
+        aligned = wide[:40, :2080].contiguous()
+        cases["persistent grouped"] = persistent_kernels(lambda: grouped(aligned))
     for name, fn in cases.items():
         fn()  # first launch of each key: Triton's path, which fills the cache
         direct = fn()

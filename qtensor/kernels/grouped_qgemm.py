@@ -141,9 +141,8 @@ def _grouped_tma(a: Operand, b: Operand, offs, ep: Epilogue, out_dtype, t: int, 
     lf, _, l_r, inv, rf, r_e, r_c, bias = ep.terms(b.data)
     tiles_mn = (cdiv(t, cfg.bm) + experts + 1) * cdiv(n, cfg.bn)
     programs = min(_sm_count(b.data.device.index or 0), tiles_mn)
-    # Triton's own launch: the descriptors are not keys the direct launcher can hash.
-    _grouped_tma_kernel[(programs,)](
-        a_desc, b_desc, *b_args, offs, lf, l_r, inv, rf, r_e, r_c, bias,
+    _GROUPED_TMA(
+        (programs,), a_desc, b_desc, *b_args, offs, lf, l_r, inv, rf, r_e, r_c, bias,
         ep.bias.stride(0) if ep.bias is not None else 0, out, experts, t, n, k,
         FMT_B=b.fmt, **ep.flags(), BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, PROGRAMS=programs,
         num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=False,
@@ -288,3 +287,4 @@ def _epilogue_store(acc, rows, cols, rmask, N, left_ptr, l_r, inv, right_ptr, r_
 
 
 _GROUPED = Launcher(_grouped_kernel)
+_GROUPED_TMA = Launcher(_grouped_tma_kernel)

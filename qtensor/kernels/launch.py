@@ -8,7 +8,11 @@ kernel that is tens of microseconds of Python per launch, as long as the decode 
 specializes on: a tensor's dtype and the low 4 bits of its data pointer (Triton specializes on
 16-byte alignment), every other argument by value (Triton specializes ints on being 1, on
 divisibility by 16 and on their range), the constexprs and the launch options. Two calls with
-one key therefore always get the kernel Triton would pick. The first launch of a key goes
+one key therefore always get the kernel Triton would pick. A host TMA descriptor (Triton's
+`TensorDescriptor`, which the persistent kernels take) is keyed by its base's dtype and
+alignment, its shape, strides, block shape and padding: again at least what Triton specializes
+on, and the compiled kernel's launcher builds the CUDA tensor map from it on every launch, as
+Triton's own path does. The first launch of a key goes
 through `kernel[grid]`, which compiles (or finds) that kernel and returns it; later launches
 with the same key call the compiled kernel's launcher directly. Whenever a launch hook is
 installed (profilers use them) every launch takes Triton's own path, and a Triton whose
@@ -22,6 +26,8 @@ launch keeps the compiled kernel of its first launch and skips the key altogethe
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -31,12 +37,16 @@ class Launcher:
     Positional arguments are the kernel's runtime arguments in signature order; keyword
     arguments are its constexprs and the launch options (num_warps, num_stages, ...). The
     constexprs must be named after the runtime arguments in the signature, as Triton's
-    launcher receives every parameter in signature order.
+    launcher receives every parameter in signature order. A runtime parameter whose name ends in
+    `_desc` takes a host `TensorDescriptor` (or None).
     """
 
     def __init__(self, fn):
         self.fn = fn
         params = fn.params
+        # Positions of the runtime arguments passed as host TMA descriptors (or None).
+        self.desc_index = tuple(i for i, p in enumerate(p for p in params if not p.is_constexpr)
+                                if p.name.endswith("_desc"))
         self.n_runtime = sum(not p.is_constexpr for p in params)
         self.constexpr_names = [p.name for p in params if p.is_constexpr]
         if [p.is_constexpr for p in params] != [False] * self.n_runtime + [True] * len(
@@ -53,8 +63,10 @@ class Launcher:
         device = torch.cuda.current_device()
         # Stricter than Triton's specialization (ints and floats by value), so a key never
         # maps to a kernel Triton would not pick, and cheap to build: one pass, no calls.
-        key = (device, tuple([(a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else a
-                              for a in args]), tuple(kwargs.items()))
+        vals = [(a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else a for a in args]
+        for i in self.desc_index:
+            vals[i] = _desc_key(args[i])
+        key = (device, tuple(vals), tuple(kwargs.items()))
         kernel = self.cache.get(key)
         if kernel is None:
             kernel = self.fn[grid](*args, **kwargs)
@@ -106,17 +118,32 @@ class Bound:
             self.launcher.fn[g](*args, **self.kwargs)
 
 
+def _desc_key(d):
+    """A host TMA descriptor's key (None stays None): the base's dtype and 16-byte alignment,
+    shape, strides, block shape and padding."""
+    if d is None:
+        return None
+    return (d.base.dtype, d.base.data_ptr() & 15, tuple(d.shape), tuple(d.strides),
+            tuple(d.block_shape), getattr(d, "padding", "zero"))
+
+
 def _hooks_installed() -> bool:
     """Whether a launch hook is set: Tritons with `knobs` keep chains of hooks there (empty when
     none is installed), older ones a hook or None on CompiledKernel."""
+    holder, enter, exit_ = _hook_slots()
+    return any(h is not None and bool(getattr(h, "calls", True))
+               for h in (getattr(holder, enter), getattr(holder, exit_)))
+
+
+@functools.cache
+def _hook_slots() -> tuple:
+    """(object, enter attribute, exit attribute) where this Triton keeps its launch hooks: found
+    once, read on every launch (a profiler may install a hook at any time)."""
     import triton
 
     knobs = getattr(triton, "knobs", None)
     if knobs is None:
         from triton.compiler import CompiledKernel
 
-        hooks = (getattr(CompiledKernel, "launch_enter_hook", None),
-                 getattr(CompiledKernel, "launch_exit_hook", None))
-    else:
-        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(h is not None and bool(getattr(h, "calls", True)) for h in hooks)
+        return CompiledKernel, "launch_enter_hook", "launch_exit_hook"
+    return knobs.runtime, "launch_enter_hook", "launch_exit_hook"

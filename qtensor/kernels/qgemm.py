@@ -106,8 +106,9 @@ DECODE_FIRST_M = 64
 
 
 @functools.lru_cache(maxsize=4096)
-def pick_config(m: int, n: int, k: int, batch: int, sms: int) -> Config:
-    """Decode shapes (m <= 64) split K to fill the SMs; larger m uses 128x256 tiles."""
+def pick_config(m: int, n: int, k: int, batch: int, sms: int, codes: bool = False) -> Config:
+    """Decode shapes (m <= 64) split K to fill the SMs; larger m uses 128x256 tiles on bf16
+    operands, and CODES_CONFIG where a quantized operand is decoded in the kernel (`codes`)."""
     if m <= DECODE_FIRST_M:
         bm = max(16, next_pow2(m))
         bn, bk = 64, 256
@@ -115,7 +116,32 @@ def pick_config(m: int, n: int, k: int, batch: int, sms: int) -> Config:
         steps = cdiv(k, bk)
         split = max(1, min(steps // 4, cdiv(4 * sms, tiles_mn)))
         return Config(bm, bn, bk, split, warps=4, stages=4)
+    if codes:
+        return CODES_CONFIG
     return Config(128, 256, 64, 1, warps=8, stages=4)  # 858 us vs 882 with 3 (sweep, H200)
+
+
+# [Note: codes in the tiled kernel]
+# A product of more than DECODE_FIRST_M rows but fewer than CODES_MAX_MNK multiply-adds runs the
+# tiled kernel on its quantized operands' codes, each tile decoded in registers as it loads
+# ([Note: exact decode in registers] in tiles.py), instead of decoding each operand to bf16
+# first: one launch and one output allocation instead of three launches and three allocations.
+# Such products (a small model's training GEMMs: 8192 tokens at width 512) take tens of
+# microseconds on the GPU, about what their launches cost on the host, so the launches are what
+# a step waits for. The in-register decode repeats for every tile that reads an operand (N / BN
+# times for A), which larger products pay on the GPU, so they decode first. An operand strided
+# along K (the transpose view of MXFP8 columnwise data) is decoded first at any size: its tiles
+# would load a byte at a time. 128x128 tiles with 8 warps: 128x256 tiles leave the decode no
+# registers.
+CODES_MAX_MNK = 1 << 33
+CODES_CONFIG = Config(128, 128, 64, 1, warps=8, stages=3)
+
+
+def takes_codes(a: "Operand", b: "Operand", m: int, n: int, k: int) -> bool:
+    """Whether a product of more than DECODE_FIRST_M rows multiplies these operands' codes
+    ([Note: codes in the tiled kernel]) rather than their bf16 decodes."""
+    return m > DECODE_FIRST_M and m * n * k < CODES_MAX_MNK and \
+        a.data.stride(-1) == 1 and b.data.stride(-1) == 1
 
 
 # [Note: persistent TMA GEMM]
@@ -171,8 +197,8 @@ def _tma_gemm(a: "Operand", b: "Operand", ep: "Epilogue", out_dtype, m: int, n: 
     left, _, l_r, inv, right, _, r_c, bias = ep.terms(b.data)
     sms = _sm_count(b.data.device.index or 0)
     programs = min(sms, cdiv(m, cfg.bm) * cdiv(n, cfg.bn))
-    _tma_gemm_kernel[(programs,)](
-        a_desc, b_desc, c_desc, left, l_r, inv, right, r_c, bias, m, n, k, **ep.flags(),
+    _TMA_GEMM(
+        (programs,), a_desc, b_desc, c_desc, left, l_r, inv, right, r_c, bias, m, n, k, **ep.flags(),
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, PROGRAMS=programs,
         WS=cfg.warp_specialize, num_warps=cfg.warps, num_stages=cfg.stages,
         enable_fp_fusion=False,
@@ -225,7 +251,8 @@ def qgemm(a: Operand, b: Operand, ep: Epilogue, *, out_dtype, m: int, n: int, k:
         return _tma_gemm(a, b, ep, out_dtype, m, n, k, config or TMA_CONFIG)
     batch = max(a.batch(), b.batch())
     dev = b.data.device
-    cfg = config or pick_config(m, n, k, batch, _sm_count(dev.index or 0))
+    cfg = config or pick_config(m, n, k, batch, _sm_count(dev.index or 0),
+                                a.fmt != FMT_HP or b.fmt != FMT_HP)
     out = torch.empty((batch, m, n), dtype=out_dtype, device=dev)
     (a_b, a_r, a_k), (as_b, as_r, as_k) = a.strides()
     (b_b, b_r, b_k), (bs_b, bs_r, bs_k) = b.strides()
@@ -457,3 +484,4 @@ def _tma_gemm_kernel(
 _QGEMM = Launcher(_qgemm_kernel)
 _SPLITK_EPILOGUE = Launcher(_splitk_epilogue_kernel)
 _DECODE = Launcher(_decode_kernel)
+_TMA_GEMM = Launcher(_tma_gemm_kernel)

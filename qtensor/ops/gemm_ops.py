@@ -246,18 +246,19 @@ def _kernel_operand(fmt: str, s: Side, kernels):
 
 
 def triton_mm(fmt: str, a: Side, b: Side, bias, out_dtype, config=None, predecode=None):
-    """The Triton product. Above qgemm.DECODE_FIRST_M rows (or with predecode=True) each
-    quantized operand is decoded to exact bf16 once, then multiplied by the bf16 kernel; up to
-    it the weight streams and is decoded in registers, and a quantized left operand's few rows
-    are decoded once up front rather than once per N tile."""
+    """The Triton product. Up to qgemm.DECODE_FIRST_M rows the weight streams and is decoded in
+    registers, and a quantized left operand's few rows are decoded once up front rather than
+    once per N tile. Above it, small products run on both operands' codes ([Note: codes in the
+    tiled kernel]) and the others decode each quantized operand to exact bf16 once, then run the
+    bf16 kernel. `predecode` forces the choice: True decodes both operands first, False neither."""
     from qtensor.kernels import qgemm
 
     m, n, k = a.data.shape[-2], b.data.shape[-2], reduction_k(fmt, b)
     ka, kb = _kernel_operand(fmt, a, qgemm), _kernel_operand(fmt, b, qgemm)
-    if predecode if predecode is not None else m > qgemm.DECODE_FIRST_M:
-        ka, kb = qgemm.decode_bf16(ka, m, k), qgemm.decode_bf16(kb, n, k)
-    elif predecode is None:
+    if predecode is None and m <= qgemm.DECODE_FIRST_M:
         ka = qgemm.decode_bf16(ka, m, k)
+    elif predecode or (predecode is None and not qgemm.takes_codes(ka, kb, m, n, k)):
+        ka, kb = qgemm.decode_bf16(ka, m, k), qgemm.decode_bf16(kb, n, k)
     ep = qgemm.Epilogue(*epilogue_terms(fmt, a, b), bias)
     out = qgemm.qgemm(ka, kb, ep, out_dtype=out_dtype, m=m, n=n, k=k, config=config)
     # [1, M, N] -> [M, N] as a tensor of its own (out[0] would be a view).
