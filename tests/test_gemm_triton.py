@@ -82,9 +82,10 @@ def test_dense_matches_reference(kind, m, n, k):
 @pytest.mark.parametrize("kind", KINDS)
 def test_codes_in_kernel_and_decoded_first_match_reference(kind, monkeypatch):
     """[Note: codes in the tiled kernel]: a small product of more than DECODE_FIRST_M rows runs
-    on the operands' codes with no decode pass, a larger one decodes each quantized operand
-    first, and an operand strided along K (MXFP8 columnwise data, transposed) is decoded first
-    at any size; every way matches the reference, and the bf16 output is the fp32 one cast."""
+    on the operands' codes with no decode pass; a larger one, one of too few output tiles for
+    the SMs, and one with an operand strided along K (MXFP8 columnwise data, transposed) decode
+    each quantized operand first; every way matches the reference, and the bf16 output is the
+    fp32 one cast."""
     from qtensor.gemm.dense import triton_mm
     from qtensor.kernels import qgemm
 
@@ -101,8 +102,12 @@ def test_codes_in_kernel_and_decoded_first_match_reference(kind, monkeypatch):
     monkeypatch.setattr(qgemm, "decode_bf16",
                         lambda x, *args: decodes.append(x.fmt) or real_decode(x, *args))
     quantized = sum(type(t) is not torch.Tensor for t in (a, b))
-    for limit, passes in ((qgemm.CODES_MAX_MNK, 0), (0, quantized)):
+    # (size limit, SMs, decode passes): codes; too many multiply-adds; too few output tiles
+    # (9 here) for the SMs.
+    for limit, sms, passes in ((qgemm.CODES_MAX_MNK, 2, 0), (0, 2, quantized),
+                               (qgemm.CODES_MAX_MNK, 132, quantized)):
         monkeypatch.setattr(qgemm, "CODES_MAX_MNK", limit)
+        monkeypatch.setattr(qgemm, "_sm_count", lambda index: sms)
         decodes.clear()
         out32 = triton_mm(a_op, b_op, bias, torch.float32)
         assert len([f for f in decodes if f != qgemm.FMT_HP]) == passes, (limit, decodes)
@@ -110,6 +115,7 @@ def test_codes_in_kernel_and_decoded_first_match_reference(kind, monkeypatch):
         assert torch.equal(triton_mm(a_op, b_op, bias, torch.bfloat16), out32.bfloat16())
     # MXFP8 columnwise data [K, M] read as rows along K: a transpose view, strided along K.
     monkeypatch.setattr(qgemm, "CODES_MAX_MNK", 1 << 40)
+    monkeypatch.setattr(qgemm, "_sm_count", lambda index: 2)
     cols = torch.zeros(k, m, dtype=torch.float8_e4m3fn, device="cuda")
     strided = qgemm.Operand(qgemm.FMT_MXFP8, cols.t(), torch.zeros(k // 32, m, dtype=torch.uint8,
                                                                    device="cuda").t())

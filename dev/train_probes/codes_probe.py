@@ -9,7 +9,7 @@ call (20 calls issued, no wait: the queue does not fill). `err` is the largest d
 the fp32 results of the codes run and the decoded run over the largest magnitude (the sums'
 order only).
 
-    python dev/train_probes/codes_probe.py [--gpt]
+    python dev/train_probes/codes_probe.py [--gpt] [--gpt-only]
 """
 import statistics
 import sys
@@ -123,7 +123,8 @@ def gpt(recipes=("nvfp4",)):
 
 
 if __name__ == "__main__":
-    persistent_launch()
-    products()
-    if "--gpt" in sys.argv:
+    if "--gpt-only" not in sys.argv:
+        persistent_launch()
+        products()
+    if "--gpt" in sys.argv or "--gpt-only" in sys.argv:
         gpt()

@@ -7,8 +7,14 @@ synchronized once (the figure is the host's issue rate): the roles' casts, the t
 the whole step, and below them the layers of one product (the op's kernel called directly, the
 Triton kernel with prepared operands, a bare launch, an allocation).
 
-    python dev/train_probes/host_probe.py [recipe ...]
+With --step: the NVFP4 step's host time split (forward alone, forward and backward on a
+cached weight, the weight's cast with and without autograd recording), then the torch profiler's
+ops by self CPU time and a cProfile of the step.
+
+    python dev/train_probes/host_probe.py [--step] [recipe ...]
 """
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -88,7 +94,45 @@ def pieces(name):
     return rows
 
 
+def step_split(name="nvfp4", steps=20):
+    torch.manual_seed(0)
+    kw = dict(bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(TOKENS, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(TOKENS, N, device="cuda", dtype=torch.bfloat16)
+    mod = TrainingLinear(K, N, recipe=NVFP4TrainingRecipe(**RECIPES[name]), **kw)
+    step = update_step(mod, lambda m: m(x), dy)
+    rows = {"step (forward, backward, update)": host_us(step),
+            "forward, weight cached": host_us(lambda: mod(x)),
+            "forward + backward, weight cached": host_us(lambda: mod(x).backward(dy))}
+    specs = mod.state.specs
+    rows["weight cast, grad enabled"] = host_us(lambda: quantize_weight(mod.weight, specs))
+    with torch.no_grad():
+        rows["weight cast, no_grad"] = host_us(lambda: quantize_weight(mod.weight, specs))
+    w_op = quantize_weight(mod.weight, specs)
+    rows["weight operand's amax requires grad"] = float(w_op.rowwise.amax.requires_grad)
+    for piece, us in rows.items():
+        print(f"| {name} | {piece} | {us:.1f} |", flush=True)
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        step()
+    pr.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(35)
+
+
 def main():
+    if "--step" in sys.argv:
+        step_split()
+        return
     recipes = sys.argv[1:] or ["nvfp4", "4over6"]
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; host us a call "
           f"at {TOKENS} tokens, {K} -> {N}")

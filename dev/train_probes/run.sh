@@ -12,6 +12,8 @@
 #   train: the CUDA tests of the training linear and its compiled steps (a shorter `tests`)
 #   host:  bench_training.py --sections host, a training linear's host time a step on the GPU
 #   grouped: the grouped GEMM's CUDA tests, then grouped_probe.py (persistent vs tiled kernel)
+#   step:  host_probe.py --step, a training linear's step split, profiled
+#   gptab: codes_probe.py --gpt-only, the small GPT's eager step with and without codes products
 #   pieces: host_probe.py, a training linear's host time on the GPU piece by piece
 #   codes: the dense GEMM's CUDA tests, then codes_probe.py --gpt (products on codes vs decoded
 #          first, the persistent kernels' direct launch, the small GPT's eager step each way)
@@ -37,6 +39,8 @@ for p in "$@"; do
              timeout ${GROUPED_LIMIT:-240} python dev/train_probes/grouped_probe.py >"$r/grouped.log" 2>&1; echo "grouped rc=$?"; cat "$r/grouped.log" | tail -30 ;;
     codes) timeout 240 python -m pytest -q -m cuda tests/test_gemm_triton.py tests/test_grouped_mm.py tests/test_gemm_ops.py tests/test_training_linear.py >"$r/codes_tests.log" 2>&1; echo "codes tests rc=$?"; tail -8 "$r/codes_tests.log"
            timeout ${CODES_LIMIT:-300} python dev/train_probes/codes_probe.py --gpt >"$r/codes.log" 2>&1; echo "codes rc=$?"; cat "$r/codes.log" | tail -45 ;;
+    step) timeout 120 python dev/train_probes/host_probe.py --step >"$r/step.log" 2>&1; echo "step rc=$?"; head -12 "$r/step.log"; grep -A22 "Self CPU %" "$r/step.log" | cut -c1-160 | head -26 ;;
+    gptab) timeout 150 python dev/train_probes/codes_probe.py --gpt-only >"$r/gptab.log" 2>&1; echo "gptab rc=$?"; cat "$r/gptab.log" ;;
     pieces) timeout 150 python dev/train_probes/host_probe.py >"$r/pieces.log" 2>&1; echo "pieces rc=$?"; cat "$r/pieces.log" | tail -40 ;;
     fp8) timeout 120 python dev/train_probes/fp8_block_probe.py "$r" >"$r/fp8.log" 2>&1; echo "fp8 rc=$?"; grep -c MATCH "$r/fp8.log"; tail -8 "$r/fp8.log" ;;
     gemm) timeout 200 python dev/train_probes/gemm_probe.py "$r" >"$r/gemm.log" 2>&1; echo "gemm rc=$?"; grep "^|" "$r/gemm.log" | tail -10; grep -i "failed\|error" "$r/gemm.log" | head -5 ;;

@@ -129,10 +129,14 @@ def pick_config(m: int, n: int, k: int, batch: int, sms: int, codes: bool = Fals
 # Such products (a small model's training GEMMs: 8192 tokens at width 512) take tens of
 # microseconds on the GPU, about what their launches cost on the host, so the launches are what
 # a step waits for. The in-register decode repeats for every tile that reads an operand (N / BN
-# times for A), which larger products pay on the GPU, so they decode first. An operand strided
-# along K (the transpose view of MXFP8 columnwise data) is decoded first at any size: its tiles
-# would load a byte at a time. 128x128 tiles with 8 warps: 128x256 tiles leave the decode no
-# registers.
+# times for A), which larger products pay on the GPU, so they decode first; so do products of
+# fewer output tiles than half the SMs (a small layer's wgrad: 512 x 512 outputs summed over
+# 8192 tokens), whose few programs would each decode a long K alone. An operand strided along K
+# (the transpose view of MXFP8 columnwise data) is decoded first at any size: its tiles would
+# load a byte at a time. 128x128 tiles with 8 warps and 3 stages: 128x256 tiles leave the
+# decode no registers (ptxas spills MXFP8's). H100, 2026-12-07 (benchmarks/RESULTS.md, "fourth
+# training session"): 8192 x 256..1408 x 512..1408 products 1.3-3.4x faster a call than decoded
+# first, 2048**3 2.4x; 4096 x 4096 x 1024 (2**34) 0.73x and 512 x 512 x 8192 0.65x.
 CODES_MAX_MNK = 1 << 33
 CODES_CONFIG = Config(128, 128, 64, 1, warps=8, stages=3)
 
@@ -140,8 +144,12 @@ CODES_CONFIG = Config(128, 128, 64, 1, warps=8, stages=3)
 def takes_codes(a: "Operand", b: "Operand", m: int, n: int, k: int) -> bool:
     """Whether a product of more than DECODE_FIRST_M rows multiplies these operands' codes
     ([Note: codes in the tiled kernel]) rather than their bf16 decodes."""
-    return m > DECODE_FIRST_M and m * n * k < CODES_MAX_MNK and \
-        a.data.stride(-1) == 1 and b.data.stride(-1) == 1
+    if m <= DECODE_FIRST_M or m * n * k >= CODES_MAX_MNK:
+        return False
+    if a.data.stride(-1) != 1 or b.data.stride(-1) != 1:
+        return False
+    tiles = cdiv(m, CODES_CONFIG.bm) * cdiv(n, CODES_CONFIG.bn)
+    return 2 * tiles >= _sm_count(b.data.device.index or 0)
 
 
 # [Note: persistent TMA GEMM]
