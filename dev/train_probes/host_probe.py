@@ -63,12 +63,13 @@ def pieces(name):
     sr = mod.sr_state.clone()
     rows["quantize input (both usages)"] = host_us(
         lambda: quantize_role(x2, specs.input, "input", sr_for_role("input", specs.input, sr)))
-    rows["quantize weight (both usages)"] = host_us(lambda: quantize_weight(mod.weight, specs))
+    rows["quantize weight (both usages)"] = host_us(
+        lambda: quantize_weight(mod.weight.detach(), specs))
     rows["quantize grad_output (both usages)"] = host_us(
         lambda: quantize_role(dy, specs.grad_output, "grad_output",
                               sr_for_role("grad_output", specs.grad_output, sr)))
     x_op = quantize_role(x2, specs.input, "input", sr_for_role("input", specs.input, sr))
-    w_op = quantize_weight(mod.weight, specs)
+    w_op = quantize_weight(mod.weight.detach(), specs)  # as the weight cache casts it
     dy_op = quantize_role(dy, specs.grad_output, "grad_output",
                           sr_for_role("grad_output", specs.grad_output, sr))
     rows["fprop"] = host_us(lambda: fprop(x_op, w_op, None, torch.bfloat16))
