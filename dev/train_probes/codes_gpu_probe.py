@@ -40,7 +40,8 @@ def main():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         bf = graph_us(lambda: x @ w.t())
         for name, cls in (("nvfp4", NVFP4Tensor), ("mxfp8", MXFP8Tensor)):
-            a, b = operands(cls.from_hp(x, check_finite=False), cls.from_hp(w, check_finite=False).t())
+            a, b = operands(cls.from_hp(x, check_finite=False),
+                            cls.from_hp(w, check_finite=False).t())
             dec = graph_us(lambda: triton_mm(a, b, None, torch.bfloat16, predecode=True))
             codes = graph_us(lambda: triton_mm(a, b, None, torch.bfloat16, predecode=False))
             print(f"| {m}x{n}x{k} | {name} | {bf:.1f} | {dec:.1f} | {codes:.1f} | "

@@ -72,9 +72,10 @@ def tma_problem(a: Operand, b: Operand, out_dtype) -> str | None:
 
 # Products of fewer multiply-adds keep the tiled kernel: the persistent kernel's launch builds its
 # TMA descriptors on the host, and Triton's launcher encodes their tensor maps on every launch,
-# about 30 us more host time a call than the tiled kernel's, which an MoE layer of 8 experts at 8192 tokens (2**34.6 multiply-adds) does not win back: on an H100, 179 us
-# a call back to back against the tiled kernel's 152 us. 128 experts at 65,536 tokens (2**37.6)
-# run 1348 us against 1582 us.
+# about 30 us more host time a call than the tiled kernel's, which an MoE layer of 8 experts at
+# 8192 tokens (2**34.6 multiply-adds) does not win back: on an H100, 179 us a call back to back
+# against the tiled kernel's 152 us. 128 experts at 65,536 tokens (2**37.6) run 1348 us against
+# 1582 us.
 TMA_MIN_MNK = 1 << 36
 
 # Whether the layer hands the persistent kernel the expert weights' codes, decoded in the

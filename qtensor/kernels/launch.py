@@ -11,12 +11,12 @@ divisibility by 16 and on their range), the constexprs and the launch options. T
 one key therefore always get the kernel Triton would pick. A host TMA descriptor (Triton's
 `TensorDescriptor`, which the persistent kernels take) is keyed by its base's dtype and
 alignment, its shape, strides, block shape and padding: again at least what Triton specializes
-on, and the compiled kernel's launcher builds the CUDA tensor map from it on every launch, as
-Triton's own path does. The first launch of a key goes
-through `kernel[grid]`, which compiles (or finds) that kernel and returns it; later launches
-with the same key call the compiled kernel's launcher directly. Whenever a launch hook is
-installed (profilers use them) every launch takes Triton's own path, and a Triton whose
-compiled kernels lack the launcher attributes used here falls back to it for good.
+on, and the compiled kernel's launcher encodes the CUDA tensor map from it on every launch, as
+Triton's own path does. The first launch of a key goes through `kernel[grid]`, which compiles
+(or finds) that kernel and returns it; later launches with the same key call the compiled
+kernel's launcher directly. Whenever a launch hook is installed (profilers use them) every
+launch takes Triton's own path, and a Triton whose compiled kernels lack the launcher
+attributes used here falls back to it for good.
 
 `Launcher.bind(grid, **constexprs)` goes one step further for a caller that launches one
 kernel many times with arguments that change only in tensors of the same dtype and 16-byte

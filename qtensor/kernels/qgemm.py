@@ -134,9 +134,9 @@ def pick_config(m: int, n: int, k: int, batch: int, sms: int, codes: bool = Fals
 # 8192 tokens), whose few programs would each decode a long K alone. An operand strided along K
 # (the transpose view of MXFP8 columnwise data) is decoded first at any size: its tiles would
 # load a byte at a time. 128x128 tiles with 8 warps and 3 stages: 128x256 tiles leave the
-# decode no registers (ptxas spills MXFP8's). H100, 2026-12-07 (benchmarks/RESULTS.md, "fourth
-# training session"): 8192 x 256..1408 x 512..1408 products 1.3-3.4x faster a call than decoded
-# first, 2048**3 2.4x; 4096 x 4096 x 1024 (2**34) 0.73x and 512 x 512 x 8192 0.65x.
+# decode no registers (ptxas spills MXFP8's). On an H100, NVFP4 products of 8192 x 256..1408 x
+# 512..1408 ran 1.3-3.4x faster a call than decoded first and 2048**3 2.4x, where 4096 x 4096 x
+# 1024 (2**34) ran 0.73x and 512 x 512 x 8192 0.65x.
 CODES_MAX_MNK = 1 << 33
 CODES_CONFIG = Config(128, 128, 64, 1, warps=8, stages=3)
 
@@ -206,8 +206,8 @@ def _tma_gemm(a: "Operand", b: "Operand", ep: "Epilogue", out_dtype, m: int, n: 
     sms = _sm_count(b.data.device.index or 0)
     programs = min(sms, cdiv(m, cfg.bm) * cdiv(n, cfg.bn))
     _TMA_GEMM(
-        (programs,), a_desc, b_desc, c_desc, left, l_r, inv, right, r_c, bias, m, n, k, **ep.flags(),
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, PROGRAMS=programs,
+        (programs,), a_desc, b_desc, c_desc, left, l_r, inv, right, r_c, bias, m, n, k,
+        **ep.flags(), BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, PROGRAMS=programs,
         WS=cfg.warp_specialize, num_warps=cfg.warps, num_stages=cfg.stages,
         enable_fp_fusion=False,
     )
