@@ -13,8 +13,6 @@ ops by self CPU time and a cProfile of the step.
 
     python dev/train_probes/host_probe.py [--step] [recipe ...]
 """
-import cProfile
-import pstats
 import statistics
 import sys
 import time
@@ -23,6 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from bench_overhead import profile as cprofile  # noqa: E402
 from bench_training import RECIPES, update_step  # noqa: E402
 
 from qtensor.gemm.dense import dense_sides, operands  # noqa: E402
@@ -121,13 +120,7 @@ def step_split(name="nvfp4", steps=20):
             step()
     torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(steps):
-        step()
-    pr.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(pr).sort_stats("tottime").print_stats(35)
+    cprofile(step, calls=steps, top=35)
 
 
 def main():
