@@ -15,6 +15,8 @@
 #   step:  host_probe.py --step, a training linear's step split, profiled
 #   gptab: codes_probe.py --gpt-only, the small GPT's eager step with and without codes products
 #   pieces: host_probe.py, a training linear's host time on the GPU piece by piece
+#   layers: layers_probe.py, fprop's and a cast's host time call by call, and in the backward
+#   codesgpu: codes_gpu_probe.py, products on codes vs decoded first, GPU time alone (graphed)
 #   codes: the dense GEMM's CUDA tests, then codes_probe.py --gpt (products on codes vs decoded
 #          first, the persistent kernels' direct launch, the small GPT's eager step each way)
 set -uo pipefail
@@ -42,6 +44,8 @@ for p in "$@"; do
     step) timeout 120 python dev/train_probes/host_probe.py --step >"$r/step.log" 2>&1; echo "step rc=$?"; head -12 "$r/step.log"; grep -A22 "Self CPU %" "$r/step.log" | cut -c1-160 | head -26 ;;
     gptab) timeout 150 python dev/train_probes/codes_probe.py --gpt-only >"$r/gptab.log" 2>&1; echo "gptab rc=$?"; cat "$r/gptab.log" ;;
     pieces) timeout 150 python dev/train_probes/host_probe.py >"$r/pieces.log" 2>&1; echo "pieces rc=$?"; cat "$r/pieces.log" | tail -40 ;;
+    layers) timeout 150 python dev/train_probes/layers_probe.py >"$r/layers.log" 2>&1; echo "layers rc=$?"; cat "$r/layers.log" | tail -60 ;;
+    codesgpu) timeout 150 python dev/train_probes/codes_gpu_probe.py >"$r/codesgpu.log" 2>&1; echo "codesgpu rc=$?"; cat "$r/codesgpu.log" | tail -20 ;;
     fp8) timeout 120 python dev/train_probes/fp8_block_probe.py "$r" >"$r/fp8.log" 2>&1; echo "fp8 rc=$?"; grep -c MATCH "$r/fp8.log"; tail -8 "$r/fp8.log" ;;
     gemm) timeout 200 python dev/train_probes/gemm_probe.py "$r" >"$r/gemm.log" 2>&1; echo "gemm rc=$?"; grep "^|" "$r/gemm.log" | tail -10; grep -i "failed\|error" "$r/gemm.log" | head -5 ;;
   esac
