@@ -98,9 +98,15 @@ def test_codes_in_kernel_and_decoded_first_match_reference(kind, monkeypatch):
     bias = torch.randn(n, device="cuda", generator=g).bfloat16()
     ref = emulated_mm(a_op, b_op, bias, torch.float32)
     decodes = []
-    real_decode = qgemm.decode_bf16
-    monkeypatch.setattr(qgemm, "decode_bf16",
-                        lambda x, *args: decodes.append(x.fmt) or real_decode(x, *args))
+
+    class Counted(qgemm.DecodeLaunch):
+        __slots__ = ()
+
+        def __init__(self, x, *args):
+            decodes.append(x.fmt)
+            super().__init__(x, *args)
+
+    monkeypatch.setattr(qgemm, "DecodeLaunch", Counted)
     quantized = sum(type(t) is not torch.Tensor for t in (a, b))
     # (size limit, SMs, decode passes): codes; too many multiply-adds; too few output tiles
     # (9 here) for the SMs.
@@ -123,6 +129,72 @@ def test_codes_in_kernel_and_decoded_first_match_reference(kind, monkeypatch):
     assert qgemm.takes_codes(contiguous, contiguous, m, n, k)
     assert not qgemm.takes_codes(strided, contiguous, m, n, k)
     assert not qgemm.takes_codes(contiguous, strided, m, n, k)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("kind", ["nvfp4", "nvfp4_rowscaled", "mxfp8", "bf16_nvfp4"])
+def test_product_plans_are_reused_per_layout_and_decode_under_capture(kind, monkeypatch):
+    """[Note: product plans]: a dense op's call on new operands of a layout seen before runs
+    that layout's plan (no new plan, no decode launch made) and matches the reference; a left
+    operand at another 16-byte alignment gets a plan of its own; a bad argument still raises on
+    its own signature; and while a CUDA graph is captured, a product that runs on its codes
+    eagerly decodes each quantized operand first, and the replay matches the reference."""
+    from qtensor.kernels import qgemm
+    from qtensor.ops import gemm_ops
+
+    m, n, k = 300, 272, 352
+    monkeypatch.setattr(qgemm, "_sm_count", lambda index: 2)  # its 9 output tiles take codes
+    gemm_ops.clear_plans()
+    made = []
+
+    class Counted(qgemm.DecodeLaunch):
+        __slots__ = ()
+
+        def __init__(self, x, *args):
+            made.append(x.fmt)
+            super().__init__(x, *args)
+
+    monkeypatch.setattr(qgemm, "DecodeLaunch", Counted)
+    g = torch.Generator("cuda").manual_seed(21)
+    bias = torch.randn(n, device="cuda", generator=g).bfloat16()
+
+    def pair():
+        x = torch.randn(m, k, device="cuda", generator=g)
+        return _operands(kind, x, torch.randn(n, k, device="cuda", generator=g) * 0.02)
+
+    def check(a, b, out_dtype=torch.float32):
+        out = quantized_mm(a, b, bias, out_dtype=out_dtype)
+        assert_matches_reference(out, emulated_mm(*operands(a, b), bias, out_dtype))
+        return out
+
+    check(*pair())
+    plans = len(gemm_ops._PLANS)
+    for _ in range(2):
+        check(*pair())
+    assert len(gemm_ops._PLANS) == plans and made == []
+    a, b = pair()
+    if type(a) is torch.Tensor:  # the activation one bf16 element off its 16-byte alignment
+        wide = torch.empty(m, k + 8, device="cuda", dtype=torch.bfloat16)
+        for start in (0, 1):
+            wide[:, start:start + k] = a
+            check(wide[:, start:start + k], b)
+        assert len(gemm_ops._PLANS) == plans + 2
+    with pytest.raises(ValueError, match="out_dtype"):
+        quantized_mm(a, b, bias, out_dtype=torch.int32)
+    # Under capture: decode first. The kernels it runs are compiled before the capture.
+    a_op, b_op = operands(a, b)
+    from qtensor.gemm.dense import triton_mm
+    triton_mm(a_op, b_op, bias, torch.float32, predecode=True)
+    made.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = quantized_mm(a, b, bias, out_dtype=torch.float32)
+    assert len(made) == sum(type(t) is not torch.Tensor for t in (a, b))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches_reference(out, emulated_mm(a_op, b_op, bias, torch.float32))
+    gemm_ops.clear_plans()
 
 
 @pytest.mark.cuda
@@ -258,6 +330,7 @@ def test_direct_launch_equals_tritons_own_launch(monkeypatch):
     pointer is not 16-byte aligned (a key of its own), and the persistent kernels, whose TMA
     descriptors are keys too; no launch fell back."""
     from qtensor.kernels import grouped_qgemm, qgemm
+    from qtensor.ops import gemm_ops
 
     launchers = [qgemm._QGEMM, qgemm._SPLITK_EPILOGUE, qgemm._DECODE, grouped_qgemm._GROUPED]
     persistent = [qgemm._TMA_GEMM, grouped_qgemm._GROUPED_TMA]
@@ -279,7 +352,11 @@ def test_direct_launch_equals_tritons_own_launch(monkeypatch):
             with monkeypatch.context() as m:  # these products are far below the size limits
                 m.setattr(qgemm, "TMA_MIN_MNK", 0)
                 m.setattr(grouped_qgemm, "TMA_MIN_MNK", 0)
-                return fn()
+                gemm_ops.clear_plans()  # planned under the limits in force
+                try:
+                    return fn()
+                finally:
+                    gemm_ops.clear_plans()
         return run
 
     cases = {

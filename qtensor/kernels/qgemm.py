@@ -137,6 +137,9 @@ def pick_config(m: int, n: int, k: int, batch: int, sms: int, codes: bool = Fals
 # decode no registers (ptxas spills MXFP8's). On an H100, NVFP4 products of 8192 x 256..1408 x
 # 512..1408 ran 1.3-3.4x faster a call than decoded first and 2048**3 2.4x, where 4096 x 4096 x
 # 1024 (2**34) ran 0.73x and 512 x 512 x 8192 0.65x.
+# A product captured into a CUDA graph decodes first: a replay costs only GPU time, and there the
+# repeated decode loses. Graphed on an H200, the small GPT's products ran 1.4-2.1x longer on
+# codes than decoded first, 2048**3 2.9x; only 8192 x 256 x 512 ran faster (0.8-0.9x).
 CODES_MAX_MNK = 1 << 33
 CODES_CONFIG = Config(128, 128, 64, 1, warps=8, stages=3)
 
@@ -145,6 +148,8 @@ def takes_codes(a: "Operand", b: "Operand", m: int, n: int, k: int) -> bool:
     """Whether a product of more than DECODE_FIRST_M rows multiplies these operands' codes
     ([Note: codes in the tiled kernel]) rather than their bf16 decodes."""
     if m <= DECODE_FIRST_M or m * n * k >= CODES_MAX_MNK:
+        return False
+    if torch.cuda.is_current_stream_capturing():
         return False
     if a.data.stride(-1) != 1 or b.data.stride(-1) != 1:
         return False
@@ -257,37 +262,76 @@ def qgemm(a: Operand, b: Operand, ep: Epilogue, *, out_dtype, m: int, n: int, k:
             config is None and m > DECODE_FIRST_M and m * n * k >= TMA_MIN_MNK and
             tma_problem(a, b, out_dtype, m, n, k) is None):
         return _tma_gemm(a, b, ep, out_dtype, m, n, k, config or TMA_CONFIG)
-    batch = max(a.batch(), b.batch())
-    dev = b.data.device
-    cfg = config or pick_config(m, n, k, batch, _sm_count(dev.index or 0),
-                                a.fmt != FMT_HP or b.fmt != FMT_HP)
-    out = torch.empty((batch, m, n), dtype=out_dtype, device=dev)
-    (a_b, a_r, a_k), (as_b, as_r, as_k) = a.strides()
-    (b_b, b_r, b_k), (bs_b, bs_r, bs_k) = b.strides()
-    k_per_split = cdiv(cdiv(k, cfg.split), cfg.bk) * cfg.bk
-    split = cdiv(k, k_per_split)
-    ws = out if split == 1 else torch.empty((split, batch, m, n), dtype=torch.float32, device=dev)
-    dummy = b.data
-    flags = ep.flags()
-    terms = ep.terms(dummy)
-    grid = (cdiv(m, cfg.bm) * cdiv(n, cfg.bn), split, batch)
-    _QGEMM(
-        grid,
-        a.data, a.scale if a.scale is not None else dummy, a_b, a_r, a_k, as_b, as_r, as_k,
-        b.data, b.scale if b.scale is not None else dummy, b_b, b_r, b_k, bs_b, bs_r, bs_k,
-        *terms, out, ws, batch, m, n, k, k_per_split,
-        FMT_A=a.fmt, FMT_B=b.fmt, **flags, FUSED=split == 1, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
-        GROUP_M=cfg.group_m, num_warps=cfg.warps, num_stages=cfg.stages,
-        enable_fp_fusion=False,
-    )
-    if split > 1:
-        eb_m, eb_n = 32, 128
-        grid = (cdiv(m, eb_m) * cdiv(n, eb_n), batch)
-        _SPLITK_EPILOGUE(
-            grid, ws, out, *terms, batch, m, n, split, **flags, BM=eb_m, BN=eb_n, num_warps=4,
-            enable_fp_fusion=False,
-        )
-    return out
+    tiled = TiledLaunch(a.fmt, a.strides(), b.fmt, b.strides(), max(a.batch(), b.batch()), ep,
+                        device=b.data.device, out_dtype=out_dtype, m=m, n=n, k=k, config=config)
+    return tiled(a.data, a.scale, b.data, b.scale, ep.amax_a, ep.amax_b, ep.bias)
+
+
+def takes_tma(m: int, n: int, k: int) -> bool:
+    """Whether qgemm, left to pick, tries the persistent TMA kernel for a product of this size
+    (it runs there when tma_problem allows)."""
+    return m > DECODE_FIRST_M and m * n * k >= TMA_MIN_MNK
+
+
+class TiledLaunch:
+    """The tiled kernel's launch, and the split-K epilogue's where K is split, for one layout of
+    a product: config, grid, strides and constexprs are worked out once and each launch is a
+    `Bound` one ([Note: direct launch] in launch.py).
+
+    A call takes the tensors of the operands (data, scale), the epilogue's amaxes and the bias.
+    They must have the layout of those the launch was made for: the operands' formats and
+    strides given here, the epilogue terms present in `ep`, and one dtype and one 16-byte
+    alignment per tensor across calls (the caller keys on them). The output is fresh, of
+    `out_shape` (any shape of B * M * N elements; default [B, M, N]). The same kernels and
+    arguments as a launch made for the call alone, so the same bits."""
+
+    __slots__ = ("device", "index", "out_shape", "out_dtype", "ws_shape", "gemm", "reduce",
+                 "a_strides", "b_strides", "left", "right", "sizes", "reduce_sizes")
+
+    def __init__(self, a_fmt: int, a_strides, b_fmt: int, b_strides, batch: int, ep: Epilogue,
+                 *, device, out_dtype, m: int, n: int, k: int, config: Config | None = None,
+                 out_shape: tuple[int, ...] | None = None):
+        self.device, self.index, self.out_dtype = device, device.index or 0, out_dtype
+        cfg = config or pick_config(m, n, k, batch, _sm_count(self.index),
+                                    a_fmt != FMT_HP or b_fmt != FMT_HP)
+        # (batch, row, k) strides of data, then of scale (data's again where there is none).
+        self.a_strides, self.b_strides = (*a_strides[0], *a_strides[1]), (*b_strides[0],
+                                                                           *b_strides[1])
+        l_b, l_r = vector_strides(ep.amax_a)
+        self.left, self.right = (l_b, l_r, ep.inv or 1.0), vector_strides(ep.amax_b)
+        k_per_split = cdiv(cdiv(k, cfg.split), cfg.bk) * cfg.bk
+        split = cdiv(k, k_per_split)
+        self.out_shape = out_shape or (batch, m, n)
+        self.ws_shape = (split, batch, m, n)
+        self.sizes, self.reduce_sizes = (batch, m, n, k, k_per_split), (batch, m, n, split)
+        flags = ep.flags()
+        self.gemm = _QGEMM.bind(
+            (cdiv(m, cfg.bm) * cdiv(n, cfg.bn), split, batch), FMT_A=a_fmt, FMT_B=b_fmt, **flags,
+            FUSED=split == 1, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
+            num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=False)
+        self.reduce = None
+        if split > 1:
+            eb_m, eb_n = 32, 128
+            self.reduce = _SPLITK_EPILOGUE.bind(
+                (cdiv(m, eb_m) * cdiv(n, eb_n), batch), **flags, BM=eb_m, BN=eb_n, num_warps=4,
+                enable_fp_fusion=False)
+
+    def __call__(self, a_data, a_scale, b_data, b_scale, amax_a, amax_b, bias) -> torch.Tensor:
+        dev = self.device
+        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=dev)
+        ws = out if self.reduce is None else torch.empty(self.ws_shape, dtype=torch.float32,
+                                                         device=dev)
+        dummy = b_data  # stands for every absent pointer; never read
+        terms = (amax_a if amax_a is not None else dummy, *self.left,
+                 amax_b if amax_b is not None else dummy, *self.right,
+                 bias if bias is not None else dummy)
+        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        self.gemm(stream, a_data, a_scale if a_scale is not None else dummy, *self.a_strides,
+                  b_data, b_scale if b_scale is not None else dummy, *self.b_strides, *terms, out,
+                  ws, *self.sizes)
+        if self.reduce is not None:
+            self.reduce(stream, ws, out, *terms, *self.reduce_sizes)
+        return out
 
 
 class Prepared:
@@ -296,12 +340,11 @@ class Prepared:
     `prepared(a_data)` multiplies new data of the layout `a.data` had (dtype, row and K
     strides, 16-byte alignment; a_data may be any tensor of that memory layout, e.g. the
     [B, S, K] activation that `a.data` is the [B * S, K] view of) by the same right operand and
-    epilogue, into a fresh output of `out_shape` (default [M, N]). Arguments, grid and config are
-    computed once and each launch is a `Bound` one, so a call costs the output allocations and
-    the kernel launches: the same kernels, arguments and results as `qgemm`."""
+    epilogue, into a fresh output of `out_shape` (default [M, N]). A `TiledLaunch` holds the
+    launches, so a call costs the output allocations and the kernel launches: the same kernels,
+    arguments and results as `qgemm`."""
 
-    __slots__ = ("device", "index", "out_shape", "ws_shape", "out_dtype", "gemm", "reduce",
-                 "gemm_args", "sizes", "reduce_args")
+    __slots__ = ("tiled", "b", "ep")
 
     def __init__(self, a: Operand, b: Operand, ep: Epilogue, *, out_dtype, m: int, n: int, k: int,
                  out_shape: tuple[int, ...] | None = None):
@@ -310,46 +353,14 @@ class Prepared:
                 f"Prepared takes a high-precision 2-D left operand of at most {DECODE_FIRST_M} "
                 f"rows and a 2-D right one; got {tuple(a.data.shape)} (format {a.fmt}) x "
                 f"{tuple(b.data.shape)}.")
-        dev = b.data.device
-        self.device, self.index, self.out_dtype = dev, dev.index or 0, out_dtype
-        cfg = pick_config(m, n, k, 1, _sm_count(self.index))
-        (a_b, a_r, a_k), _ = a.strides()
-        (b_b, b_r, b_k), (bs_b, bs_r, bs_k) = b.strides()
-        k_per_split = cdiv(cdiv(k, cfg.split), cfg.bk) * cfg.bk
-        split = cdiv(k, k_per_split)
-        # Batch 1: [M, N] (or any shape of M * N elements) is the memory the kernels write.
-        self.out_shape, self.ws_shape = out_shape or (m, n), (split, m, n)
-        dummy = b.data
-        flags, terms = ep.flags(), ep.terms(dummy)
-        # The GEMM kernel's runtime arguments after a_data, up to out and ws (qgemm's order;
-        # a high-precision A has no scale: the dummy with A's strides, never read).
-        self.gemm_args = (dummy, a_b, a_r, a_k, a_b, a_r, a_k, b.data,
-                          b.scale if b.scale is not None else dummy, b_b, b_r, b_k, bs_b, bs_r,
-                          bs_k, *terms)
-        self.gemm = _QGEMM.bind(
-            (cdiv(m, cfg.bm) * cdiv(n, cfg.bn), split, 1), FMT_A=a.fmt, FMT_B=b.fmt, **flags,
-            FUSED=split == 1, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
-            num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=False)
-        self.sizes = (1, m, n, k, k_per_split)
-        self.reduce_args = (*terms, 1, m, n, split)
-        self.reduce = None
-        if split > 1:
-            eb_m, eb_n = 32, 128
-            self.reduce = _SPLITK_EPILOGUE.bind(
-                (cdiv(m, eb_m) * cdiv(n, eb_n), 1), **flags, BM=eb_m, BN=eb_n, num_warps=4,
-                enable_fp_fusion=False)
+        self.b, self.ep = b, ep
+        self.tiled = TiledLaunch(a.fmt, a.strides(), b.fmt, b.strides(), 1, ep,
+                                 device=b.data.device, out_dtype=out_dtype, m=m, n=n, k=k,
+                                 out_shape=out_shape or (m, n))
 
     def __call__(self, a_data: torch.Tensor) -> torch.Tensor:
-        dev = self.device
-        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=dev)
-        stream = torch._C._cuda_getCurrentRawStream(self.index)
-        if self.reduce is None:
-            self.gemm(stream, a_data, *self.gemm_args, out, out, *self.sizes)
-            return out
-        ws = torch.empty(self.ws_shape, dtype=torch.float32, device=dev)
-        self.gemm(stream, a_data, *self.gemm_args, out, ws, *self.sizes)
-        self.reduce(stream, ws, out, *self.reduce_args)
-        return out
+        b, ep = self.b, self.ep
+        return self.tiled(a_data, None, b.data, b.scale, None, ep.amax_b, ep.bias)
 
 
 def decode_bf16(x: Operand, rows: int, k: int) -> Operand:
@@ -360,14 +371,30 @@ def decode_bf16(x: Operand, rows: int, k: int) -> Operand:
     """
     if x.fmt == FMT_HP:
         return x
-    batch = x.batch()
-    out = torch.empty((batch, rows, k), dtype=torch.bfloat16, device=x.data.device)
-    (d_b, d_r, d_k), (s_b, s_r, s_k) = x.strides()
-    br, bk = 32, 256
-    grid = (cdiv(rows, br), cdiv(k, bk), batch)
-    _DECODE(grid, x.data, x.scale, d_b, d_r, d_k, s_b, s_r, s_k, out, rows, k,
-            FMT=x.fmt, BR=br, BK=bk, num_warps=4)
-    return Operand(FMT_HP, out, None)
+    return Operand(FMT_HP, DecodeLaunch(x, rows, k)(x.data, x.scale), None)
+
+
+class DecodeLaunch:
+    """decode_bf16's launch for one operand layout (format, strides, batch), worked out once;
+    a call takes data and scale tensors of that layout (one dtype and 16-byte alignment each
+    across calls) and returns their fresh bf16 decode [B, R, K]."""
+
+    __slots__ = ("device", "index", "shape", "launch", "args")
+
+    def __init__(self, x: Operand, rows: int, k: int):
+        batch = x.batch()
+        self.device, self.index = x.data.device, x.data.device.index or 0
+        (d_b, d_r, d_k), (s_b, s_r, s_k) = x.strides()
+        self.shape, self.args = (batch, rows, k), (d_b, d_r, d_k, s_b, s_r, s_k)
+        br, bk = 32, 256
+        self.launch = _DECODE.bind((cdiv(rows, br), cdiv(k, bk), batch), FMT=x.fmt, BR=br, BK=bk,
+                                   num_warps=4)
+
+    def __call__(self, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=torch.bfloat16, device=self.device)
+        self.launch(torch._C._cuda_getCurrentRawStream(self.index), data, scale, *self.args, out,
+                    *self.shape[1:])
+        return out
 
 
 @triton.jit
