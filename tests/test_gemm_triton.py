@@ -140,6 +140,7 @@ def test_product_plans_are_reused_per_layout_and_decode_under_capture(kind, monk
     operand at another 16-byte alignment gets a plan of its own; a bad argument still raises on
     its own signature; and while a CUDA graph is captured, a product that runs on its codes
     eagerly decodes each quantized operand first, and the replay matches the reference."""
+    from qtensor.gemm.dense import dense_sides
     from qtensor.kernels import qgemm
     from qtensor.ops import gemm_ops
 
@@ -180,8 +181,10 @@ def test_product_plans_are_reused_per_layout_and_decode_under_capture(kind, monk
             wide[:, start:start + k] = a
             check(wide[:, start:start + k], b)
         assert len(gemm_ops._PLANS) == plans + 2
+    # The op's checks run for every new signature (an integer output here).
+    fmt, sa, sb, _ = dense_sides(*operands(a, b))
     with pytest.raises(ValueError, match="out_dtype"):
-        quantized_mm(a, b, bias, out_dtype=torch.int32)
+        gemm_ops.call(f"{fmt}_mm", *gemm_ops.dense_args(fmt, sa, sb, bias, torch.int32))
     # Under capture: decode first. The kernels it runs are compiled before the capture.
     a_op, b_op = operands(a, b)
     from qtensor.gemm.dense import triton_mm

@@ -128,8 +128,30 @@ def main():
             lambda: SavesNone.apply(x, WeightHolder(x_op)).backward(dy[:, :K])),
         "bf16 x @ w.t() + backward": host_us(lambda: (x @ lin.weight.t()).backward(dy)),
     }
+    with torch.autograd.set_multithreading_enabled(False):
+        rows["module forward + backward, backward in the main thread"] = host_us(
+            lambda: mod(x).backward(dy))
+        rows["TrainingLinear step, backward in the main thread"] = host_us(
+            update_step(mod, lambda m: m(x), dy))
     for piece, us in rows.items():
         print(f"| {piece} | {us:.1f} |", flush=True)
+    # cProfile inside the engine's thread: started and stopped by hooks on the function's node.
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    for _ in range(3):
+        mod(x).backward(dy)
+    for _ in range(50):
+        y = mod(x)
+        node = y.grad_fn
+        node.register_prehook(lambda g: prof.enable())
+        node.register_hook(lambda gi, go: prof.disable())
+        y.backward(dy)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    print("cProfile of the engine's backward (50 calls)")
+    print(buf.getvalue())
     print("cProfile of the backward body in the main thread")
     cprofile(backward_body, calls=50, top=30)
     print("cProfile of the forward body")
