@@ -134,19 +134,16 @@ def test_codes_in_kernel_and_decoded_first_match_reference(kind, monkeypatch):
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("kind", ["nvfp4", "nvfp4_rowscaled", "mxfp8", "bf16_nvfp4"])
-def test_product_plans_are_reused_per_layout_and_decode_under_capture(kind, monkeypatch):
+def test_product_plans_are_reused_per_layout(kind, monkeypatch):
     """[Note: product plans]: a dense op's call on new operands of a layout seen before runs
     that layout's plan (no new plan, no decode launch made) and matches the reference; a left
     operand at another 16-byte alignment gets a plan of its own; a bad argument still raises on
-    its own signature; and while a CUDA graph is captured, a product that runs on its codes
-    eagerly decodes each quantized operand first, and the replay matches the reference."""
+    its own signature."""
     from qtensor.gemm.dense import dense_sides
     from qtensor.kernels import qgemm
     from qtensor.ops import gemm_ops
 
     m, n, k = 300, 272, 352
-    monkeypatch.setattr(qgemm, "_sm_count", lambda index: 2)  # its 9 output tiles take codes
-    gemm_ops.clear_plans()
     made = []
 
     class Counted(qgemm.DecodeLaunch):
@@ -169,12 +166,19 @@ def test_product_plans_are_reused_per_layout_and_decode_under_capture(kind, monk
         assert_matches_reference(out, emulated_mm(*operands(a, b), bias, out_dtype))
         return out
 
-    check(*pair())
-    plans = len(gemm_ops._PLANS)
-    for _ in range(2):
-        check(*pair())
-    assert len(gemm_ops._PLANS) == plans and made == []
     a, b = pair()
+    quantized = sum(type(t) is not torch.Tensor for t in (a, b))
+    # 9 output tiles: on codes for 2 SMs, decoded first for 132 (each decode planned once).
+    for sms, decodes in ((2, 0), (132, quantized)):
+        monkeypatch.setattr(qgemm, "_sm_count", lambda index: sms)
+        gemm_ops.clear_plans()
+        made.clear()
+        check(a, b)
+        plans = len(gemm_ops._PLANS)
+        assert len(made) == decodes
+        for _ in range(2):
+            check(*pair())
+        assert len(gemm_ops._PLANS) == plans and len(made) == decodes
     if type(a) is torch.Tensor:  # the activation one bf16 element off its 16-byte alignment
         wide = torch.empty(m, k + 8, device="cuda", dtype=torch.bfloat16)
         for start in (0, 1):
@@ -185,18 +189,6 @@ def test_product_plans_are_reused_per_layout_and_decode_under_capture(kind, monk
     fmt, sa, sb, _ = dense_sides(*operands(a, b))
     with pytest.raises(ValueError, match="out_dtype"):
         gemm_ops.call(f"{fmt}_mm", *gemm_ops.dense_args(fmt, sa, sb, bias, torch.int32))
-    # Under capture: decode first. The kernels it runs are compiled before the capture.
-    a_op, b_op = operands(a, b)
-    from qtensor.gemm.dense import triton_mm
-    triton_mm(a_op, b_op, bias, torch.float32, predecode=True)
-    made.clear()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = quantized_mm(a, b, bias, out_dtype=torch.float32)
-    assert len(made) == sum(type(t) is not torch.Tensor for t in (a, b))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_matches_reference(out, emulated_mm(a_op, b_op, bias, torch.float32))
     gemm_ops.clear_plans()
 
 
