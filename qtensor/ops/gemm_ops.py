@@ -392,7 +392,8 @@ def _dense_kernels(fmt: str):
 # signature of its arguments: for each tensor its shape, strides, dtype, device and 16-byte
 # alignment (all the checks read, and all Triton specializes a kernel on besides the values of
 # the other arguments), every other argument by value, and whether a CUDA graph is being
-# captured (the decode rule depends on it: qgemm.takes_codes). A call whose signature was seen
+# captured (captured and eager calls are planned apart, so that a rule may tell them apart: a
+# replay costs only GPU time). A call whose signature was seen
 # skips the checks, which passed for that signature, and runs the plan: its allocations and
 # bound launches. Training steps and decode loops repeat a few signatures; the table is
 # cleared when it holds PLAN_LIMIT of them. A product the Triton kernels do not run is
