@@ -141,7 +141,7 @@ def test_product_plans_are_reused_per_layout(kind, monkeypatch):
     its own signature."""
     from qtensor.gemm.dense import dense_sides
     from qtensor.kernels import qgemm
-    from qtensor.ops import gemm_ops
+    from qtensor.ops import gemm_ops, gemm_triton
 
     m, n, k = 300, 272, 352
     made = []
@@ -171,25 +171,25 @@ def test_product_plans_are_reused_per_layout(kind, monkeypatch):
     # 9 output tiles: on codes for 2 SMs, decoded first for 132 (each decode planned once).
     for sms, decodes in ((2, 0), (132, quantized)):
         monkeypatch.setattr(qgemm, "_sm_count", lambda index: sms)
-        gemm_ops.clear_plans()
+        gemm_triton.clear_plans()
         made.clear()
         check(a, b)
-        plans = len(gemm_ops._PLANS)
+        plans = gemm_triton.plan_count()
         assert len(made) == decodes
         for _ in range(2):
             check(*pair())
-        assert len(gemm_ops._PLANS) == plans and len(made) == decodes
+        assert gemm_triton.plan_count() == plans and len(made) == decodes
     if type(a) is torch.Tensor:  # the activation one bf16 element off its 16-byte alignment
         wide = torch.empty(m, k + 8, device="cuda", dtype=torch.bfloat16)
         for start in (0, 1):
             wide[:, start:start + k] = a
             check(wide[:, start:start + k], b)
-        assert len(gemm_ops._PLANS) == plans + 2
+        assert gemm_triton.plan_count() == plans + 2
     # The op's checks run for every new signature (an integer output here).
     fmt, sa, sb, _ = dense_sides(*operands(a, b))
     with pytest.raises(ValueError, match="out_dtype"):
         gemm_ops.call(f"{fmt}_mm", *gemm_ops.dense_args(fmt, sa, sb, bias, torch.int32))
-    gemm_ops.clear_plans()
+    gemm_triton.clear_plans()
 
 
 @pytest.mark.cuda
@@ -325,7 +325,7 @@ def test_direct_launch_equals_tritons_own_launch(monkeypatch):
     pointer is not 16-byte aligned (a key of its own), and the persistent kernels, whose TMA
     descriptors are keys too; no launch fell back."""
     from qtensor.kernels import grouped_qgemm, qgemm
-    from qtensor.ops import gemm_ops
+    from qtensor.ops import gemm_triton
 
     launchers = [qgemm._QGEMM, qgemm._SPLITK_EPILOGUE, qgemm._DECODE, grouped_qgemm._GROUPED]
     persistent = [qgemm._TMA_GEMM, grouped_qgemm._GROUPED_TMA]
@@ -347,11 +347,11 @@ def test_direct_launch_equals_tritons_own_launch(monkeypatch):
             with monkeypatch.context() as m:  # these products are far below the size limits
                 m.setattr(qgemm, "TMA_MIN_MNK", 0)
                 m.setattr(grouped_qgemm, "TMA_MIN_MNK", 0)
-                gemm_ops.clear_plans()  # planned under the limits in force
+                gemm_triton.clear_plans()  # planned under the limits in force
                 try:
                     return fn()
                 finally:
-                    gemm_ops.clear_plans()
+                    gemm_triton.clear_plans()
         return run
 
     cases = {

@@ -22,7 +22,7 @@ from _common import cuda_time_ms  # noqa: E402
 from qtensor import MXFP8Tensor, NVFP4Tensor  # noqa: E402
 from qtensor.gemm.dense import dense_sides, operands, quantized_mm
 from qtensor.kernels import qgemm
-from qtensor.ops import gemm_ops
+from qtensor.ops import gemm_triton
 from qtensor.ops.gemm_operands import epilogue_terms, reduction_k
 
 TensorDescriptor = qgemm.TensorDescriptor
@@ -84,8 +84,8 @@ def main():
             q = bench(lambda: quantized_mm(qa, qb.t(), out_dtype=torch.bfloat16))
             a_op, b_op = operands(qa, qb.t())
             fmt, sa, sb, _ = dense_sides(a_op, b_op)
-            ka = gemm_ops._kernel_operand(fmt, sa, qgemm)
-            kb = gemm_ops._kernel_operand(fmt, sb, qgemm)
+            ka = gemm_triton.kernel_operand(fmt, sa, qgemm)
+            kb = gemm_triton.kernel_operand(fmt, sb, qgemm)
             kk = reduction_k(fmt, sb)
             dec = bench(lambda: (qgemm.decode_bf16(ka, m, kk), qgemm.decode_bf16(kb, n, kk)))
             if label.startswith("fprop gate"):

@@ -26,7 +26,7 @@ from bench_training import RECIPES, update_step  # noqa: E402
 
 from qtensor.gemm.dense import dense_sides, operands  # noqa: E402
 from qtensor.kernels import qgemm  # noqa: E402
-from qtensor.ops import gemm_ops  # noqa: E402
+from qtensor.ops import gemm_ops, gemm_triton  # noqa: E402
 from qtensor.ops.gemm_operands import epilogue_terms, reduction_k  # noqa: E402
 from qtensor.training import NVFP4TrainingRecipe, TrainingLinear  # noqa: E402
 from qtensor.training.linear import quantize_weight  # noqa: E402
@@ -80,9 +80,9 @@ def pieces(name):
     args = gemm_ops.dense_args(fmt, sa, sb, None, torch.bfloat16)
     cuda_fn = gemm_ops.KERNELS[f"{fmt}_mm"]["cuda"]
     rows["fprop: the op's CUDA function"] = host_us(lambda: cuda_fn(*args))
-    rows["fprop: triton_mm"] = host_us(lambda: gemm_ops.triton_mm(fmt, sa, sb, None,
+    rows["fprop: triton_mm"] = host_us(lambda: gemm_triton.triton_mm(fmt, sa, sb, None,
                                                                   torch.bfloat16))
-    ka, kb = gemm_ops._kernel_operand(fmt, sa, qgemm), gemm_ops._kernel_operand(fmt, sb, qgemm)
+    ka, kb = gemm_triton.kernel_operand(fmt, sa, qgemm), gemm_triton.kernel_operand(fmt, sb, qgemm)
     m, n, k = sa.data.shape[-2], sb.data.shape[-2], reduction_k(fmt, sb)
     ep = qgemm.Epilogue(*epilogue_terms(fmt, sa, sb), None)
     rows["fprop: qgemm on codes"] = host_us(

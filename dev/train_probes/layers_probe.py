@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_training import RECIPES  # noqa: E402
 
 from qtensor.gemm import dense  # noqa: E402
-from qtensor.ops import gemm_ops, quant  # noqa: E402
+from qtensor.ops import gemm_ops, gemm_triton, quant  # noqa: E402
 from qtensor.tensors import HybridTensor, NVFP4Tensor  # noqa: E402
 from qtensor.training import NVFP4TrainingRecipe, TrainingLinear  # noqa: E402
 from qtensor.training.linear import quantize_weight  # noqa: E402
@@ -92,7 +92,7 @@ def main():
     sides = (fmt, dense._rows_side(a_op, True), dense._rows_side(b_op, True), ())
     rows["fprop: plan"] = host_us(lambda: dense.plan(a_op, b_op, None, torch.bfloat16, sides))
     rows["fprop: triton_problem"] = host_us(
-        lambda: gemm_ops.triton_problem(sides[1], sides[2], None, torch.bfloat16))
+        lambda: gemm_triton.triton_problem(sides[1], sides[2], None, torch.bfloat16))
     rows["fprop: dense_args"] = host_us(
         lambda: gemm_ops.dense_args(fmt, sides[1], sides[2], None, torch.bfloat16))
     args = gemm_ops.dense_args(fmt, sides[1], sides[2], None, torch.bfloat16)

@@ -48,8 +48,8 @@ import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from qtensor.backends import GEMM_BACKENDS, GemmBackend, ScaledMMFormat, gemm_backend_problem
-from qtensor.ops import gemm_ops
-from qtensor.ops.gemm_ops import FP8_BLOCK, MXFP4, NO_KERNEL, Side
+from qtensor.ops import gemm_ops, gemm_triton
+from qtensor.ops.gemm_operands import FP8_BLOCK, MXFP4, NO_KERNEL, Side, fresh_reshape
 from qtensor.gemm.scaled_mm import fp8_block_scaled_mm, scaled_mm_args, scaled_mm_problem
 from qtensor.tensors.base import QuantizedTensor
 from qtensor.tensors.common import COLUMNWISE, ROWWISE
@@ -160,7 +160,7 @@ def _run_dense(fmt, a: Side, b: Side, bias, out_dtype, lead, backend: GemmBacken
     else:
         out = gemm_ops.reference_mm(fmt, a, b, bias, out_dtype)
     if len(lead) > 1:
-        out = gemm_ops.fresh_reshape(out, (*lead, *out.shape[-2:]))
+        out = fresh_reshape(out, (*lead, *out.shape[-2:]))
     return out
 
 
@@ -168,17 +168,17 @@ def emulated_mm(a_op, b_op, bias, out_dtype) -> torch.Tensor:
     """The reference: exact fp32 unit values, torch.matmul, the epilogue (any device)."""
     fmt, a, b, lead = dense_sides(a_op, b_op)
     out = gemm_ops.reference_mm(fmt, a, b, bias, out_dtype)
-    return gemm_ops.fresh_reshape(out, (*lead, *out.shape[-2:])) if len(lead) > 1 else out
+    return fresh_reshape(out, (*lead, *out.shape[-2:])) if len(lead) > 1 else out
 
 
 def triton_mm(a_op, b_op, bias, out_dtype, config=None, predecode=None) -> torch.Tensor:
     """The Triton kernels on these operands, with an optional tile config and decode choice
     (benchmarks and tests; products reach them through the ops)."""
     fmt, a, b, lead = dense_sides(a_op, b_op)
-    problem = gemm_ops.triton_problem(a, b, bias, out_dtype)
+    problem = gemm_triton.triton_problem(a, b, bias, out_dtype)
     if problem:
         raise ValueError(f"The Triton GEMM cannot run this product: {problem}.")
-    return gemm_ops.triton_mm(fmt, a, b, bias, out_dtype, config, predecode)
+    return gemm_triton.triton_mm(fmt, a, b, bias, out_dtype, config, predecode)
 
 
 def native_scaled_mm(a_op, b_op, bias, out_dtype) -> torch.Tensor:
@@ -223,7 +223,7 @@ def plan(a_op, b_op, bias, out_dtype, sides=None, *, grouped: bool = False) -> G
         backend = GemmBackend.TRITON
     if backend is GemmBackend.TRITON:
         _, a, b, *_ = sides or dense_sides(a_op, b_op)
-        if gemm_ops.triton_problem(a, b, None if grouped else bias, out_dtype,
+        if gemm_triton.triton_problem(a, b, None if grouped else bias, out_dtype,
                                    grouped=grouped) is None:
             return backend
     return GemmBackend.EMULATED
@@ -382,7 +382,7 @@ def _decode_linear(x, weight: DecodeWeight, bias) -> torch.Tensor:
     x2 = x.reshape(math.prod(lead), k)
     out = decode_mm(x2, weight.codes, weight.scales, weight.amax, bias, weight.fmt, n, k,
                     weight.bound, x.dtype)
-    return gemm_ops.fresh_reshape(out, (*lead, n)) if x.dim() != 2 else out
+    return fresh_reshape(out, (*lead, n)) if x.dim() != 2 else out
 
 
 def _linear_quantized(x, weight, bias) -> torch.Tensor:
@@ -393,7 +393,7 @@ def _linear_quantized(x, weight, bias) -> torch.Tensor:
     out = _linear_2d(x2, weight, bias, x.dtype)
     if out is None:
         out = quantized_mm(x2, weight.t(), bias, out_dtype=x.dtype)
-    return gemm_ops.fresh_reshape(out, (*lead, out.shape[-1])) if x.dim() != 2 else out
+    return fresh_reshape(out, (*lead, out.shape[-1])) if x.dim() != 2 else out
 
 
 class _Frozen:
@@ -516,7 +516,7 @@ def _prepare_linear(x, weight, bias):
     fmt = type(weight).gemm_format
     n = weight.qdata.shape[0]
     x2 = x.view(-1, x.shape[-1])
-    return gemm_ops.prepare_dense(fmt, Side(x2), _rows_side(weight, True), bias, x.dtype,
+    return gemm_triton.prepare_dense(fmt, Side(x2), _rows_side(weight, True), bias, x.dtype,
                                   (*x.shape[:-1], n))
 
 

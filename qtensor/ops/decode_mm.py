@@ -32,7 +32,7 @@ import torch
 
 from qtensor.backends import has_kernel, has_ops
 from qtensor.formats import decode_layout
-from qtensor.ops import gemm_ops
+from qtensor.ops import gemm_ops, gemm_triton
 from qtensor.ops.gemm_operands import BOUNDS, FLOAT_DTYPES, INV, Side, apply_epilogue, units
 
 SCHEMA = ("(Tensor x, Tensor w, Tensor s, Tensor? amax, Tensor? bias, str fmt, int n, int k, "
@@ -205,10 +205,10 @@ def unpacked_mm(x, w, s, amax, bias, fmt, n, k, bound, out_dtype) -> torch.Tenso
     """The canonical bytes' product: the dense Triton kernels where they take it, else the
     reference (the weight is unpacked for this call)."""
     b = weight_side(fmt, w, s, amax, n, k, bound)
-    if fmt in gemm_ops.NO_KERNEL or gemm_ops.triton_problem(Side(x), b, bias, out_dtype) or \
-            not gemm_ops._device_ok(Side(x)):
+    if fmt in gemm_ops.NO_KERNEL or gemm_triton.triton_problem(Side(x), b, bias, out_dtype) or \
+            not gemm_triton.device_ok(Side(x)):
         return gemm_ops.reference_mm(fmt, Side(x), b, bias, out_dtype)
-    return gemm_ops.triton_mm(fmt, Side(x), b, bias, out_dtype)
+    return gemm_triton.triton_mm(fmt, Side(x), b, bias, out_dtype)
 
 
 def fake(x, w, s, amax, bias, fmt, n, k, bound, out_dtype) -> torch.Tensor:
