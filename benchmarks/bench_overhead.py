@@ -197,7 +197,8 @@ def profile(fn, calls: int = 300, top: int = 30) -> None:
     for _ in range(calls):
         fn()
     prof.disable()
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
     print(buf.getvalue())

@@ -77,6 +77,24 @@ def test_dense_matches_reference(kind, m, n, k):
         assert_matches_reference(out, emulated_mm(a_op, b_op, bias_, out_dtype))
 
 
+def _decode_launches_made(monkeypatch) -> list:
+    """The formats of the decode passes planned from now on (qgemm.DecodeLaunch made), in
+    order."""
+    from qtensor.kernels import qgemm
+
+    made = []
+
+    class Counted(qgemm.DecodeLaunch):
+        __slots__ = ()
+
+        def __init__(self, x, *args):
+            made.append(x.fmt)
+            super().__init__(x, *args)
+
+    monkeypatch.setattr(qgemm, "DecodeLaunch", Counted)
+    return made
+
+
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("kind", KINDS)
@@ -97,16 +115,7 @@ def test_codes_in_kernel_and_decoded_first_match_reference(kind, monkeypatch):
     a_op, b_op = operands(a, b)
     bias = torch.randn(n, device="cuda", generator=g).bfloat16()
     ref = emulated_mm(a_op, b_op, bias, torch.float32)
-    decodes = []
-
-    class Counted(qgemm.DecodeLaunch):
-        __slots__ = ()
-
-        def __init__(self, x, *args):
-            decodes.append(x.fmt)
-            super().__init__(x, *args)
-
-    monkeypatch.setattr(qgemm, "DecodeLaunch", Counted)
+    decodes = _decode_launches_made(monkeypatch)
     quantized = sum(type(t) is not torch.Tensor for t in (a, b))
     # (size limit, SMs, decode passes): codes; too many multiply-adds; too few output tiles
     # (9 here) for the SMs.
@@ -144,16 +153,7 @@ def test_product_plans_are_reused_per_layout(kind, monkeypatch):
     from qtensor.ops import gemm_ops, gemm_triton
 
     m, n, k = 300, 272, 352
-    made = []
-
-    class Counted(qgemm.DecodeLaunch):
-        __slots__ = ()
-
-        def __init__(self, x, *args):
-            made.append(x.fmt)
-            super().__init__(x, *args)
-
-    monkeypatch.setattr(qgemm, "DecodeLaunch", Counted)
+    made = _decode_launches_made(monkeypatch)
     g = torch.Generator("cuda").manual_seed(21)
     bias = torch.randn(n, device="cuda", generator=g).bfloat16()
 

@@ -7,15 +7,14 @@ where a profiler started in the main thread sees nothing).
 
     python dev/train_probes/glue_probe.py [cuda|cpu]
 """
-import statistics
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from host_probe import host_us  # noqa: E402
 from bench_overhead import profile as cprofile  # noqa: E402
 from bench_training import RECIPES, update_step  # noqa: E402
 
@@ -25,20 +24,6 @@ from qtensor.training.linear import (TrainingLinearFunction, WeightHolder,  # no
 from qtensor.training.roles import dgrad, fprop, quantize_role, sr_for_role, wgrad  # noqa: E402
 
 TOKENS, K, N = 256, 512, 1408
-
-
-def host_us(fn, calls=200, reps=5):
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    times = []
-    for rep in range(reps + 1):
-        sync()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        if rep:
-            times.append((time.perf_counter() - t) / calls * 1e6)
-    return statistics.median(times)
 
 
 class SavesOne(torch.autograd.Function):

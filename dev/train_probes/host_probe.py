@@ -25,7 +25,6 @@ from bench_overhead import profile as cprofile  # noqa: E402
 from bench_training import RECIPES, update_step  # noqa: E402
 
 from qtensor.gemm.dense import dense_sides, operands  # noqa: E402
-from qtensor.kernels import qgemm  # noqa: E402
 from qtensor.ops import gemm_ops, gemm_triton  # noqa: E402
 from qtensor.ops.gemm_operands import epilogue_terms, reduction_k  # noqa: E402
 from qtensor.training import NVFP4TrainingRecipe, TrainingLinear  # noqa: E402
@@ -37,13 +36,15 @@ TOKENS, K, N = 256, 512, 1408
 
 
 def host_us(fn, calls=200, reps=5):
+    """Median host us a call of `calls` calls issued back to back and synchronized once."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
     for rep in range(reps + 1):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         for _ in range(calls):
             fn()
-        torch.cuda.synchronize()
+        sync()
         if rep:
             times.append((time.perf_counter() - t) / calls * 1e6)
     return statistics.median(times)
@@ -75,6 +76,7 @@ def pieces(name):
     rows["dgrad"] = host_us(lambda: dgrad(dy_op, w_op, torch.bfloat16))
     rows["wgrad"] = host_us(lambda: wgrad(dy_op, x_op, torch.bfloat16))
     # One product's layers: the op's CUDA kernel function, triton_mm, qgemm, a launch.
+    from qtensor.kernels import qgemm  # Triton: imported where the GPU pieces run
     a, b = operands(x_op.rowwise, w_op.rowwise.t())
     fmt, sa, sb, _ = dense_sides(a, b)
     args = gemm_ops.dense_args(fmt, sa, sb, None, torch.bfloat16)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from host_probe import host_us  # noqa: E402
 from bench_training import RECIPES  # noqa: E402
 
 from qtensor.gemm import dense  # noqa: E402
@@ -24,19 +25,6 @@ from qtensor.training.linear import quantize_weight  # noqa: E402
 from qtensor.training.roles import fprop, quantize_role, quantize_rowwise, sr_for_role  # noqa
 
 TOKENS, K, N = 256, 512, 1408
-
-
-def host_us(fn, calls=200, reps=5):
-    times = []
-    for rep in range(reps + 1):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        if rep:
-            times.append((time.perf_counter() - t) / calls * 1e6)
-    return statistics.median(times)
 
 
 class InBackward(torch.autograd.Function):
