@@ -46,7 +46,7 @@ for p in "$@"; do
     gptab) timeout 150 python dev/train_probes/codes_probe.py --gpt-only >"$r/gptab.log" 2>&1; echo "gptab rc=$?"; cat "$r/gptab.log" ;;
     pieces) timeout 150 python dev/train_probes/host_probe.py >"$r/pieces.log" 2>&1; echo "pieces rc=$?"; cat "$r/pieces.log" | tail -40 ;;
     layers) timeout 150 python dev/train_probes/layers_probe.py >"$r/layers.log" 2>&1; echo "layers rc=$?"; cat "$r/layers.log" | tail -60 ;;
-    glue) timeout 150 python dev/train_probes/glue_probe.py >"$r/glue.log" 2>&1; echo "glue rc=$?"; head -24 "$r/glue.log"; grep -A30 "ncalls" "$r/glue.log" | cut -c1-150 | head -70 ;;
+    glue) timeout 150 python dev/train_probes/glue_probe.py >"$r/glue.log" 2>&1; echo "glue rc=$?"; head -26 "$r/glue.log"; grep -A36 "engine's backward" "$r/glue.log" | cut -c1-150 ;;
     codesgpu) timeout 150 python dev/train_probes/codes_gpu_probe.py >"$r/codesgpu.log" 2>&1; echo "codesgpu rc=$?"; cat "$r/codesgpu.log" | tail -20 ;;
     fp8) timeout 120 python dev/train_probes/fp8_block_probe.py "$r" >"$r/fp8.log" 2>&1; echo "fp8 rc=$?"; grep -c MATCH "$r/fp8.log"; tail -8 "$r/fp8.log" ;;
     gemm) timeout 200 python dev/train_probes/gemm_probe.py "$r" >"$r/gemm.log" 2>&1; echo "gemm rc=$?"; grep "^|" "$r/gemm.log" | tail -10; grep -i "failed\|error" "$r/gemm.log" | head -5 ;;
