@@ -147,7 +147,8 @@ def test_product_plans_are_reused_per_layout(kind, monkeypatch):
     """[Note: product plans]: a dense op's call on new operands of a layout seen before runs
     that layout's plan (no new plan, no decode launch made) and matches the reference; a left
     operand at another 16-byte alignment gets a plan of its own; a bad argument still raises on
-    its own signature."""
+    its own signature; and while a CUDA graph is captured, a product that runs on its codes
+    eagerly decodes each quantized operand first, and the replay matches the reference."""
     from qtensor.gemm.dense import dense_sides
     from qtensor.kernels import qgemm
     from qtensor.ops import gemm_ops, gemm_triton
@@ -189,6 +190,19 @@ def test_product_plans_are_reused_per_layout(kind, monkeypatch):
     fmt, sa, sb, _ = dense_sides(*operands(a, b))
     with pytest.raises(ValueError, match="out_dtype"):
         gemm_ops.call(f"{fmt}_mm", *gemm_ops.dense_args(fmt, sa, sb, bias, torch.int32))
+    # Under capture: decode first. The kernels it runs are compiled before the capture.
+    monkeypatch.setattr(qgemm, "_sm_count", lambda index: 2)  # on codes eagerly
+    a_op, b_op = operands(a, b)
+    from qtensor.gemm.dense import triton_mm
+    triton_mm(a_op, b_op, bias, torch.float32, predecode=True)
+    made.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = quantized_mm(a, b, bias, out_dtype=torch.float32)
+    assert len(made) == quantized
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches_reference(out, emulated_mm(a_op, b_op, bias, torch.float32))
     gemm_triton.clear_plans()
 
 

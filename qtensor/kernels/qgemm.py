@@ -137,6 +137,9 @@ def pick_config(m: int, n: int, k: int, batch: int, sms: int, codes: bool = Fals
 # decode no registers (ptxas spills MXFP8's). On an H100, NVFP4 products of 8192 x 256..1408 x
 # 512..1408 ran 1.3-3.4x faster a call than decoded first and 2048**3 2.4x, where 4096 x 4096 x
 # 1024 (2**34) ran 0.73x and 512 x 512 x 8192 0.65x.
+# A product captured into a CUDA graph decodes first: a replay costs only GPU time, and there the
+# repeated decode loses. Graphed on an H200, the small GPT's products ran 1.4-2.1x longer on
+# codes than decoded first, 2048**3 2.9x; only 8192 x 256 x 512 ran faster (0.8-0.9x).
 CODES_MAX_MNK = 1 << 33
 CODES_CONFIG = Config(128, 128, 64, 1, warps=8, stages=3)
 
@@ -145,6 +148,8 @@ def takes_codes(a: "Operand", b: "Operand", m: int, n: int, k: int) -> bool:
     """Whether a product of more than DECODE_FIRST_M rows multiplies these operands' codes
     ([Note: codes in the tiled kernel]) rather than their bf16 decodes."""
     if m <= DECODE_FIRST_M or m * n * k >= CODES_MAX_MNK:
+        return False
+    if torch.cuda.is_current_stream_capturing():
         return False
     if a.data.stride(-1) != 1 or b.data.stride(-1) != 1:
         return False
@@ -335,12 +340,11 @@ class Prepared:
     `prepared(a_data)` multiplies new data of the layout `a.data` had (dtype, row and K
     strides, 16-byte alignment; a_data may be any tensor of that memory layout, e.g. the
     [B, S, K] activation that `a.data` is the [B * S, K] view of) by the same right operand and
-    epilogue, into a fresh output of `out_shape` (default [M, N]). Arguments, grid and config are
-    computed once and each launch is a `Bound` one, so a call costs the output allocations and
-    the kernel launches: the same kernels, arguments and results as `qgemm`."""
+    epilogue, into a fresh output of `out_shape` (default [M, N]). A `TiledLaunch` holds the
+    launches, so a call costs the output allocations and the kernel launches: the same kernels,
+    arguments and results as `qgemm`."""
 
-    __slots__ = ("device", "index", "out_shape", "ws_shape", "out_dtype", "gemm", "reduce",
-                 "gemm_args", "sizes", "reduce_args")
+    __slots__ = ("tiled", "b", "ep")
 
     def __init__(self, a: Operand, b: Operand, ep: Epilogue, *, out_dtype, m: int, n: int, k: int,
                  out_shape: tuple[int, ...] | None = None):
@@ -349,46 +353,14 @@ class Prepared:
                 f"Prepared takes a high-precision 2-D left operand of at most {DECODE_FIRST_M} "
                 f"rows and a 2-D right one; got {tuple(a.data.shape)} (format {a.fmt}) x "
                 f"{tuple(b.data.shape)}.")
-        dev = b.data.device
-        self.device, self.index, self.out_dtype = dev, dev.index or 0, out_dtype
-        cfg = pick_config(m, n, k, 1, _sm_count(self.index))
-        (a_b, a_r, a_k), _ = a.strides()
-        (b_b, b_r, b_k), (bs_b, bs_r, bs_k) = b.strides()
-        k_per_split = cdiv(cdiv(k, cfg.split), cfg.bk) * cfg.bk
-        split = cdiv(k, k_per_split)
-        # Batch 1: [M, N] (or any shape of M * N elements) is the memory the kernels write.
-        self.out_shape, self.ws_shape = out_shape or (m, n), (split, m, n)
-        dummy = b.data
-        flags, terms = ep.flags(), ep.terms(dummy)
-        # The GEMM kernel's runtime arguments after a_data, up to out and ws (qgemm's order;
-        # a high-precision A has no scale: the dummy with A's strides, never read).
-        self.gemm_args = (dummy, a_b, a_r, a_k, a_b, a_r, a_k, b.data,
-                          b.scale if b.scale is not None else dummy, b_b, b_r, b_k, bs_b, bs_r,
-                          bs_k, *terms)
-        self.gemm = _QGEMM.bind(
-            (cdiv(m, cfg.bm) * cdiv(n, cfg.bn), split, 1), FMT_A=a.fmt, FMT_B=b.fmt, **flags,
-            FUSED=split == 1, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
-            num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=False)
-        self.sizes = (1, m, n, k, k_per_split)
-        self.reduce_args = (*terms, 1, m, n, split)
-        self.reduce = None
-        if split > 1:
-            eb_m, eb_n = 32, 128
-            self.reduce = _SPLITK_EPILOGUE.bind(
-                (cdiv(m, eb_m) * cdiv(n, eb_n), 1), **flags, BM=eb_m, BN=eb_n, num_warps=4,
-                enable_fp_fusion=False)
+        self.b, self.ep = b, ep
+        self.tiled = TiledLaunch(a.fmt, a.strides(), b.fmt, b.strides(), 1, ep,
+                                 device=b.data.device, out_dtype=out_dtype, m=m, n=n, k=k,
+                                 out_shape=out_shape or (m, n))
 
     def __call__(self, a_data: torch.Tensor) -> torch.Tensor:
-        dev = self.device
-        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=dev)
-        stream = torch._C._cuda_getCurrentRawStream(self.index)
-        if self.reduce is None:
-            self.gemm(stream, a_data, *self.gemm_args, out, out, *self.sizes)
-            return out
-        ws = torch.empty(self.ws_shape, dtype=torch.float32, device=dev)
-        self.gemm(stream, a_data, *self.gemm_args, out, ws, *self.sizes)
-        self.reduce(stream, ws, out, *self.reduce_args)
-        return out
+        b, ep = self.b, self.ep
+        return self.tiled(a_data, None, b.data, b.scale, None, ep.amax_b, ep.bias)
 
 
 def decode_bf16(x: Operand, rows: int, k: int) -> Operand:

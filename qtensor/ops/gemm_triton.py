@@ -172,9 +172,10 @@ def prepare_dense(fmt: str, a: Side, b: Side, bias, out_dtype, out_shape=None):
 # Triton launch is looked up by. The CUDA kernel of a dense op therefore keeps a `DensePlan` per
 # signature of its arguments: for each tensor its shape, strides, dtype, device and 16-byte
 # alignment (all the checks read, and all Triton specializes a kernel on besides the values of
-# the other arguments), and every other argument by value. A call whose signature was seen
-# skips the checks, which passed for that signature, and runs the plan: its allocations and
-# bound launches. Training steps and decode loops repeat a few signatures; the table is
+# the other arguments), every other argument by value, and whether a CUDA graph is being
+# captured (qgemm.takes_codes decodes first then: a replay costs only GPU time). A call whose
+# signature was seen skips the checks, which passed for that signature, and runs the plan: its
+# allocations and bound launches. Training steps and decode loops repeat a few signatures; the table is
 # cleared when it holds PLAN_LIMIT of them. A product the Triton kernels do not run is
 # remembered as `_NO_PLAN` and runs the reference. Code that changes the rules' constants
 # (tests) calls `clear_plans()` so that the next call plans again.
@@ -205,7 +206,7 @@ def plan_count() -> int:
 
 
 def _signature(fmt: str, args) -> tuple:
-    return (fmt, *[
+    return (fmt, torch.cuda.is_current_stream_capturing(), *[
         (a.shape, a.stride(), a.dtype, a.get_device(), a.data_ptr() & 15)
         if isinstance(a, torch.Tensor) else a for a in args])
 
