@@ -175,8 +175,8 @@ def prepare_dense(fmt: str, a: Side, b: Side, bias, out_dtype, out_shape=None):
 # the other arguments), every other argument by value, and whether a CUDA graph is being
 # captured (qgemm.takes_codes decodes first then: a replay costs only GPU time). A call whose
 # signature was seen skips the checks, which passed for that signature, and runs the plan: its
-# allocations and bound launches. Training steps and decode loops repeat a few signatures; the table is
-# cleared when it holds PLAN_LIMIT of them. A product the Triton kernels do not run is
+# allocations and bound launches. Training steps and decode loops repeat a few signatures; the
+# table is cleared when it holds PLAN_LIMIT of them. A product the Triton kernels do not run is
 # remembered as `_NO_PLAN` and runs the reference. Code that changes the rules' constants
 # (tests) calls `clear_plans()` so that the next call plans again.
 PLAN_LIMIT = 1024
