@@ -95,8 +95,12 @@ class DensePlan:
         self.device = b.data.device
         self.decode_a = qgemm.DecodeLaunch(ka, m, k) if dec_a else None
         self.decode_b = qgemm.DecodeLaunch(kb, n, k) if dec_b else None
-        # What the GEMM kernel takes: a decoded side is a fresh bf16 [B, R, K].
-        fresh = ((0, k, 1), (0, k, 1))
+        # What the GEMM kernel takes: a decoded side is a fresh bf16 [B, R, K], whose batch
+        # stride is 0 where it has one matrix (broadcast against a batched other side).
+        def fresh(side, rows):
+            strides = (rows * k if side.batch() > 1 else 0, k, 1)
+            return strides, strides
+
         self.a_fmt, self.b_fmt = (qgemm.FMT_HP if dec_a else ka.fmt), (qgemm.FMT_HP if dec_b
                                                                        else kb.fmt)
         self.batch = max(ka.batch(), kb.batch())
@@ -108,8 +112,8 @@ class DensePlan:
                 config is not None or not qgemm.takes_tma(m, n, k)):
             out_shape = (m, n) if self.two_d else None
             self.tiled = qgemm.TiledLaunch(
-                self.a_fmt, fresh if dec_a else ka.strides(), self.b_fmt,
-                fresh if dec_b else kb.strides(), self.batch, ep, device=self.device,
+                self.a_fmt, fresh(ka, m) if dec_a else ka.strides(), self.b_fmt,
+                fresh(kb, n) if dec_b else kb.strides(), self.batch, ep, device=self.device,
                 out_dtype=out_dtype, m=m, n=n, k=k, config=config, out_shape=out_shape)
         self.config = config
 
