@@ -332,3 +332,20 @@ def test_roles_share_an_amax_only_where_it_is_the_same(kw, shared, device):
                 assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
                                    b.view(torch.uint8) if b.dtype.itemsize == 1 else b), \
                     (name, spec, field)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("kw", [{}, dict(dgrad_mxfp8=True)])
+def test_backward_in_the_calling_thread_gives_the_engines_gradients(kw):
+    """docs/training.md, "The backward's thread": with autograd's multithreading off the backward
+    runs in the calling thread, and the output and both gradients are the engine thread's, bit
+    for bit (the default recipe's RHT, stochastic rounding and 2D weights included)."""
+    results = []
+    for threaded in (True, False):
+        m, x, g = make(NVFP4TrainingRecipe(**kw), dtype=torch.bfloat16)
+        m, x, g = m.cuda(), x.cuda(), g.cuda()
+        with torch.autograd.set_multithreading_enabled(threaded):
+            results.append(run(m, x, g))
+    for engine, caller in zip(*results):
+        assert caller is not None and torch.equal(engine, caller)
