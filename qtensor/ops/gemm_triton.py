@@ -95,12 +95,6 @@ class DensePlan:
         self.device = b.data.device
         self.decode_a = qgemm.DecodeLaunch(ka, m, k) if dec_a else None
         self.decode_b = qgemm.DecodeLaunch(kb, n, k) if dec_b else None
-        # What the GEMM kernel takes: a decoded side is a fresh bf16 [B, R, K], whose batch
-        # stride is 0 where it has one matrix (broadcast against a batched other side).
-        def fresh(side, rows):
-            strides = (rows * k if side.batch() > 1 else 0, k, 1)
-            return strides, strides
-
         self.a_fmt, self.b_fmt = (qgemm.FMT_HP if dec_a else ka.fmt), (qgemm.FMT_HP if dec_b
                                                                        else kb.fmt)
         self.batch = max(ka.batch(), kb.batch())
@@ -111,9 +105,10 @@ class DensePlan:
         if not isinstance(config, qgemm.TmaConfig) and (
                 config is not None or not qgemm.takes_tma(m, n, k)):
             out_shape = (m, n) if self.two_d else None
+            a_strides = _decoded_strides(ka, m, k) if dec_a else ka.strides()
+            b_strides = _decoded_strides(kb, n, k) if dec_b else kb.strides()
             self.tiled = qgemm.TiledLaunch(
-                self.a_fmt, fresh(ka, m) if dec_a else ka.strides(), self.b_fmt,
-                fresh(kb, n) if dec_b else kb.strides(), self.batch, ep, device=self.device,
+                self.a_fmt, a_strides, self.b_fmt, b_strides, self.batch, ep, device=self.device,
                 out_dtype=out_dtype, m=m, n=n, k=k, config=config, out_shape=out_shape)
         self.config = config
 
@@ -136,6 +131,14 @@ class DensePlan:
                           m=self.m, n=self.n, k=self.k, config=self.config)
         # [1, M, N] -> [M, N] as a tensor of its own (out[0] would be a view).
         return fresh_reshape(out, (self.m, self.n)) if self.two_d else out
+
+
+def _decoded_strides(side, rows: int, k: int):
+    """The (data, scale) strides the GEMM kernel takes for a side decoded first: a fresh bf16
+    [B, R, K], whose batch stride is 0 where it holds one matrix (broadcast against a batched
+    other side); it has no scale (data's strides stand in, never read)."""
+    strides = (rows * k if side.batch() > 1 else 0, k, 1)
+    return strides, strides
 
 
 def triton_grouped_mm(fmt: str, a: Side, b: Side, offs, bias, out_dtype):
