@@ -19,6 +19,7 @@
 #   layers: layers_probe.py, fprop's and a cast's host time call by call, and in the backward
 #   glue:  glue_probe.py, the step's host time outside its casts and products
 #   gluepinned: glue_probe.py with the process pinned to one core (taskset), engine's thread too
+#   (thread_probe.py, the same question on the CPU with a worker thread, needs no GPU)
 #   codesgpu: codes_gpu_probe.py, products on codes vs decoded first, GPU time alone (graphed)
 #   codes: the dense GEMM's CUDA tests, then codes_probe.py --gpt (products on codes vs decoded
 #          first, the persistent kernels' direct launch, the small GPT's eager step each way)
