@@ -4,12 +4,12 @@ calling thread, so a worker thread stands in for the engine's device thread.
 
 A worker thread waits on a queue, as the engine's device thread does: the main thread runs the
 forward, hands the output over, and waits until the worker has run the backward. Host
-microseconds a step (the fastest of 9 rounds of 200 steps, the cases taking turns), three ways: forward and backward in
-the main thread, the backward handed to the worker, and the bare hand-over (the worker runs
-nothing). With `--core N` the whole process, the worker included, is pinned to core N, so both
-threads share one core's caches.
+microseconds a step (the fastest of 9 rounds of 200 steps, the cases taking turns), three
+ways: forward and backward in the main thread, the backward handed to the worker, and the bare
+hand-over (the worker runs nothing). With `--core N` the whole process, the worker included, is
+pinned to core N, so both threads share one core's caches.
 
-    python dev/train_probes/thread_probe.py [--core N] [recipe]
+    python dev/train_probes/thread_probe.py [--core N] [recipe | bf16]
 """
 import argparse
 import os
