@@ -18,6 +18,7 @@
 #   pieces: host_probe.py, a training linear's host time on the GPU piece by piece
 #   layers: layers_probe.py, fprop's and a cast's host time call by call, and in the backward
 #   glue:  glue_probe.py, the step's host time outside its casts and products
+#   syncs: sync_probe.py $SYNC_RECIPES, the host syncs of the small GPT's eager step per recipe
 #   gluepinned: glue_probe.py with the process pinned to one core (taskset), engine's thread too
 #   (thread_probe.py, the same question on the CPU with a worker thread, needs no GPU)
 #   codesgpu: codes_gpu_probe.py, products on codes vs decoded first, GPU time alone (graphed)
@@ -51,6 +52,7 @@ for p in "$@"; do
     pieces) timeout 150 python dev/train_probes/host_probe.py >"$r/pieces.log" 2>&1; echo "pieces rc=$?"; cat "$r/pieces.log" | tail -40 ;;
     layers) timeout 150 python dev/train_probes/layers_probe.py >"$r/layers.log" 2>&1; echo "layers rc=$?"; cat "$r/layers.log" | tail -60 ;;
     glue) timeout 150 python dev/train_probes/glue_probe.py >"$r/glue.log" 2>&1; echo "glue rc=$?"; head -26 "$r/glue.log"; grep -A36 "engine's backward" "$r/glue.log" | cut -c1-150 ;;
+    syncs) timeout 200 python dev/train_probes/sync_probe.py ${SYNC_RECIPES:-} >"$r/syncs.log" 2>&1; echo "syncs rc=$?"; cat "$r/syncs.log" | tail -60 ;;
     gluepinned) timeout 150 taskset -c "${PIN_CORE:-2}" python dev/train_probes/glue_probe.py >"$r/glue_pinned.log" 2>&1; echo "gluepinned rc=$?"; grep "^|" "$r/glue_pinned.log" ;;
     codesgpu) timeout 150 python dev/train_probes/codes_gpu_probe.py >"$r/codesgpu.log" 2>&1; echo "codesgpu rc=$?"; cat "$r/codesgpu.log" | tail -20 ;;
     fp8) timeout 120 python dev/train_probes/fp8_block_probe.py "$r" >"$r/fp8.log" 2>&1; echo "fp8 rc=$?"; grep -c MATCH "$r/fp8.log"; tail -8 "$r/fp8.log" ;;
