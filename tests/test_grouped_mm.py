@@ -13,7 +13,7 @@ import torch
 
 from qtensor import MXFP8Tensor, NVFP4Tensor
 from qtensor.backends import GemmBackend
-from qtensor.gemm.dense import emulated_mm, operands
+from qtensor.gemm.dense import emulated_mm, operands, quantized_mm
 from qtensor.gemm.grouped import grouped_mm, grouped_mm_reference, grouped_plan
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -48,7 +48,7 @@ def test_reference_equals_dense_per_expert(kind):
     a, b = _moe(kind, t=48, e=5, k=64, n=40)
     offs = torch.tensor(OFFS, dtype=torch.int32)
     bias = torch.randn(5, 40)
-    out = torch._grouped_mm(a, b, offs, bias, torch.float32)
+    out = grouped_mm_reference(*operands(a, b), offs, bias, torch.float32)
     assert out.shape == (48, 40)
     start = 0
     for e, end in enumerate(OFFS):
@@ -58,6 +58,26 @@ def test_reference_equals_dense_per_expert(kind):
             assert torch.equal(out[start:end], dense), f"expert {e}"
         start = end
     assert torch.equal(out[45:], torch.zeros(3, 40))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cpu_op_is_the_dense_op_per_expert(kind):
+    # The CPU op runs each expert's rows through the dense CPU product, so each expert's rows
+    # are bitwise a dense product of that expert's operands (what a grouped linear's parity
+    # with independent linears rests on), and the reference's up to the fp32 addition order.
+    a, b = _moe(kind, t=48, e=5, k=64, n=40, seed=3)
+    offs = torch.tensor(OFFS, dtype=torch.int32)
+    bias = torch.randn(5, 40)
+    out = torch._grouped_mm(a, b, offs, bias, torch.float32)
+    start = 0
+    for e, end in enumerate(OFFS):
+        if end > start:
+            dense = quantized_mm(a[start:end], b[e], bias[e], torch.float32)
+            assert torch.equal(out[start:end], dense), f"expert {e}"
+        start = end
+    assert torch.equal(out[45:], torch.zeros(3, 40))
+    ref = grouped_mm_reference(*operands(a, b), offs, bias, torch.float32)
+    assert (out - ref).norm() / ref.norm() < 1e-6
 
 
 def test_default_out_dtype_and_no_bias():

@@ -164,3 +164,71 @@ def test_stochastic_rounding_is_deterministic_per_module():
     assert torch.equal(grads[0], grads[1])
     g, x, dy = make(NVFP4TrainingRecipe(seed=1))
     assert not torch.equal(run_grouped(g, x, dy)[2], grads[0])
+
+
+def test_grouped_products_take_the_stacked_weight_and_one_call(monkeypatch):
+    # fprop and dgrad are one grouped product each for all experts, on the weight stacked once
+    # per rebuild; each expert's own operand is a view of the stack's bytes.
+    from qtensor.training import grouped as grouped_module
+
+    calls = []
+    real = grouped_module.grouped_mm
+    monkeypatch.setattr(grouped_module, "grouped_mm",
+                        lambda *a, **k: calls.append(a[2].tolist()) or real(*a, **k))
+    g, x, dy = make(RECIPES["nvfp4_2d_rht"])
+    run_grouped(g, x, dy)
+    assert calls == [[16, 16, 48, 64]] * 2  # fprop, dgrad
+    stack = g.weight_cache.operand
+    for e, op in enumerate(stack.ops):
+        assert op.rowwise.qdata.data_ptr() == stack.rows.qdata[e].data_ptr()
+        assert op.columnwise.qdata.data_ptr() == stack.cols.qdata[e].data_ptr()
+        assert torch.equal(op.rowwise.amax.expand(N), stack.rows.amax[e])
+
+
+def test_stacked_operands_refuse_mixed_layouts():
+    from qtensor.training.experts import ExpertStack, cat_rows
+
+    a = NVFP4Tensor.from_hp(torch.randn(16, K))
+    b = NVFP4Tensor.from_hp(torch.randn(16, K), fourover6="mae")
+    with pytest.raises(ValueError, match="different layouts"):
+        cat_rows([a, b])
+    with pytest.raises(ValueError, match="at least one"):
+        cat_rows([])
+    with pytest.raises(ValueError, match="RHT"):
+        ExpertStack.build([NVFP4Tensor.from_hp(torch.randn(K, 16), columnwise=True, rht=True)])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["rl_row", "rl_row_dgrad_mxfp8", "nvfp4_2d_rht"])
+def test_cuda_grouped_matches_independent_linears(name):
+    # On the GPU the grouped kernel sums each output in its own order: every expert's output
+    # and dX equal an independent TrainingLinear's up to the fp32 accumulation order (the bf16
+    # rounding of it), and dW (per expert products) bitwise.
+    recipe = RECIPES[name]
+    splits = [128, 0, 256, 64, 0, 32, 160, 128]
+    torch.manual_seed(0)
+    e_, k, n = len(splits), 256, 512
+    g = GroupedLinear(e_, k, n, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+    x = (torch.randn(sum(splits), k, device="cuda") * 0.5).bfloat16().requires_grad_()
+    dy = (torch.randn(sum(splits), n, device="cuda") * 1e-3).bfloat16()
+    y = g(x, splits)
+    y.backward(dy)
+    start = 0
+    for e, m in enumerate(splits):
+        if m == 0:
+            assert not g.weight.grad[e].any()
+            continue
+        lin = TrainingLinear(k, n, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(g.weight[e])
+            lin.bias.copy_(g.bias[e])
+        xe = x.detach()[start:start + m].clone().requires_grad_()
+        ye = lin(xe)
+        ye.backward(dy[start:start + m])
+        for got, want in ((y[start:start + m], ye), (x.grad[start:start + m], xe.grad)):
+            got, want = got.float(), want.float()
+            tol = 2.0**-7 * want.abs() + 1e-6 * want.abs().max()
+            assert ((got - want).abs() <= tol).all(), f"expert {e}"
+        assert torch.equal(lin.weight.grad, g.weight.grad[e])
+        start += m

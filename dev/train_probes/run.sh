@@ -10,7 +10,7 @@
 #   native: native_fp8_compile_probe.py, why a compiled QAT step with native FP8 GEMMs differed
 #   gpt:   gpt_profile.py "$r/gpt" $GPT_ARGS, where the small GPT's (and MoE's) step time goes
 #   train: the CUDA tests of the training linear and its compiled steps (a shorter `tests`)
-#   plans: the dense GEMM's and the training linear's CUDA tests (plans, capture, batched)
+#   plans: the dense and grouped GEMMs' and the training linears' CUDA tests
 #   host:  bench_training.py --sections host, a training linear's host time a step on the GPU
 #   grouped: the grouped GEMM's CUDA tests, then grouped_probe.py (persistent vs tiled kernel)
 #   step:  host_probe.py --step, a training linear's step split, profiled
@@ -38,7 +38,7 @@ for p in "$@"; do
   case $p in
     tests) timeout 300 python -m pytest -q -m cuda tests/test_compile_gpu.py tests/test_tensors_fp8_block.py tests/test_qat_kernels.py tests/test_gemm_triton.py tests/test_qat_linear.py tests/test_training_linear.py tests/test_compile_training.py tests/test_grouped_mm.py tests/test_gemm_ops.py >"$r/tests.log" 2>&1; echo "tests rc=$?"; tail -15 "$r/tests.log" ;;
     bench) timeout ${BENCH_LIMIT:-300} python benchmarks/bench_training.py --sections "$SECTIONS" --compiled "${COMPILED-nvfp4,dgrad_mxfp8,4over6}" --out "$r/bench_training.json" --md "$r/bench_training.md" >"$r/bench_training.log" 2>&1; echo "bench rc=$?"; grep -v "^|\|^#\|^$" "$r/bench_training.log" | tail -40; cat "$r/bench_training.md" ;;
-    plans) timeout 240 python -m pytest -q -m cuda tests/test_gemm_triton.py tests/test_gemm_ops.py tests/test_training_linear.py >"$r/plans_tests.log" 2>&1; echo "plans tests rc=$?"; tail -8 "$r/plans_tests.log" ;;
+    plans) timeout 240 python -m pytest -q -m cuda tests/test_gemm_triton.py tests/test_gemm_ops.py tests/test_training_linear.py tests/test_training_grouped.py tests/test_grouped_mm.py >"$r/plans_tests.log" 2>&1; echo "plans tests rc=$?"; tail -8 "$r/plans_tests.log" ;;
     train) timeout ${TRAIN_LIMIT:-200} python -m pytest -q -m cuda tests/test_training_linear.py tests/test_training_modules.py tests/test_training_grouped.py tests/test_compile_gpu.py -k "training or default_recipe or share or graph" >"$r/train.log" 2>&1; echo "train rc=$?"; tail -8 "$r/train.log" ;;
     host) timeout 120 python benchmarks/bench_training.py --sections host --md "$r/host.md" >"$r/host.log" 2>&1; echo "host rc=$?"; cat "$r/host.md" ;;
     native) timeout 200 python dev/train_probes/native_fp8_compile_probe.py >"$r/native.log" 2>&1; echo "native rc=$?"; tail -20 "$r/native.log" ;;

@@ -113,13 +113,19 @@ def reference_mm(fmt: str, a: Side, b: Side, bias, out_dtype, decode=units) -> t
     return apply_epilogue(acc, *epilogue_factors(fmt, a, b), bias, out_dtype)
 
 
-def reference_grouped_mm(fmt: str, a: Side, b: Side, offs, bias, out_dtype,
-                         decode=units) -> torch.Tensor:
-    """Per expert: exact fp32 units, matmul, the dense epilogue on that expert's rows."""
+def _row_ends(offs, a: Side) -> list[int]:
+    """offs as host ints (a device sync on a GPU: the reference and the CPU op only), checked."""
     ends = offs.tolist()
     if any(e1 < e0 for e0, e1 in zip([0] + ends, ends)) or (ends and ends[-1] > a.data.shape[0]):
         raise ValueError(
             f"offs must be non-decreasing and at most T={a.data.shape[0]}; got {ends}.")
+    return ends
+
+
+def reference_grouped_mm(fmt: str, a: Side, b: Side, offs, bias, out_dtype,
+                         decode=units) -> torch.Tensor:
+    """Per expert: exact fp32 units, matmul, the dense epilogue on that expert's rows."""
+    ends = _row_ends(offs, a)
     ua, ub = decode(fmt, a), decode(fmt, b)
     left, right = epilogue_factors(fmt, a, b)
     out = torch.zeros(a.data.shape[0], b.data.shape[1], dtype=out_dtype, device=ub.device)
@@ -203,6 +209,32 @@ def cpu_mm(fmt: str, a: Side, b: Side, bias, out_dtype) -> torch.Tensor:
     return apply_epilogue(acc, *epilogue_factors(fmt, a, b), bias, out_dtype)
 
 
+def _expert_rows(s: Side, rows: slice) -> Side:
+    amax = s.amax[rows] if s.amax is not None and s.amax.dim() else s.amax
+    return Side(s.data[rows], None if s.scale is None else s.scale[rows], amax, s.bound, s.tiles)
+
+
+def _expert(s: Side, e: int) -> Side:
+    amax = s.amax[e] if s.amax is not None and s.amax.dim() else s.amax
+    return Side(s.data[e], None if s.scale is None else s.scale[e], amax, s.bound, s.tiles)
+
+
+def cpu_grouped_mm(fmt: str, a: Side, b: Side, offs, bias, out_dtype) -> torch.Tensor:
+    """The CPU grouped op: each expert's rows through the dense CPU op's product (cpu_mm), so a
+    grouped product is bitwise its experts' dense products on the CPU (a grouped linear's
+    expert is bitwise a linear of its own); rows past offs[-1] are zero."""
+    ends = _row_ends(offs, a)
+    out = torch.zeros(a.data.shape[0], b.data.shape[1], dtype=out_dtype, device=b.data.device)
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            rows = slice(start, end)
+            out[rows] = cpu_mm(fmt, _expert_rows(a, rows), _expert(b, e),
+                               bias[e] if bias is not None else None, out_dtype)
+        start = end
+    return out
+
+
 # ---- the kernels each op registers, per format --------------------------------------------------
 
 
@@ -240,7 +272,7 @@ def _grouped_kernels(fmt: str):
         return a, b, offs, bias, out_dtype
 
     def cpu(*args):
-        return reference_grouped_mm(fmt, *checked(args), decode=cpu_units)
+        return cpu_grouped_mm(fmt, *checked(args))
 
     def cuda(*args):
         a, b, offs, bias, out_dtype = checked(args)

@@ -19,12 +19,15 @@ multiple of 16 (32 with MXFP8 columnwise usages) for a quantized backward: pad p
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Sequence
 
 import torch
 from torch import nn
 
+from qtensor.gemm.grouped import grouped_mm
+from qtensor.training.experts import ExpertStack, cat_rows
 from qtensor.training.linear import (
     LinearState,
     WeightHolder,
@@ -33,13 +36,14 @@ from qtensor.training.linear import (
     forward_input,
     init_sr_state,
     needs_backward,
+    quantize_grad_output,
     quantize_weight,
     saved_for_backward,
     shape_error,
     take_sr_state,
 )
 from qtensor.training.recipe import NVFP4TrainingRecipe
-from qtensor.training.roles import SRSeeds, each_call, fprop, quantize_rowwise
+from qtensor.training.roles import SRSeeds, each_call, quantize_rowwise, wgrad
 from qtensor.training.weight_cache import WeightCache
 
 
@@ -58,12 +62,22 @@ def shared_input_rowwise(x2: torch.Tensor, state: LinearState):
     return quantize_rowwise(x2, state.specs.input, "input")
 
 
+def _offsets(splits: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The grouped GEMM's int32 [E] cumulative row ends, copied to the device without a host
+    sync (a pageable copy would wait for the queue)."""
+    ends = torch.tensor(list(itertools.accumulate(splits)), dtype=torch.int32)
+    if device.type == "cuda":
+        return ends.pin_memory().to(device, non_blocking=True)
+    return ends.to(device)
+
+
 class GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, w_holder: WeightHolder, state: LinearState, splits, dtype,
                 backward, sr):
         override = state.specs.backward_override
-        ys, x_saved, w_saved = [], [], []
+        stack: ExpertStack = w_holder.op
+        x_saved, w_saved, rows = [], [], []
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.to(dtype)
             shared = shared_input_rowwise(x2, state)
@@ -78,48 +92,71 @@ class GroupedLinearFunction(torch.autograd.Function):
                 # Expert e rounds with seed + e: the step advanced the state by E seeds.
                 x_op = forward_input(x_e, state, backward, rowwise=row,
                                      sr=None if calls is None else calls[e])
-                b_e = bias[e].to(dtype) if bias is not None else None
-                ys.append(fprop(x_op, w_holder.op[e], b_e, dtype))
-                xs, ws = saved_for_backward(x_e, x_op, weight[e], w_holder.op[e], override)
+                rows.append(x_op.gemm_operand("left"))
+                xs, ws = saved_for_backward(x_e, x_op, weight[e], stack.ops[e], override)
                 x_saved.append(xs)
                 w_saved.append(ws)
-        ctx.save_for_backward(*x_saved, *w_saved, sr)
+            offs = _offsets(splits, x.device) if rows else None
+            if rows:
+                # One grouped product for every expert: the row-scaled input quantized once is
+                # already the experts' rows one after another.
+                left = shared if shared is not None else cat_rows(rows)
+                b = bias.to(dtype) if bias is not None else None
+                y = grouped_mm(left, stack.rows.transpose(-1, -2), offs, b, dtype)
+        # dgrad multiplies the stacked columnwise weight when the backward is quantized; the
+        # overrides multiply each expert's saved operands.
+        grouped_dgrad = override is None and stack.cols is not None
+        ctx.save_for_backward(*x_saved, *w_saved, sr, offs,
+                              stack.cols if grouped_dgrad else None)
         ctx.state, ctx.splits, ctx.dtype, ctx.x_dtype = state, splits, dtype, x.dtype
         ctx.w_meta = (weight.shape, weight.dtype)
         ctx.b_dtype = bias.dtype if bias is not None else None
-        if not ys:
+        if not rows:
             return x2.new_zeros(0, weight.shape[1])
-        return torch.cat(ys)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         saved = ctx.saved_tensors
         n_exp = len(ctx.splits)
-        x_saved, w_saved, sr = saved[:n_exp], saved[n_exp:2 * n_exp], saved[2 * n_exp]
+        x_saved, w_saved = saved[:n_exp], saved[n_exp:2 * n_exp]
+        sr, offs, w_cols = saved[2 * n_exp:]
         (w_shape, w_dtype), dtype = ctx.w_meta, ctx.dtype
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        dxs = []
+        dxs, rows = [], []
         dw = torch.zeros(w_shape, dtype=w_dtype, device=dy.device) if need[1] else None
+        state = ctx.state
         with torch.autocast(dy.device.type, enabled=False):
             dy2 = dy.to(dtype)
             calls = each_call(sr, n_exp)
             for e, (start, m) in enumerate(_bounds(ctx.splits)):
                 if m == 0:
                     continue
-                dx_e, dw_e = backward_gemms(dy2[start:start + m], x_saved[e], w_saved[e],
-                                            ctx.state, dtype, w_dtype, need,
-                                            None if calls is None else calls[e])
-                dxs.append(dx_e)
+                dy_e, sr_e = dy2[start:start + m], None if calls is None else calls[e]
+                if w_cols is None:
+                    dx_e, dw_e = backward_gemms(dy_e, x_saved[e], w_saved[e], state, dtype,
+                                                w_dtype, need, sr_e)
+                    dxs.append(dx_e)
+                else:
+                    dy_op = quantize_grad_output(dy_e, state, sr_e)
+                    rows.append(dy_op.gemm_operand("left"))
+                    dw_e = wgrad(dy_op, x_saved[e], w_dtype) if need[1] else None
                 if dw is not None:
                     dw[e] = dw_e
             db = None
             if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
                 db = torch.stack([dy2[s:s + m].float().sum(0) for s, m in _bounds(ctx.splits)])
                 db = db.to(ctx.b_dtype)
-        dx = None
-        if need[0]:
-            k = w_shape[-1]
-            dx = torch.cat(dxs).to(ctx.x_dtype) if dxs else dy.new_zeros(0, k, dtype=ctx.x_dtype)
+            dx = None
+            if need[0]:
+                k = w_shape[-1]
+                if rows:
+                    dx = grouped_mm(cat_rows(rows), w_cols, offs, None, dtype)
+                elif dxs:
+                    dx = torch.cat(dxs)
+                else:
+                    dx = dy2.new_zeros(0, k)
+                dx = dx.to(ctx.x_dtype)
         return dx, dw, db, None, None, None, None, None, None
 
 
@@ -171,8 +208,9 @@ class GroupedLinear(nn.Module):
             if self.bias is not None:
                 self.bias.uniform_(-bound, bound)
 
-    def _build_weight(self, w: torch.Tensor) -> list:
-        return [quantize_weight(w[e], self.state.specs) for e in range(self.num_experts)]
+    def _build_weight(self, w: torch.Tensor) -> ExpertStack:
+        return ExpertStack.build([quantize_weight(w[e], self.state.specs)
+                                  for e in range(self.num_experts)])
 
     def forward(self, x: torch.Tensor, tokens_per_expert, is_first_microbatch=None):
         """x [T, in] sorted by expert; tokens_per_expert: E ints (a tensor costs a host sync)."""

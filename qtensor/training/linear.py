@@ -123,10 +123,15 @@ def backward_gemms(dy2, x_saved, w_saved, state: LinearState, dtype, w_dtype, ne
     return high_precision_backward(dy2, x_hp, w_hp, w_dtype, need)
 
 
+def quantize_grad_output(dy2, state: LinearState, sr=None):
+    """grad_output [M, N] quantized for its role (both usages), on the state's GEMM backend."""
+    dy_sr = sr_for_role("grad_output", state.specs.grad_output, sr)
+    return on_backend(quantize_role(dy2, state.specs.grad_output, "grad_output", dy_sr), state)
+
+
 def quantized_backward(dy2, x_op, w_op, state: LinearState, dtype, w_dtype, need, sr=None):
     """grad_output quantized for its role, then dgrad and wgrad on the recipe's operands."""
-    dy_sr = sr_for_role("grad_output", state.specs.grad_output, sr)
-    dy_op = on_backend(quantize_role(dy2, state.specs.grad_output, "grad_output", dy_sr), state)
+    dy_op = quantize_grad_output(dy2, state, sr)
     dx = dgrad(dy_op, w_op, dtype) if need[0] else None
     dw = wgrad(dy_op, x_op, w_dtype) if need[1] else None
     return dx, dw

@@ -36,12 +36,13 @@ from typing import Callable, Hashable
 import torch
 
 from qtensor.tensors import QuantizedTensor
+from qtensor.training.experts import ExpertStack
 
 
 class WeightCache:
     def __init__(self, strict_reuse: bool = True):
-        # One operand, or a list of them (one per expert of a grouped linear).
-        self.operand: QuantizedTensor | list[QuantizedTensor] | None = None
+        # One operand, or a grouped linear's experts' operands.
+        self.operand: QuantizedTensor | ExpertStack | None = None
         self.strict_reuse = strict_reuse
         self.stats: Counter = Counter()
         self._key: tuple | None = None  # staleness: version counter and storage
@@ -123,6 +124,8 @@ def leaves(t) -> list[torch.Tensor]:
     """The plain inner tensors of a (nested) quantized tensor or a list of them, in order."""
     if isinstance(t, (list, tuple)):
         return [leaf for item in t for leaf in leaves(item)]
+    if isinstance(t, ExpertStack):
+        return leaves(t.tensors())
     out = []
     for name in t.tensor_data_names:
         inner = getattr(t, name)
