@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtensor import NVFP4Tensor
+from qtensor import HybridTensor, NVFP4Tensor
 from qtensor.training import GroupedLinear, NVFP4TrainingRecipe, TrainingLinear
 
 E, K, N = 4, 64, 64
@@ -179,10 +179,58 @@ def test_grouped_products_take_the_stacked_weight_and_one_call(monkeypatch):
     run_grouped(g, x, dy)
     assert calls == [[16, 16, 48, 64]] * 2  # fprop, dgrad
     stack = g.weight_cache.operand
-    for e, op in enumerate(stack.ops):
+    for e in range(E):
+        op = stack.op(e)
         assert op.rowwise.qdata.data_ptr() == stack.rows.qdata[e].data_ptr()
         assert op.columnwise.qdata.data_ptr() == stack.cols.qdata[e].data_ptr()
         assert torch.equal(op.rowwise.amax.expand(N), stack.rows.amax[e])
+
+
+WEIGHT_RECIPES = {
+    "rl_row": RECIPES["rl_row"],
+    "rl_row_dgrad_mxfp8": RECIPES["rl_row_dgrad_mxfp8"],
+    "weights_4over6": NVFP4TrainingRecipe(fourover6_roles="weights", **RL_ROW),
+    "dequantized": RECIPES["dequantized"],
+}
+
+
+def _same_bytes(a, b) -> bool:
+    if isinstance(a, HybridTensor):
+        return type(b) is HybridTensor and a.columnwise_source == b.columnwise_source and \
+            _same_bytes(a.rowwise, b.rowwise) and _same_bytes(a.columnwise, b.columnwise)
+    return repr(a) == repr(b) and all(
+        torch.equal(getattr(a, n).view(torch.uint8), getattr(b, n).view(torch.uint8))
+        if getattr(a, n).dtype.itemsize == 1 else torch.equal(getattr(a, n), getattr(b, n))
+        for n in a.tensor_data_names)
+
+
+@pytest.mark.parametrize("name", list(WEIGHT_RECIPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_weights_quantized_at_once_are_each_experts_own(name, dtype):
+    # One pass per usage over [E, N, K] gives every expert the bytes, spec and 0-d amax of its
+    # own quantize_weight: outliers, an all-zero expert (amax 0), tiny and huge experts.
+    from qtensor.training.experts import quantize_experts
+    from qtensor.training.linear import quantize_weight
+
+    specs = WEIGHT_RECIPES[name].operand_specs()
+    torch.manual_seed(1)
+    w = torch.randn(5, 64, 96)
+    w[0, 3, 7] = 40.0
+    w[1] = 0.0
+    w[2] *= 1e-30
+    w[3] *= 1e30
+    w = w.to(dtype)
+    stack = quantize_experts(w, specs.weight)
+    assert stack is not None
+    for e in range(5):
+        assert _same_bytes(stack.op(e), quantize_weight(w[e], specs)), f"expert {e}"
+
+
+def test_two_d_weights_are_quantized_per_expert():
+    from qtensor.training.experts import quantize_experts
+
+    assert quantize_experts(torch.randn(2, 32, 32), NVFP4TrainingRecipe().operand_specs().weight) \
+        is None
 
 
 def test_stacked_operands_refuse_mixed_layouts():
@@ -232,3 +280,33 @@ def test_cuda_grouped_matches_independent_linears(name):
             assert ((got - want).abs() <= tol).all(), f"expert {e}"
         assert torch.equal(lin.weight.grad, g.weight.grad[e])
         start += m
+
+
+@pytest.mark.parametrize("name", ["rl_row", "nvfp4_2d_rht"])
+def test_graph_safe_cache_rewrites_the_stacks_in_place(name):
+    # The gated update writes the stacks' own buffers, and each expert's operand (a view of
+    # them) follows: True keeps the first micro-batch's bytes, False takes the new weight's.
+    from qtensor.training.weight_cache import leaves
+
+    g, x, _ = make(RECIPES[name])
+    g.skip_weight_update = torch.tensor(False)
+    g(x, SPLITS)
+    stack = g.weight_cache.operand
+    ptrs = [t.data_ptr() for t in leaves(stack)]
+    first = [t.clone() for t in leaves(stack)]
+    view_before = stack.op(2).rowwise.qdata.clone()
+    with torch.no_grad():
+        g.weight.mul_(-2.0)
+    g.skip_weight_update.fill_(True)
+    g(x, SPLITS)
+    assert g.weight_cache.operand is stack
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(leaves(stack), first))
+    g.skip_weight_update.fill_(False)
+    g(x, SPLITS)
+    assert [t.data_ptr() for t in leaves(stack)] == ptrs
+    fresh = g._build_weight(g.weight.detach())
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(leaves(stack), leaves(fresh)))
+    assert not torch.equal(stack.op(2).rowwise.qdata, view_before)
+    assert torch.equal(stack.op(2).rowwise.qdata, fresh.op(2).rowwise.qdata)

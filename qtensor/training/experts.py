@@ -24,8 +24,11 @@ from typing import Sequence
 
 import torch
 
+from qtensor.formats.mxfp8 import MXFP8Spec
+from qtensor.formats.nvfp4 import NVFP4Spec
+from qtensor.ops import quant
 from qtensor.tensors import HybridTensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
-from qtensor.tensors.common import ROWWISE
+from qtensor.tensors.common import COLUMNWISE, ROWWISE
 
 _STACKABLE = (NVFP4Tensor, MXFP8Tensor)
 
@@ -96,51 +99,127 @@ def _stack(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
                          spec=_row_scaled(first.spec))
 
 
-def _view(part: QuantizedTensor, stack: QuantizedTensor, e: int) -> QuantizedTensor:
-    """Expert e's operand as it was built (class, spec, amax shape), on the stack's bytes."""
-    fields = {"qdata": stack.qdata[e], "scale": stack.scale[e]}
-    if isinstance(part, NVFP4Tensor):
-        fields["amax"] = stack.amax[e] if part.amax.dim() else stack.amax[e].reshape(-1)[0]
-    return part.replace(**fields)
+def _view(stack: QuantizedTensor, e: int, spec, per_tensor: bool) -> QuantizedTensor:
+    """Expert e's operand on the stack's bytes, with the spec it was quantized with and, for a
+    per-tensor NVFP4 part, its 0-d amax (a view of the stack's, so an in-place rewrite of the
+    stack reaches it)."""
+    fields = {"qdata": stack.qdata[e], "scale": stack.scale[e], "spec": spec}
+    if isinstance(stack, NVFP4Tensor):
+        fields["amax"] = stack.amax[e, 0] if per_tensor else stack.amax[e]
+    return stack.replace(shape=stack.shape[1:], **fields)
 
 
 @dataclasses.dataclass
 class ExpertStack:
-    """A grouped linear's weight operands: `ops[e]` expert e's (as quantize_weight built it, on
-    the stacks' bytes), `rows` the fprop operand [E, N, K] (rowwise), `cols` the dgrad operand
-    [E, N, K] (columnwise), or None where the experts' operands have no such usage."""
+    """A grouped linear's weight operands: `rows` the fprop operand [E, N, K] (rowwise), `cols`
+    the dgrad operand [E, N, K] (columnwise; None without that usage), and `op(e)` expert e's
+    operand as quantize_weight builds it for that expert alone, made on first use as a view of
+    the stacks (only the backward overrides multiply per expert)."""
 
-    ops: list
-    rows: QuantizedTensor | None
+    rows: QuantizedTensor
     cols: QuantizedTensor | None
+    row_spec: object  # each expert's rowwise spec, and columnwise spec (None: rowwise only)
+    col_spec: object | None
+    per_tensor: tuple[bool, bool]  # whether each usage's parts hold a 0-d amax
+    source: str | None  # the HybridTensor's columnwise_source; None: one rowwise operand
+    _ops: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_experts(self) -> int:
+        return self.rows.shape[0]
+
+    def op(self, e: int) -> QuantizedTensor:
+        """Expert e's operand (a HybridTensor of both usages, or its rowwise tensor)."""
+        out = self._ops.get(e)
+        if out is None:
+            row = _view(self.rows, e, self.row_spec, self.per_tensor[0])
+            if self.source is None:
+                out = row
+            else:
+                col = _view(self.cols, e, self.col_spec, self.per_tensor[1])
+                out = HybridTensor(row.shape, row.dtype, row.device, rowwise=row, columnwise=col,
+                                   columnwise_source=self.source)
+            self._ops[e] = out
+        return out
 
     @classmethod
     def build(cls, ops: Sequence[QuantizedTensor]) -> "ExpertStack":
-        """Stack the experts' weight operands (a HybridTensor or one rowwise tensor each)."""
+        """Stack the experts' weight operands (a HybridTensor or one rowwise tensor each), as
+        each expert's quantize_weight made them."""
         hybrid = isinstance(ops[0], HybridTensor)
         row_parts = [op.rowwise if hybrid else op for op in ops]
         col_parts = [op.columnwise for op in ops] if hybrid else None
         _check(row_parts)
-        rows = _stack(row_parts)
-        cols = None
-        if col_parts is not None and part_problem(col_parts) is None:
-            cols = _stack(col_parts)
-        views = []
-        for e, op in enumerate(ops):
-            r = _view(row_parts[e], rows, e)
-            if not hybrid:
-                views.append(r)
-                continue
-            c = _view(col_parts[e], cols, e) if cols is not None else op.columnwise
-            views.append(op.replace(rowwise=r, columnwise=c))
-        return cls(views, rows, cols)
+        if col_parts is not None:
+            _check(col_parts)
+        per_tensor = tuple(isinstance(p[0], NVFP4Tensor) and p[0].amax.dim() == 0
+                           for p in (row_parts, col_parts or row_parts))
+        return cls(_stack(row_parts), _stack(col_parts) if hybrid else None, row_parts[0].spec,
+                   col_parts[0].spec if hybrid else None, per_tensor,
+                   ops[0].columnwise_source if hybrid else None)
 
     def tensors(self) -> list:
-        """What the weight cache copies in place on a gated update: the stacks (the views
-        follow), plus the operands the stacks do not hold."""
-        out = [self.rows]
-        if self.cols is not None:
-            out.append(self.cols)
-        elif isinstance(self.ops[0], HybridTensor):
-            out.extend(op.columnwise for op in self.ops)
-        return out
+        """The stacks, which the weight cache rewrites in place on a gated update (the
+        experts' views follow)."""
+        return [self.rows] if self.cols is None else [self.rows, self.cols]
+
+
+# ---- all experts' weights quantized at once ------------------------------------------------------
+
+
+def _at_once_problem(role) -> str | None:
+    """Why quantize_experts cannot quantize this weight role for all experts at once, or None."""
+    row, col = role.rowwise, role.columnwise
+    if not isinstance(row, NVFP4Spec) or row.block_2d or row.row_scaled or row.rht or \
+            row.stochastic_rounding:
+        return "the weight's rowwise usage is not 1x16-block NVFP4 with one amax"
+    if col is None:
+        return None
+    if isinstance(col, NVFP4Spec) and role.columnwise_source == "original" and not (
+            col.block_2d or col.row_scaled or col.rht or col.stochastic_rounding):
+        return None
+    if isinstance(col, MXFP8Spec) and role.columnwise_source == "rowwise_dequantized":
+        return None
+    return "the weight's columnwise usage is neither 1x16-block NVFP4 nor decoded-rowwise MXFP8"
+
+
+def _nvfp4_rows(x2: torch.Tensor, spec: NVFP4Spec, amax_rows: torch.Tensor) -> NVFP4Tensor:
+    """x2 [R, C] quantized rowwise with the given amax per row (row-scaled bytes)."""
+    spec = dataclasses.replace(spec, columnwise=False, row_scaled=True)
+    return NVFP4Tensor.from_spec(x2, spec, check_finite=False, global_amax=amax_rows)
+
+
+def quantize_experts(w: torch.Tensor, role) -> ExpertStack | None:
+    """The weight operands of E experts w [E, N, K] (a RoleSpec's two usages) from one pass per
+    usage, bitwise what quantizing each expert's [N, K] for the role gives; None where the role
+    is not one this takes (_at_once_problem: 2-D blocks, whose tiles take per-tensor scales).
+
+    Each expert's NVFP4 amax is max |w_e|, the maximum of its rows' maxima (a max is exact,
+    so the same value as the expert's own reduction), given to the quantizer once per storage
+    row: the row-scaled quantization of that row with that amax is the per-tensor one. The
+    columnwise usage is the rowwise quantization of each expert's transpose, which is how
+    docs/formats.md defines it; the MXFP8 one (dgrad_mxfp8) blocks 32 rows of [E * N, K],
+    never across two experts as N is a multiple of 32.
+    """
+    if _at_once_problem(role) is not None:
+        return None
+    e, n, k = w.shape
+    row_amax = quant.amax(w.reshape(e * n, k), per_row=True).view(e, n).amax(1)
+    rows = _nvfp4_rows(w.reshape(e * n, k), role.rowwise, row_amax.repeat_interleave(n))
+    rows = rows.replace(shape=(e, n, k), qdata=rows.qdata.view(e, n, -1),
+                        scale=rows.scale.view(e, n, -1), amax=rows.amax.view(e, n))
+    col, cols = role.columnwise, None
+    if isinstance(col, NVFP4Spec):
+        t = _nvfp4_rows(w.transpose(1, 2).reshape(e * k, n), col, row_amax.repeat_interleave(k))
+        cols = t.replace(shape=(e, n, k), qdata=t.qdata.view(e, k, -1),
+                         scale=t.scale.view(e, k, -1), amax=t.amax.view(e, k), axis=COLUMNWISE,
+                         spec=dataclasses.replace(t.spec, columnwise=True))
+    elif col is not None:
+        decoded = rows.replace(shape=(e * n, k), qdata=rows.qdata.view(e * n, -1),
+                               scale=rows.scale.view(e * n, -1),
+                               amax=rows.amax.view(-1)).dequantize(w.dtype)
+        m = MXFP8Tensor.from_spec(decoded, col, check_finite=False)
+        cols = m.replace(shape=(e, n, k), qdata=m.qdata.view(e, n, k),
+                         scale=m.scale.view(e, n // 32, k))
+    return ExpertStack(rows, cols, role.rowwise, col, (True, isinstance(col, NVFP4Spec)),
+                       None if col is None else role.columnwise_source)

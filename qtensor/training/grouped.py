@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from qtensor.gemm.grouped import grouped_mm
-from qtensor.training.experts import ExpertStack, cat_rows
+from qtensor.training.experts import ExpertStack, cat_rows, quantize_experts
 from qtensor.training.linear import (
     LinearState,
     WeightHolder,
@@ -93,7 +93,7 @@ class GroupedLinearFunction(torch.autograd.Function):
                 x_op = forward_input(x_e, state, backward, rowwise=row,
                                      sr=None if calls is None else calls[e])
                 rows.append(x_op.gemm_operand("left"))
-                xs, ws = saved_for_backward(x_e, x_op, weight[e], stack.ops[e], override)
+                xs, ws = saved_for_backward(x_e, x_op, weight[e], stack.op(e), override)
                 x_saved.append(xs)
                 w_saved.append(ws)
             offs = _offsets(splits, x.device) if rows else None
@@ -209,6 +209,9 @@ class GroupedLinear(nn.Module):
                 self.bias.uniform_(-bound, bound)
 
     def _build_weight(self, w: torch.Tensor) -> ExpertStack:
+        stack = quantize_experts(w, self.state.specs.weight)
+        if stack is not None:
+            return stack
         return ExpertStack.build([quantize_weight(w[e], self.state.specs)
                                   for e in range(self.num_experts)])
 
