@@ -204,9 +204,7 @@ def _same_bytes(a, b) -> bool:
         for n in a.tensor_data_names)
 
 
-@pytest.mark.parametrize("name", list(WEIGHT_RECIPES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_experts_weights_quantized_at_once_are_each_experts_own(name, dtype):
+def _experts_weights_check(name, dtype, device):
     # One pass per usage over [E, N, K] gives every expert the bytes, spec and 0-d amax of its
     # own quantize_weight: outliers, an all-zero expert (amax 0), tiny and huge experts.
     from qtensor.training.experts import quantize_experts
@@ -219,11 +217,25 @@ def test_experts_weights_quantized_at_once_are_each_experts_own(name, dtype):
     w[1] = 0.0
     w[2] *= 1e-30
     w[3] *= 1e30
-    w = w.to(dtype)
+    w = w.to(device, dtype)
     stack = quantize_experts(w, specs.weight)
     assert stack is not None
     for e in range(5):
         assert _same_bytes(stack.op(e), quantize_weight(w[e], specs)), f"expert {e}"
+
+
+@pytest.mark.parametrize("name", list(WEIGHT_RECIPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_weights_quantized_at_once_are_each_experts_own(name, dtype):
+    _experts_weights_check(name, dtype, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", list(WEIGHT_RECIPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_experts_weights_quantized_at_once_are_each_experts_own(name, dtype):
+    _experts_weights_check(name, dtype, "cuda")
 
 
 def test_two_d_weights_are_quantized_per_expert():
