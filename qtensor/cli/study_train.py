@@ -281,11 +281,7 @@ def train_one(config: str, seed: int, preset: Preset, data, device: torch.device
         t0 = time.perf_counter()
         loss = _loss(model, x, y)
         opt.zero_grad(set_to_none=True)
-        # The backward in this thread: on a GPU the engine's device thread would run the
-        # training linears' Python backwards on another core, at 1.5-3x their cost
-        # (docs/training.md, "The backward's thread"); the gradients are the same.
-        with torch.autograd.set_multithreading_enabled(False):
-            loss.backward()
+        loss.backward()
         _sync(device)
         t1 = time.perf_counter()
         if measure:  # outside the timed step
