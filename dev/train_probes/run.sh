@@ -18,6 +18,7 @@
 #   pieces: host_probe.py, a training linear's host time on the GPU piece by piece
 #   layers: layers_probe.py, fprop's and a cast's host time call by call, and in the backward
 #   glue:  glue_probe.py, the step's host time outside its casts and products
+#   moe:   the grouped linear's and grouped GEMM's CUDA tests, then bench_training.py --sections moe
 #   syncs: sync_probe.py $SYNC_RECIPES, the host syncs of the small GPT's eager step per recipe
 #   gluepinned: glue_probe.py with the process pinned to one core (taskset), engine's thread too
 #   (thread_probe.py, the same question on the CPU with a worker thread, needs no GPU)
@@ -52,6 +53,8 @@ for p in "$@"; do
     pieces) timeout 150 python dev/train_probes/host_probe.py >"$r/pieces.log" 2>&1; echo "pieces rc=$?"; cat "$r/pieces.log" | tail -40 ;;
     layers) timeout 150 python dev/train_probes/layers_probe.py >"$r/layers.log" 2>&1; echo "layers rc=$?"; cat "$r/layers.log" | tail -60 ;;
     glue) timeout 150 python dev/train_probes/glue_probe.py >"$r/glue.log" 2>&1; echo "glue rc=$?"; head -26 "$r/glue.log"; grep -A36 "engine's backward" "$r/glue.log" | cut -c1-150 ;;
+    moe) timeout 150 python -m pytest -q -m cuda tests/test_training_grouped.py tests/test_grouped_mm.py >"$r/moe_tests.log" 2>&1; echo "moe tests rc=$?"; tail -6 "$r/moe_tests.log"
+         timeout 150 python benchmarks/bench_training.py --sections moe --warmup 5 --iters 25 --md "$r/moe.md" >"$r/moe.log" 2>&1; echo "moe rc=$?"; grep "^moe" "$r/moe.log" ;;
     syncs) timeout 200 python dev/train_probes/sync_probe.py ${SYNC_RECIPES:-} >"$r/syncs.log" 2>&1; echo "syncs rc=$?"; cat "$r/syncs.log" | tail -60 ;;
     gluepinned) timeout 150 taskset -c "${PIN_CORE:-2}" python dev/train_probes/glue_probe.py >"$r/glue_pinned.log" 2>&1; echo "gluepinned rc=$?"; grep "^|" "$r/glue_pinned.log" ;;
     codesgpu) timeout 150 python dev/train_probes/codes_gpu_probe.py >"$r/codesgpu.log" 2>&1; echo "codesgpu rc=$?"; cat "$r/codesgpu.log" | tail -20 ;;
