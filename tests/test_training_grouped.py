@@ -230,6 +230,19 @@ def test_experts_weights_quantized_at_once_are_each_experts_own(name, dtype):
     _experts_weights_check(name, dtype, "cpu")
 
 
+@pytest.mark.parametrize("name", ["rl_row", "rl_row_dgrad_mxfp8"])
+def test_experts_weights_at_once_on_the_reference_quantizer(name):
+    # The reference backend (no extension, or forced) reduces each row's amax in Python.
+    from qtensor import backends
+    from qtensor.backends import BackendPolicy
+
+    try:
+        backends.set_policy(BackendPolicy(force_quant_reference=True))
+        _experts_weights_check(name, torch.bfloat16, "cpu")
+    finally:
+        backends.set_policy(None)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", list(WEIGHT_RECIPES))

@@ -253,9 +253,14 @@ def fourover6_map4(x: torch.Tensor, spec: NVFP4Spec) -> torch.Tensor:
     return _fourover6_choice(xf, block_amax(xf, spec.block_2d), amax_b, s_enc, spec)[2]
 
 
+def row_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| of each row of a 2-D x, in fp32: a row-scaled tensor's amax (step 1)."""
+    return x.float().abs().amax(dim=1)
+
+
 def _global_amax(xf: torch.Tensor, spec: NVFP4Spec) -> tuple[torch.Tensor, torch.Tensor]:
     """(amax, amax broadcast over [R, C/16]): one per tensor, or one per row when row-scaled."""
-    amax = xf.abs().amax(dim=1) if spec.row_scaled else xf.abs().amax()
+    amax = row_amax(xf) if spec.row_scaled else xf.abs().amax()
     return amax, (amax[:, None] if spec.row_scaled else amax)
 
 

@@ -90,6 +90,14 @@ def quantize_nvfp4(x, spec: NVFP4Spec, generator=None, global_amax=None
     return NVFP4Data(qdata, scale, a), backend
 
 
+def nvfp4_row_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| (fp32) of each row of a 2-D x, reduced as quantize_nvfp4 reduces a row-scaled
+    amax on x's backend."""
+    if quant_backend(x.device) is QuantBackend.REFERENCE:
+        return nvfp4.row_amax(x)
+    return amax(x, per_row=True)
+
+
 def _mx_kernel_ok(x: torch.Tensor, backend: QuantBackend, columnwise: bool) -> bool:
     # The CUDA kernel reads 16-element row chunks; the reference takes any K for columnwise.
     return backend is not QuantBackend.REFERENCE and not (

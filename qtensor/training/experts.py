@@ -41,8 +41,8 @@ def part_problem(parts: Sequence[QuantizedTensor]) -> str | None:
     if type(first) not in _STACKABLE:
         return f"a {type(first).__name__} operand (NVFP4 or MXFP8 only)"
     for p in parts:
-        if type(p) is not type(first) or p.spec != first.spec or p.axis != first.axis or \
-                p.dtype != first.dtype or p.shape[1:] != first.shape[1:]:
+        if type(p) is not type(first) or (p.spec is not first.spec and p.spec != first.spec) or \
+                p.axis != first.axis or p.dtype != first.dtype or p.shape[1:] != first.shape[1:]:
             return f"operands of different layouts ({first!r} and {p!r})"
     if isinstance(first, NVFP4Tensor) and first.rht:
         return "an RHT-transformed NVFP4 operand"
@@ -204,7 +204,7 @@ def quantize_experts(w: torch.Tensor, role) -> ExpertStack | None:
     if _at_once_problem(role) is not None:
         return None
     e, n, k = w.shape
-    row_amax = quant.amax(w.reshape(e * n, k), per_row=True).view(e, n).amax(1)
+    row_amax = quant.nvfp4_row_amax(w.reshape(e * n, k)).view(e, n).amax(1)
     rows = _nvfp4_rows(w.reshape(e * n, k), role.rowwise, row_amax.repeat_interleave(n))
     rows = rows.replace(shape=(e, n, k), qdata=rows.qdata.view(e, n, -1),
                         scale=rows.scale.view(e, n, -1), amax=rows.amax.view(e, n))

@@ -77,6 +77,10 @@ class GroupedLinearFunction(torch.autograd.Function):
                 backward, sr):
         override = state.specs.backward_override
         stack: ExpertStack = w_holder.op
+        # dgrad multiplies the stacked columnwise weight when the backward is quantized; the
+        # overrides multiply each expert's saved operands (or its high-precision weight).
+        grouped_dgrad = override is None and stack.cols is not None
+        per_expert_w = not grouped_dgrad and override != "high_precision"
         x_saved, w_saved, rows = [], [], []
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.to(dtype)
@@ -93,7 +97,8 @@ class GroupedLinearFunction(torch.autograd.Function):
                 x_op = forward_input(x_e, state, backward, rowwise=row,
                                      sr=None if calls is None else calls[e])
                 rows.append(x_op.gemm_operand("left"))
-                xs, ws = saved_for_backward(x_e, x_op, weight[e], stack.op(e), override)
+                xs, ws = saved_for_backward(x_e, x_op, weight[e],
+                                            stack.op(e) if per_expert_w else None, override)
                 x_saved.append(xs)
                 w_saved.append(ws)
             offs = _offsets(splits, x.device) if rows else None
@@ -103,9 +108,6 @@ class GroupedLinearFunction(torch.autograd.Function):
                 left = shared if shared is not None else cat_rows(rows)
                 b = bias.to(dtype) if bias is not None else None
                 y = grouped_mm(left, stack.rows.transpose(-1, -2), offs, b, dtype)
-        # dgrad multiplies the stacked columnwise weight when the backward is quantized; the
-        # overrides multiply each expert's saved operands.
-        grouped_dgrad = override is None and stack.cols is not None
         ctx.save_for_backward(*x_saved, *w_saved, sr, offs,
                               stack.cols if grouped_dgrad else None)
         ctx.state, ctx.splits, ctx.dtype, ctx.x_dtype = state, splits, dtype, x.dtype
