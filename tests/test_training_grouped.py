@@ -260,15 +260,20 @@ def test_two_d_weights_are_quantized_per_expert():
 
 def test_stacked_operands_refuse_mixed_layouts():
     from qtensor.training.experts import ExpertStack, cat_rows
+    from qtensor.training.roles import RoleSpec
 
     a = NVFP4Tensor.from_hp(torch.randn(16, K))
     b = NVFP4Tensor.from_hp(torch.randn(16, K), fourover6="mae")
     with pytest.raises(ValueError, match="different layouts"):
-        cat_rows([a, b])
+        cat_rows([a, b], a.spec)
     with pytest.raises(ValueError, match="at least one"):
-        cat_rows([])
+        cat_rows([], a.spec)
+    rht = NVFP4Tensor.from_hp(torch.randn(K, 16), columnwise=True, rht=True)
+    row = NVFP4Tensor.from_hp(torch.randn(16, K))
+    hybrid = HybridTensor(row.shape, row.dtype, row.device, rowwise=row, columnwise=rht,
+                          columnwise_source="original")
     with pytest.raises(ValueError, match="RHT"):
-        ExpertStack.build([NVFP4Tensor.from_hp(torch.randn(K, 16), columnwise=True, rht=True)])
+        ExpertStack.build([hybrid], RoleSpec(row.spec, rht.spec))
 
 
 @pytest.mark.cuda

@@ -28,7 +28,7 @@ from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.ops import quant
 from qtensor.tensors import HybridTensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
-from qtensor.tensors.common import COLUMNWISE, ROWWISE
+from qtensor.tensors.common import COLUMNWISE, ROWWISE, bytes_spec
 
 _STACKABLE = (NVFP4Tensor, MXFP8Tensor)
 
@@ -52,6 +52,8 @@ def part_problem(parts: Sequence[QuantizedTensor]) -> str | None:
 def _check(parts) -> None:
     if not parts:
         raise ValueError("stacking the experts' operands needs at least one operand.")
+    if torch.compiler.is_compiling():
+        return  # checked eagerly; traced, the parts are the role's own casts
     problem = part_problem(parts)
     if problem:
         raise ValueError(f"the experts' operands cannot form one grouped operand: {problem}.")
@@ -65,8 +67,10 @@ def _row_scaled(spec):
     return dataclasses.replace(spec, row_scaled=True, block_2d=False)
 
 
-def cat_rows(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
-    """Rowwise left operands [m_e, K] as one [sum m_e, K] operand (bytes concatenated)."""
+def cat_rows(parts: Sequence[QuantizedTensor], spec) -> QuantizedTensor:
+    """Rowwise left operands [m_e, K] as one [sum m_e, K] operand (bytes concatenated); `spec`
+    is the spec the parts were quantized with (the role's: under torch.compile a spec read off
+    a tensor made in the graph cannot be traced)."""
     _check(parts)
     first = parts[0]
     if first.axis != ROWWISE or first.dim() != 2:
@@ -79,10 +83,10 @@ def cat_rows(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
         return first.replace(shape=shape, qdata=qdata, scale=scale)
     amax = torch.cat([p.amax.expand(p.shape[0]) if p.amax.dim() == 0 else p.amax for p in parts])
     return first.replace(shape=shape, qdata=qdata, scale=scale, amax=amax,
-                         spec=_row_scaled(first.spec))
+                         spec=_row_scaled(bytes_spec(spec)))
 
 
-def _stack(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
+def _stack(parts: Sequence[QuantizedTensor], spec) -> QuantizedTensor:
     """[E, *part.shape]: the parts' bytes stacked; an NVFP4 part's amax repeated over its storage
     rows (a contiguous [E, R], so the stack can be written in place)."""
     first = parts[0]
@@ -96,7 +100,7 @@ def _stack(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
     else:
         amax = torch.stack([p.amax for p in parts])[:, None].expand(qdata.shape[:-1]).contiguous()
     return first.replace(shape=shape, qdata=qdata, scale=scale, amax=amax,
-                         spec=_row_scaled(first.spec))
+                         spec=_row_scaled(bytes_spec(spec)))
 
 
 def _view(stack: QuantizedTensor, e: int, spec, per_tensor: bool) -> QuantizedTensor:
@@ -143,9 +147,9 @@ class ExpertStack:
         return out
 
     @classmethod
-    def build(cls, ops: Sequence[QuantizedTensor]) -> "ExpertStack":
+    def build(cls, ops: Sequence[QuantizedTensor], role) -> "ExpertStack":
         """Stack the experts' weight operands (a HybridTensor or one rowwise tensor each), as
-        each expert's quantize_weight made them."""
+        each expert's quantize_weight made them for `role` (a RoleSpec)."""
         hybrid = isinstance(ops[0], HybridTensor)
         row_parts = [op.rowwise if hybrid else op for op in ops]
         col_parts = [op.columnwise for op in ops] if hybrid else None
@@ -154,9 +158,11 @@ class ExpertStack:
             _check(col_parts)
         per_tensor = tuple(isinstance(p[0], NVFP4Tensor) and p[0].amax.dim() == 0
                            for p in (row_parts, col_parts or row_parts))
-        return cls(_stack(row_parts), _stack(col_parts) if hybrid else None, row_parts[0].spec,
-                   col_parts[0].spec if hybrid else None, per_tensor,
-                   ops[0].columnwise_source if hybrid else None)
+        row_spec = bytes_spec(role.rowwise)
+        col_spec = bytes_spec(role.columnwise) if hybrid else None
+        return cls(_stack(row_parts, row_spec),
+                   _stack(col_parts, col_spec) if hybrid else None, row_spec, col_spec,
+                   per_tensor, role.columnwise_source if hybrid else None)
 
     def tensors(self) -> list:
         """The stacks, which the weight cache rewrites in place on a gated update (the
@@ -213,7 +219,7 @@ def quantize_experts(w: torch.Tensor, role) -> ExpertStack | None:
         t = _nvfp4_rows(w.transpose(1, 2).reshape(e * k, n), col, row_amax.repeat_interleave(k))
         cols = t.replace(shape=(e, n, k), qdata=t.qdata.view(e, k, -1),
                          scale=t.scale.view(e, k, -1), amax=t.amax.view(e, k), axis=COLUMNWISE,
-                         spec=dataclasses.replace(t.spec, columnwise=True))
+                         spec=dataclasses.replace(col, row_scaled=True))
     elif col is not None:
         decoded = rows.replace(shape=(e * n, k), qdata=rows.qdata.view(e * n, -1),
                                scale=rows.scale.view(e * n, -1),

@@ -64,9 +64,9 @@ def shared_input_rowwise(x2: torch.Tensor, state: LinearState):
 
 def _offsets(splits: Sequence[int], device: torch.device) -> torch.Tensor:
     """The grouped GEMM's int32 [E] cumulative row ends, copied to the device without a host
-    sync (a pageable copy would wait for the queue)."""
+    sync (a pageable copy would wait for the queue); traced, a constant of the graph."""
     ends = torch.tensor(list(itertools.accumulate(splits)), dtype=torch.int32)
-    if device.type == "cuda":
+    if device.type == "cuda" and not torch.compiler.is_compiling():
         return ends.pin_memory().to(device, non_blocking=True)
     return ends.to(device)
 
@@ -105,7 +105,8 @@ class GroupedLinearFunction(torch.autograd.Function):
             if rows:
                 # One grouped product for every expert: the row-scaled input quantized once is
                 # already the experts' rows one after another.
-                left = shared if shared is not None else cat_rows(rows)
+                left = shared if shared is not None else cat_rows(rows,
+                                                                  state.specs.input.rowwise)
                 b = bias.to(dtype) if bias is not None else None
                 y = grouped_mm(left, stack.rows.transpose(-1, -2), offs, b, dtype)
         ctx.save_for_backward(*x_saved, *w_saved, sr, offs,
@@ -153,7 +154,8 @@ class GroupedLinearFunction(torch.autograd.Function):
             if need[0]:
                 k = w_shape[-1]
                 if rows:
-                    dx = grouped_mm(cat_rows(rows), w_cols, offs, None, dtype)
+                    dy_rows = cat_rows(rows, state.specs.grad_output.rowwise)
+                    dx = grouped_mm(dy_rows, w_cols, offs, None, dtype)
                 elif dxs:
                     dx = torch.cat(dxs)
                 else:
@@ -202,6 +204,11 @@ class GroupedLinear(nn.Module):
         new._setup(recipe, seed_index)
         return new
 
+    def reset_sr_state(self) -> None:
+        """Rewind stochastic rounding to its initial state, as TrainingLinear.reset_sr_state."""
+        with torch.no_grad():
+            self.sr_state.copy_(self.state.seeds.initial_state(self.sr_state.device))
+
     def reset_parameters(self) -> None:
         # nn.Linear's initialisation, per expert: U(-1/sqrt(in), 1/sqrt(in)) for both.
         bound = 1 / math.sqrt(self.in_features)
@@ -215,7 +222,7 @@ class GroupedLinear(nn.Module):
         if stack is not None:
             return stack
         return ExpertStack.build([quantize_weight(w[e], self.state.specs)
-                                  for e in range(self.num_experts)])
+                                  for e in range(self.num_experts)], self.state.specs.weight)
 
     def forward(self, x: torch.Tensor, tokens_per_expert, is_first_microbatch=None):
         """x [T, in] sorted by expert; tokens_per_expert: E ints (a tensor costs a host sync)."""
