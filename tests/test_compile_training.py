@@ -69,6 +69,14 @@ def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str):
     assert torch.equal(a, b), f"{what}: max |diff| {(a.float() - b.float()).abs().max().item()}"
 
 
+def assert_step_bitwise(model, out, ref):
+    """step()'s (output, input gradient, parameter gradients) of two runs, bit for bit."""
+    assert_bitwise(out[0], ref[0], "output")
+    assert_bitwise(out[1], ref[1], "input gradient")
+    for (pname, _), g, r in zip(model.named_parameters(), out[2], ref[2]):
+        assert_bitwise(g, r, f"gradient of {pname}")
+
+
 def compiled_step_matches_eager(name: str, backend: str):
     model = training_model(name)
     x = torch.randn(128, 128, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
@@ -79,10 +87,7 @@ def compiled_step_matches_eager(name: str, backend: str):
     with inductor_config.patch(emulate_precision_casts=True):
         out = step(model, compiled, x)
     assert counter.frame_count == 1
-    assert_bitwise(out[0], ref[0], "output")
-    assert_bitwise(out[1], ref[1], "input gradient")
-    for (pname, _), g, r in zip(model.named_parameters(), out[2], ref[2]):
-        assert_bitwise(g, r, f"gradient of {pname}")
+    assert_step_bitwise(model, out, ref)
 
 
 @pytest.mark.parametrize("name", list(RECIPES) + list(QAT))
@@ -195,7 +200,4 @@ def test_grouped_linear_step_compiles_and_matches_eager(name):
     compiled = torch.compile(lambda t: g(t, splits), backend=counter, fullgraph=True)
     out = step(g, compiled, x)
     assert counter.frame_count == 1
-    assert_bitwise(out[0], ref[0], "output")
-    assert_bitwise(out[1], ref[1], "input gradient")
-    for (pname, _), gr, r in zip(g.named_parameters(), out[2], ref[2]):
-        assert_bitwise(gr, r, f"gradient of {pname}")
+    assert_step_bitwise(g, out, ref)
