@@ -2,9 +2,15 @@
 
 `GroupedLinear(E, K, N)(x [T, K], tokens_per_expert)` computes, for the contiguous rows of x
 that belong to expert e, `x_e @ W[e]^T + b[e]`, forward and backward with the same recipe and
-the same role pieces as TrainingLinear, so expert e is bitwise a TrainingLinear holding W[e]
-(tests/test_training_grouped.py checks it). Experts with zero tokens take no GEMM and get an
-exactly zero weight and bias gradient.
+the same role pieces as TrainingLinear: expert e's operands are bitwise a TrainingLinear's
+holding W[e], and so is every output and gradient on the CPU (tests/test_training_grouped.py).
+Experts with zero tokens take no product and get an exactly zero weight and bias gradient.
+
+fprop and dgrad are one grouped GEMM each for all experts, on the experts' operands put side by
+side (qtensor/training/experts.py: the weights stacked once per rebuild, the input and gradient
+rows concatenated); on the GPU the grouped kernel's fp32 sums run in their own order, so the
+output and dX equal the per-expert products up to that order. wgrad reduces over each expert's
+own tokens and stays one product per expert, bitwise the linear's.
 
 Row-scaled activations (`row_scaled_activation`) are what make the input side grouped: a
 per-token amax depends on nothing outside the token's row, so the input's rowwise (fprop)
