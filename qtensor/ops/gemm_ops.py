@@ -154,9 +154,10 @@ def reference_grouped_mm(fmt: str, a: Side, b: Side, offs, bias, out_dtype,
 # fp32's smallest step), so only the sums round. The order depends on K alone, so within the
 # row limit an output row's bits do not depend on the other rows, a concatenated weight, the
 # threads or the instruction set. The epilogue is the reference's own (`apply_epilogue`).
-# Above the limit, and for 3-D weights, grouped products and the gradients, the operands are
-# decoded once by qtensor::cpu_units (the reference's unit values bit for bit, NaN sign and
-# payload aside) for torch.matmul: the reference's bits, faster.
+# Above the limit, and for 3-D weights and the gradients, the operands are decoded once by
+# qtensor::cpu_units (the reference's unit values bit for bit, NaN sign and payload aside) for
+# torch.matmul: the reference's bits, faster. A grouped product runs each expert's rows through
+# this dense product (`cpu_grouped_mm`), so its bits are its experts' dense products'.
 # The limit is where decoding once wins (docs/gemm.md has the measurements), per instruction
 # set the kernels run (qtensor::cpu_gemm_isa): 2, AVX-512: 256 rows; 1, AVX2 with FMA: 64; 0,
 # the baseline, whose fused multiply-add is a library call on a CPU without the instruction: 1.
