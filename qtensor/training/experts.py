@@ -33,7 +33,7 @@ from qtensor.tensors.common import COLUMNWISE, ROWWISE, bytes_spec
 _STACKABLE = (NVFP4Tensor, MXFP8Tensor)
 
 
-def part_problem(parts: Sequence[QuantizedTensor]) -> str | None:
+def _part_problem(parts: Sequence[QuantizedTensor]) -> str | None:
     """Why these per-expert operands cannot be put side by side in one operand, or None: they
     must be NVFP4 or MXFP8 tensors of one class, spec, axis, dtype and trailing shape, and NVFP4
     ones untransformed (an RHT operand pairs only with its own transform)."""
@@ -54,7 +54,7 @@ def _check(parts) -> None:
         raise ValueError("stacking the experts' operands needs at least one operand.")
     if torch.compiler.is_compiling():
         return  # checked eagerly; traced, the parts are the role's own casts
-    problem = part_problem(parts)
+    problem = _part_problem(parts)
     if problem:
         raise ValueError(f"the experts' operands cannot form one grouped operand: {problem}.")
 
@@ -127,10 +127,6 @@ class ExpertStack:
     per_tensor: tuple[bool, bool]  # whether each usage's parts hold a 0-d amax
     source: str | None  # the HybridTensor's columnwise_source; None: one rowwise operand
     _ops: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def num_experts(self) -> int:
-        return self.rows.shape[0]
 
     def op(self, e: int) -> QuantizedTensor:
         """Expert e's operand (a HybridTensor of both usages, or its rowwise tensor)."""
