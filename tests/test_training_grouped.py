@@ -198,9 +198,11 @@ def _same_bytes(a, b) -> bool:
     if isinstance(a, HybridTensor):
         return type(b) is HybridTensor and a.columnwise_source == b.columnwise_source and \
             _same_bytes(a.rowwise, b.rowwise) and _same_bytes(a.columnwise, b.columnwise)
+    # Bit patterns: a NaN amax equals itself.
     return repr(a) == repr(b) and all(
         torch.equal(getattr(a, n).view(torch.uint8), getattr(b, n).view(torch.uint8))
-        if getattr(a, n).dtype.itemsize == 1 else torch.equal(getattr(a, n), getattr(b, n))
+        if getattr(a, n).dtype.itemsize == 1 else
+        torch.equal(getattr(a, n).view(torch.int32), getattr(b, n).view(torch.int32))
         for n in a.tensor_data_names)
 
 
@@ -340,3 +342,47 @@ def test_graph_safe_cache_rewrites_the_stacks_in_place(name):
                for a, b in zip(leaves(stack), leaves(fresh)))
     assert not torch.equal(stack.op(2).rowwise.qdata, view_before)
     assert torch.equal(stack.op(2).rowwise.qdata, fresh.op(2).rowwise.qdata)
+
+
+ROW_SPECS = {"nvfp4": {}, "4over6": dict(fourover6="mae"), "bound256": dict(e4m3_bound=256)}
+
+
+@pytest.mark.parametrize("spec_kw", list(ROW_SPECS.values()), ids=list(ROW_SPECS))
+def test_experts_rows_cast_at_once_are_each_experts_own(spec_kw):
+    _experts_rows_check(spec_kw, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec_kw", list(ROW_SPECS.values()), ids=list(ROW_SPECS))
+def test_cuda_experts_rows_cast_at_once_are_each_experts_own(spec_kw):
+    _experts_rows_check(spec_kw, "cuda")
+
+
+def _experts_rows_check(spec_kw, device):
+    # One pass over all tokens with each expert's amax: every expert's rows are bitwise its own
+    # cast (bytes, spec, 0-d amax), zero-token experts included; a NaN poisons only its expert.
+    from qtensor.formats.nvfp4 import NVFP4Spec
+    from qtensor.training.experts import cast_expert_rows
+
+    spec = NVFP4Spec(**spec_kw)
+    splits = [32, 0, 16, 48, 0, 16]
+    torch.manual_seed(2)
+    x = torch.randn(sum(splits), 64).bfloat16()
+    x[40, 3] = 300.0
+    x[48:96] *= 1e-20
+    x[100, 5] = float("nan")
+    x = x.to(device)
+    offs = torch.tensor(list(torch.tensor(splits).cumsum(0)), dtype=torch.int32, device=device)
+    whole, parts = cast_expert_rows(x, splits, offs, spec)
+    assert whole.row_scaled and whole.shape == x.shape
+    start = 0
+    for e, m in enumerate(splits):
+        if m == 0:
+            assert parts[e] is None
+            continue
+        own = NVFP4Tensor.from_spec(x[start:start + m], spec, check_finite=False)
+        assert _same_bytes(parts[e], own), f"expert {e}"
+        assert torch.equal(whole.qdata[start:start + m], own.qdata)
+        start += m
+    assert torch.isnan(parts[5].amax) and torch.isfinite(parts[3].amax)

@@ -166,6 +166,46 @@ class ExpertStack:
         return [self.rows] if self.cols is None else [self.rows, self.cols]
 
 
+# ---- all experts' token rows quantized at once -----------------------------------------------
+
+
+def rows_problem(spec) -> str | None:
+    """Why cast_expert_rows cannot cast every expert's rows for this rowwise spec, or None."""
+    if not isinstance(spec, NVFP4Spec) or spec.block_2d or spec.row_scaled or spec.rht or \
+            spec.columnwise:
+        return "not a 1x16-block NVFP4 rowwise spec with one amax"
+    if spec.stochastic_rounding:
+        return "stochastic rounding draws each expert's bits from its own seed"
+    return None
+
+
+def cast_expert_rows(x2: torch.Tensor, splits: Sequence[int], offs: torch.Tensor, spec):
+    """(all rows, each expert's rows): x2 [T, C] (experts' tokens one after another, `offs` their
+    int32 cumulative ends on x2's device) quantized rowwise with each expert's own amax in one
+    pass. The first is the grouped GEMM's left operand (row-scaled); the second holds, for each
+    expert with tokens, bitwise the tensor the expert's own quantize_rowwise gives (its rows of
+    the first, with its 0-d amax and `spec`), None for the others.
+
+    An expert's amax is the largest of its rows' amax patterns: the kernels reduce max |x| as an
+    integer max of the sign-cleared bit patterns (NaN above inf), so the maximum over rows, taken
+    the same way, is the expert's own reduction bit for bit, NaN included.
+    """
+    t = x2.shape[0]
+    row = quant.nvfp4_row_amax(x2)
+    expert = torch.searchsorted(offs, torch.arange(t, device=x2.device, dtype=torch.int32),
+                                right=True)
+    bits = torch.zeros(len(splits), dtype=torch.int32, device=x2.device)
+    amax = bits.scatter_reduce_(0, expert, row.view(torch.int32), "amax").view(torch.float32)
+    whole = _nvfp4_rows(x2, spec, amax[expert])
+    parts, start, stored = [], 0, bytes_spec(spec)
+    for e, m in enumerate(splits):
+        parts.append(None if m == 0 else whole.replace(
+            shape=(m, x2.shape[1]), qdata=whole.qdata[start:start + m],
+            scale=whole.scale[start:start + m], amax=amax[e], spec=stored))
+        start += m
+    return whole, parts
+
+
 # ---- all experts' weights quantized at once ------------------------------------------------------
 
 

@@ -33,7 +33,13 @@ import torch
 from torch import nn
 
 from qtensor.gemm.grouped import grouped_mm
-from qtensor.training.experts import ExpertStack, cat_rows, quantize_experts
+from qtensor.training.experts import (
+    ExpertStack,
+    cast_expert_rows,
+    cat_rows,
+    quantize_experts,
+    rows_problem,
+)
 from qtensor.training.linear import (
     LinearState,
     WeightHolder,
@@ -90,7 +96,11 @@ class GroupedLinearFunction(torch.autograd.Function):
         x_saved, w_saved, rows = [], [], []
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.to(dtype)
-            shared = shared_input_rowwise(x2, state)
+            offs = _offsets(splits, x.device) if x2.shape[0] else None
+            shared, parts = shared_input_rowwise(x2, state), None
+            if shared is None and offs is not None and \
+                    rows_problem(state.specs.input.rowwise) is None:
+                shared, parts = cast_expert_rows(x2, splits, offs, state.specs.input.rowwise)
             calls = each_call(sr, len(splits))
             for e, (start, m) in enumerate(_bounds(splits)):
                 if m == 0:
@@ -98,7 +108,8 @@ class GroupedLinearFunction(torch.autograd.Function):
                     w_saved.append(None)
                     continue
                 x_e = x2[start:start + m]
-                row = shared[start:start + m] if shared is not None else None
+                row = parts[e] if parts is not None else (
+                    shared[start:start + m] if shared is not None else None)
                 # Expert e rounds with seed + e: the step advanced the state by E seeds.
                 x_op = forward_input(x_e, state, backward, rowwise=row,
                                      sr=None if calls is None else calls[e])
@@ -107,10 +118,9 @@ class GroupedLinearFunction(torch.autograd.Function):
                                             stack.op(e) if per_expert_w else None, override)
                 x_saved.append(xs)
                 w_saved.append(ws)
-            offs = _offsets(splits, x.device) if rows else None
             if rows:
-                # One grouped product for every expert: the row-scaled input quantized once is
-                # already the experts' rows one after another.
+                # One grouped product for every expert: an input quantized once is already the
+                # experts' rows one after another.
                 left = shared if shared is not None else cat_rows(rows,
                                                                   state.specs.input.rowwise)
                 b = bias.to(dtype) if bias is not None else None
@@ -138,6 +148,10 @@ class GroupedLinearFunction(torch.autograd.Function):
         with torch.autocast(dy.device.type, enabled=False):
             dy2 = dy.to(dtype)
             calls = each_call(sr, n_exp)
+            dy_rows, dy_parts = None, None
+            row_spec = state.specs.grad_output.rowwise
+            if w_cols is not None and offs is not None and rows_problem(row_spec) is None:
+                dy_rows, dy_parts = cast_expert_rows(dy2, ctx.splits, offs, row_spec)
             for e, (start, m) in enumerate(_bounds(ctx.splits)):
                 if m == 0:
                     continue
@@ -147,7 +161,8 @@ class GroupedLinearFunction(torch.autograd.Function):
                                                 w_dtype, need, sr_e)
                     dxs.append(dx_e)
                 else:
-                    dy_op = quantize_grad_output(dy_e, state, sr_e)
+                    dy_op = quantize_grad_output(dy_e, state, sr_e,
+                                                 None if dy_parts is None else dy_parts[e])
                     rows.append(dy_op.gemm_operand("left"))
                     dw_e = wgrad(dy_op, x_saved[e], w_dtype) if need[1] else None
                 if dw is not None:
@@ -160,7 +175,8 @@ class GroupedLinearFunction(torch.autograd.Function):
             if need[0]:
                 k = w_shape[-1]
                 if rows:
-                    dy_rows = cat_rows(rows, state.specs.grad_output.rowwise)
+                    if dy_rows is None:
+                        dy_rows = cat_rows(rows, row_spec)
                     dx = grouped_mm(dy_rows, w_cols, offs, None, dtype)
                 elif dxs:
                     dx = torch.cat(dxs)

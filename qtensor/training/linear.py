@@ -123,10 +123,12 @@ def backward_gemms(dy2, x_saved, w_saved, state: LinearState, dtype, w_dtype, ne
     return high_precision_backward(dy2, x_hp, w_hp, w_dtype, need)
 
 
-def quantize_grad_output(dy2, state: LinearState, sr=None):
-    """grad_output [M, N] quantized for its role (both usages), on the state's GEMM backend."""
+def quantize_grad_output(dy2, state: LinearState, sr=None, rowwise=None):
+    """grad_output [M, N] quantized for its role (both usages), on the state's GEMM backend;
+    `rowwise`: its rowwise side cast earlier (quantize_role's)."""
     dy_sr = sr_for_role("grad_output", state.specs.grad_output, sr)
-    return on_backend(quantize_role(dy2, state.specs.grad_output, "grad_output", dy_sr), state)
+    return on_backend(quantize_role(dy2, state.specs.grad_output, "grad_output", dy_sr,
+                                    rowwise=rowwise), state)
 
 
 def quantized_backward(dy2, x_op, w_op, state: LinearState, dtype, w_dtype, need, sr=None):
