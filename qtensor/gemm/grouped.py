@@ -13,8 +13,19 @@ from __future__ import annotations
 import torch
 
 from qtensor.backends import GemmBackend
-from qtensor.ops import gemm_ops
-from qtensor.gemm.dense import dense_sides, operands, plan
+from qtensor.ops import gemm_k, gemm_ops
+from qtensor.ops.gemm_operands import MXFP8, NVFP4, Side
+from qtensor.gemm.dense import (
+    _check_pair,
+    _format,
+    _rows_side,
+    _side,
+    _transposed_part,
+    dense_sides,
+    operands,
+    plan,
+    quantized_mm_t,
+)
 from qtensor.tensors.base import QuantizedTensor
 
 aten = torch.ops.aten
@@ -74,6 +85,80 @@ def grouped_mm(a, b, offs, bias=None, out_dtype=None) -> torch.Tensor:
     if backend is GemmBackend.TRITON or sa.data.device.type in ("cpu", "meta"):
         return gemm_ops.call(f"{fmt}_grouped_mm", *args)
     return gemm_ops.reference_grouped_mm(fmt, sa, sb, offs, bias, out_dtype)
+
+
+def _k_parts(a_parts, b_parts):
+    """(format, a sides, b sides, first pair) of the experts holding parts, as the ops take them
+    (rows along K: a_e.t()'s rows, b_e's columns), the first pair checked; None where a part
+    cannot multiply that way (then each expert runs its own product)."""
+    first, a_sides, b_sides = None, [], []
+    for a, b in zip(a_parts, b_parts):
+        if a is None:
+            continue
+        a_op, b_op = _transposed_part(a, "left"), _side(b, "right")
+        if a_op is None or not isinstance(a_op, QuantizedTensor) or \
+                not isinstance(b_op, QuantizedTensor):
+            return None
+        if first is None:
+            _check_pair(a_op, b_op)
+            first = (a_op, b_op)
+        a_sides.append(_rows_side(a_op, False))
+        b_sides.append(_rows_side(b_op, False))
+    if first is None or _format(*first) not in (NVFP4, MXFP8):
+        return None
+    return _format(*first), a_sides, b_sides, first
+
+
+def _cat(fmt: str, sides, parts) -> Side:
+    """The experts' sides side by side along K; an NVFP4 amax stacked per expert ([E], or
+    [E, R] for row-scaled parts), 0 for an expert without parts."""
+    first = sides[0]
+    data = torch.cat([s.data for s in sides], dim=1)
+    scale = torch.cat([s.scale for s in sides], dim=1)
+    if fmt != NVFP4:
+        return Side(data, scale)
+    zero, it = first.amax.new_zeros(first.amax.shape), iter(sides)
+    amax = torch.stack([zero if p is None else next(it).amax for p in parts])
+    bounds = {s.bound for s in sides}
+    if len(bounds) != 1:
+        raise ValueError(f"the experts' operands have different E4M3 bounds {sorted(bounds)}.")
+    return Side(data, scale, amax, first.bound)
+
+
+def grouped_mm_k(a_parts, b_parts, offs, out_dtype) -> torch.Tensor:
+    """[E, M, N]: out[e] = a_e.t() @ b_e for expert e's a_e [m_e, M] and b_e [m_e, N], a grouped
+    linear's weight gradients (dY_e^T @ X_e); zeros for an expert whose parts are None. offs:
+    the int32 [E] cumulative ends of the m_e, each a multiple of the format's block.
+
+    Each pair multiplies as quantized_mm_t(a_e, b_e, a_t=True) would (the columnwise parts),
+    but all in one product grouped along K ([Note: grouped along K]): the parts' bytes put side
+    by side, each expert's amax kept. On the CPU out[e] is bitwise that expert's own product;
+    on the GPU it equals it up to the order of the fp32 sums. Parts that cannot be put side by
+    side (high precision, another format, the native scaled_mm backend) run expert by expert.
+    """
+    if len(a_parts) != len(b_parts) or len(a_parts) != offs.shape[0]:
+        raise ValueError(
+            f"grouped_mm_k needs one (a, b) pair per expert and offs [E]; got {len(a_parts)} "
+            f"and {len(b_parts)} parts, offs {tuple(offs.shape)}.")
+    found = _k_parts(a_parts, b_parts)
+    backend = None if found is None else plan(*found[3], None, out_dtype)
+    if found is None or backend is GemmBackend.SCALED_MM:
+        return _each_expert(a_parts, b_parts, out_dtype)
+    fmt, a_sides, b_sides, _ = found
+    a, b = _cat(fmt, a_sides, a_parts), _cat(fmt, b_sides, a_parts)
+    if backend is GemmBackend.TRITON or a.data.device.type in ("cpu", "meta"):
+        return gemm_k.grouped_mm_k(fmt, a, b, offs, out_dtype)
+    return gemm_k.reference_grouped_mm_k(fmt, a, b, offs, out_dtype)
+
+
+def _each_expert(a_parts, b_parts, out_dtype) -> torch.Tensor:
+    if all(a is None for a in a_parts):
+        raise ValueError("grouped_mm_k: no expert holds operands, so the output's shape is "
+                         "unknown; skip the product when no expert has rows.")
+    outs = [None if a is None else quantized_mm_t(a, b, out_dtype=out_dtype, a_t=True)
+            for a, b in zip(a_parts, b_parts)]
+    like = next(o for o in outs if o is not None)
+    return torch.stack([torch.zeros_like(like) if o is None else o for o in outs])
 
 
 @QuantizedTensor.implements(aten._grouped_mm.default)

@@ -46,6 +46,8 @@ CONFIG = (128, 256, 64, 8, 3)  # BM, BN, BK, warps, stages: bf16 operands (decod
 # The persistent kernel on the weights' codes: 128x256 tiles leave no registers for the decode
 # (ptxas spills), 128x128 with 8 warps fit.
 CODES_CONFIG = TmaConfig(128, 128, 64, 8, 4, False)
+# grouped_qgemm_k (decoded operands; a wgrad's experts: M, N of 768-2048, K of a few hundred)
+K_CONFIG = (128, 128, 64, 8, 3)
 
 
 def tma_problem(a: Operand, b: Operand, out_dtype) -> str | None:
@@ -148,6 +150,66 @@ def _grouped_tma(a: Operand, b: Operand, offs, ep: Epilogue, out_dtype, t: int, 
         num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=False,
     )
     return out
+
+
+def _expert_strides(amax: torch.Tensor | None) -> tuple[int, int]:
+    """(expert, row) strides of a per-expert amax: [E] (one value an expert) or [E, R]."""
+    if amax is None:
+        return 0, 0
+    return (amax.stride(0), 0) if amax.dim() == 1 else (amax.stride(0), amax.stride(1))
+
+
+def grouped_qgemm_k(a: Operand, b: Operand, offs, ep: Epilogue, *, out_dtype, m: int,
+                    n: int, config=None) -> torch.Tensor:
+    """[E, M, N]: out[e] = epilogue_e(A[:, K of e] @ B[:, K of e]^T), expert e owning the K
+    positions [offs[e-1], offs[e]) ([Note: grouped along K]). a [M, K] and b [N, K] are bf16
+    (decoded first), rows along K; amax_a [E] or [E, M], amax_b [E] or [E, N]. One program per
+    output tile and expert; an expert of no K positions stores zeros (its loop is empty)."""
+    bm, bn, bk, warps, stages = config or K_CONFIG
+    if a.fmt != FMT_HP or b.fmt != FMT_HP:
+        raise ValueError("grouped_qgemm_k takes operands decoded to bf16 (decode_bf16).")
+    experts = offs.shape[0]
+    out = torch.empty((experts, m, n), dtype=out_dtype, device=b.data.device)
+    a2, b2 = a.data.reshape(m, a.data.shape[-1]), b.data.reshape(n, b.data.shape[-1])
+    l_e, l_r = _expert_strides(ep.amax_a)
+    r_e, r_c = _expert_strides(ep.amax_b)
+    lf = ep.amax_a if ep.amax_a is not None else a2
+    rf = ep.amax_b if ep.amax_b is not None else a2
+    grid = (cdiv(m, bm) * cdiv(n, bn), experts)
+    _GROUPED_K(
+        grid, a2, a2.stride(0), a2.stride(1), b2, b2.stride(0), b2.stride(1), offs,
+        lf, l_e, l_r, ep.inv or 1.0, rf, r_e, r_c, out, m, n, LEFT=ep.left_mode(),
+        HAS_RIGHT=ep.amax_b is not None, BM=bm, BN=bn, BK=bk, num_warps=warps,
+        num_stages=stages, enable_fp_fusion=False,
+    )
+    return out
+
+
+@triton.jit
+def _grouped_k_kernel(
+    a_ptr, a_r, a_k, b_ptr, b_r, b_k, offs_ptr, left_ptr, l_e, l_r, inv, right_ptr, r_e, r_c,
+    out_ptr, M, N, LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
+):
+    pid, expert = tl.program_id(0), tl.program_id(1)
+    num_n = tl.cdiv(N, BN)
+    pid_m, pid_n = pid // num_n, pid % num_n
+    k_lo = tl.where(expert > 0, tl.load(offs_ptr + tl.maximum(expert - 1, 0)), 0)
+    k_hi = tl.load(offs_ptr + expert)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    rmask, cmask = rows < M, cols < N
+    acc = tiles.mainloop(
+        a_ptr, a_ptr, a_r, a_k, 0, 0, rows, rmask, b_ptr, b_ptr, b_r, b_k, 0, 0, cols, cmask,
+        k_lo, k_hi, tiles.HP, tiles.HP, BM, BN, BK,
+    )
+    acc = tiles.epilogue(
+        acc, rows, cols, rmask, cmask, left_ptr + expert * l_e, l_r, inv,
+        right_ptr + expert * r_e, r_c, left_ptr, LEFT, HAS_RIGHT, False,
+    )
+    out = out_ptr + expert.to(tl.int64) * M * N
+    tl.store(out + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -288,3 +350,4 @@ def _epilogue_store(acc, rows, cols, rmask, N, left_ptr, l_r, inv, right_ptr, r_
 
 _GROUPED = Launcher(_grouped_kernel)
 _GROUPED_TMA = Launcher(_grouped_tma_kernel)
+_GROUPED_K = Launcher(_grouped_k_kernel)

@@ -163,7 +163,9 @@ def _fail(op: str, what: str) -> None:
     raise ValueError(f"qtensor::{op}: {what}")
 
 
-def _check_side(op: str, fmt: str, name: str, s: Side) -> None:
+def _check_side(op: str, fmt: str, name: str, s: Side, experts=None) -> None:
+    """`experts`: E for an operand whose NVFP4 amax is per expert ([E], or [E, R] row-scaled),
+    else None (0-d or [.., R])."""
     d = s.data
     if d.dim() not in (2, 3):
         _fail(op, f"operand {name} must be 2-D or 3-D rows along K; got shape {tuple(d.shape)}.")
@@ -184,17 +186,21 @@ def _check_side(op: str, fmt: str, name: str, s: Side) -> None:
         if amax is None or amax.dtype != torch.float32:
             _fail(op, f"an NVFP4 operand {name} needs an fp32 {name}_amax; got "
                       f"{None if amax is None else amax.dtype}.")
-        if amax.dim() and tuple(amax.shape) != tuple(d.shape[:-1]):
+        if experts is not None:
+            if tuple(amax.shape) not in ((experts,), (experts, *d.shape[:-1])):
+                _fail(op, f"{name}_amax must be one value per expert [{experts}] or per expert "
+                          f"and row {(experts, *d.shape[:-1])}; got {tuple(amax.shape)}.")
+        elif amax.dim() and tuple(amax.shape) != tuple(d.shape[:-1]):
             _fail(op, f"{name}_amax must be 0-d or one value per row {tuple(d.shape[:-1])}; "
                       f"got {tuple(amax.shape)}.")
         if s.bound not in BOUNDS:
             _fail(op, f"{name}_bound must be {either(BOUNDS)}; got {s.bound}.")
 
 
-def _check_pair(op: str, fmt: str, a: Side, b: Side, out_dtype) -> None:
+def _check_pair(op: str, fmt: str, a: Side, b: Side, out_dtype, experts=None) -> None:
     """What every op asks of its two operands: valid sides, one K, one device, a float output."""
-    _check_side(op, fmt, "a", a)
-    _check_side(op, fmt, "b", b)
+    _check_side(op, fmt, "a", a, experts)
+    _check_side(op, fmt, "b", b, experts)
     if reduction_k(fmt, a) != reduction_k(fmt, b):
         _fail(op, f"K differs: a {tuple(a.data.shape)} x b {tuple(b.data.shape)} (rows along K).")
     if a.data.device != b.data.device:
@@ -222,6 +228,20 @@ def check_grouped(op: str, fmt: str, a: Side, b: Side, offs, bias, out_dtype) ->
                   f"{offs.dtype} {tuple(offs.shape)}.")
     if bias is not None and tuple(bias.shape) != (experts, b.data.shape[1]):
         _fail(op, f"bias must be [E, N] = {(experts, b.data.shape[1])}; got {tuple(bias.shape)}.")
+
+
+def check_grouped_k(op: str, fmt: str, a: Side, b: Side, offs, out_dtype) -> None:
+    """A product grouped along K: a [M, K*] and b [N, K*], both quantized, expert e owning the
+    K positions [offs[e-1], offs[e]) and its own amaxes."""
+    if not (a.quantized and b.quantized):
+        _fail(op, "both operands must be quantized (a_scale and b_scale given).")
+    if a.data.dim() != 2 or b.data.dim() != 2:
+        _fail(op, f"takes a [M, K*] x b [N, K*], rows along K; got {tuple(a.data.shape)} x "
+                  f"{tuple(b.data.shape)}.")
+    if offs.dim() != 1 or offs.dtype != torch.int32 or offs.shape[0] == 0:
+        _fail(op, f"offs must be int32 [E], E >= 1 cumulative ends along K; got {offs.dtype} "
+                  f"{tuple(offs.shape)}.")
+    _check_pair(op, fmt, a, b, out_dtype, experts=offs.shape[0])
 
 
 def dense_shape(a: Side, b: Side) -> tuple[int, ...]:

@@ -419,12 +419,17 @@ def _register() -> None:
 
 
 def _define(name, cpu, cuda, fake, setup_context, backward) -> None:
-    _LIB.define(name + SCHEMAS[name])
+    define(name, SCHEMAS[name], cpu, cuda, fake)
+    torch.library.register_autograd(f"qtensor::{name}", backward, setup_context=setup_context,
+                                    lib=_LIB)
+
+
+def define(name: str, schema: str, cpu, cuda, fake) -> None:
+    """Register qtensor::<name> with its CPU and CUDA kernels and its fake, for `call`."""
+    _LIB.define(name + schema)
     _LIB.impl(name, cpu, "CPU")
     _LIB.impl(name, cuda, "CUDA")
     torch.library.register_fake(f"qtensor::{name}", fake, lib=_LIB)
-    torch.library.register_autograd(f"qtensor::{name}", backward, setup_context=setup_context,
-                                    lib=_LIB)
     KERNELS[name] = {"cpu": cpu, "cuda": cuda}
 
 

@@ -156,6 +156,18 @@ def triton_grouped_mm(fmt: str, a: Side, b: Side, offs, bias, out_dtype):
     return grouped_qgemm.grouped_qgemm(ka, kb, offs, ep, out_dtype=out_dtype, t=t, n=n, k=k)
 
 
+def triton_grouped_mm_k(fmt: str, a: Side, b: Side, offs, out_dtype):
+    """[Note: grouped along K]: both operands decoded to exact bf16 once, then one launch for
+    every expert's K range with its own epilogue."""
+    from qtensor.kernels import grouped_qgemm, qgemm
+
+    m, n, k = a.data.shape[0], b.data.shape[0], reduction_k(fmt, a)
+    ka = qgemm.decode_bf16(kernel_operand(fmt, a, qgemm), m, k)
+    kb = qgemm.decode_bf16(kernel_operand(fmt, b, qgemm), n, k)
+    ep = qgemm.Epilogue(*epilogue_terms(fmt, a, b), None)
+    return grouped_qgemm.grouped_qgemm_k(ka, kb, offs, ep, out_dtype=out_dtype, m=m, n=n)
+
+
 def prepare_dense(fmt: str, a: Side, b: Side, bias, out_dtype, out_shape=None):
     """The CUDA kernel's product as a `qgemm.Prepared` (every argument but a's data bound), or
     None where the kernel would not run it that way: a must be a 2-D high-precision operand of

@@ -10,7 +10,9 @@ fprop and dgrad are one grouped GEMM each for all experts, on the experts' opera
 side (qtensor/training/experts.py: the weights stacked once per rebuild, the input and gradient
 rows concatenated); on the GPU the grouped kernel's fp32 sums run in their own order, so the
 output and dX equal the per-expert products up to that order. wgrad reduces over each expert's
-own tokens and stays one product per expert, bitwise the linear's.
+own tokens: one product grouped along the tokens for all experts ([Note: grouped along K] in
+qtensor/ops/gemm_k.py), bitwise each expert's own product on the CPU and equal to it up to the
+fp32 summation order on the GPU.
 
 Row-scaled activations (`row_scaled_activation`) are what make the input side grouped: a
 per-token amax depends on nothing outside the token's row, so the input's rowwise (fprop)
@@ -32,7 +34,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from qtensor.gemm.grouped import grouped_mm
+from qtensor.gemm.grouped import grouped_mm, grouped_mm_k
 from qtensor.training.experts import (
     ExpertStack,
     cast_expert_rows,
@@ -55,7 +57,7 @@ from qtensor.training.linear import (
     take_sr_state,
 )
 from qtensor.training.recipe import NVFP4TrainingRecipe
-from qtensor.training.roles import SRSeeds, each_call, quantize_rowwise, wgrad
+from qtensor.training.roles import SRSeeds, each_call, quantize_rowwise
 from qtensor.training.weight_cache import WeightCache
 
 
@@ -142,7 +144,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         sr, offs, w_cols = saved[2 * n_exp:]
         (w_shape, w_dtype), dtype = ctx.w_meta, ctx.dtype
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        dxs, rows = [], []
+        dxs, rows, dy_ops = [], [], [None] * n_exp
         dw = torch.zeros(w_shape, dtype=w_dtype, device=dy.device) if need[1] else None
         state = ctx.state
         with torch.autocast(dy.device.type, enabled=False):
@@ -164,9 +166,13 @@ class GroupedLinearFunction(torch.autograd.Function):
                     dy_op = quantize_grad_output(dy_e, state, sr_e,
                                                  None if dy_parts is None else dy_parts[e])
                     rows.append(dy_op.gemm_operand("left"))
-                    dw_e = wgrad(dy_op, x_saved[e], w_dtype) if need[1] else None
-                if dw is not None:
+                    dy_ops[e] = dy_op
+                    dw_e = None
+                if dw is not None and dw_e is not None:
                     dw[e] = dw_e
+            if need[1] and rows:
+                # Every expert's wgrad in one product grouped along the tokens.
+                dw = grouped_mm_k(dy_ops, x_saved, offs, w_dtype)
             db = None
             if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
                 db = torch.stack([dy2[s:s + m].float().sum(0) for s, m in _bounds(ctx.splits)])
