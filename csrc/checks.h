@@ -114,9 +114,18 @@ inline void check_nv_amax(const at::Tensor& x, const at::Tensor& amax, const NvS
   check_same_device(x, amax, op, "amax");
   TORCH_CHECK(amax.scalar_type() == at::kFloat, op, ": amax must be float32; got ",
               amax.scalar_type(), ".");
-  TORCH_CHECK(amax.dim() == 0 || (amax.dim() == 1 && amax.size(0) == s.R), op,
-              ": amax must be a scalar or one value per quantized row (", num(s.R), "); got shape ",
-              shape_str(amax), ".");
+  TORCH_CHECK(amax.dim() == 0 || (amax.dim() == 1 && amax.size(0) == s.R) ||
+                  (amax.dim() == 2 && amax.size(0) == s.R && amax.size(1) == s.C / 16),
+              op, ": amax must be a scalar, one value per quantized row (", num(s.R),
+              ") or one per block [", num(s.R), ", ", num(s.C / 16), "]; got shape ", shape_str(amax), ".");
+}
+
+// A per-block amax ([R, C/16]: each block quantized with its own, e.g. the experts' parts of one
+// gradient) is taken by the plain columnwise cast only.
+inline void check_nv_block_amax(const at::Tensor& amax, bool columnwise, int64_t fourover6, const char* op) {
+  TORCH_CHECK(amax.dim() != 2 || (columnwise && fourover6 == 0), op,
+              ": a per-block amax [R, C/16] is taken by the columnwise cast without 4over6; got columnwise=",
+              (columnwise ? "true" : "false"), ", fourover6 ", num(fourover6), ".");
 }
 
 inline void check_mx_shape(const at::Tensor& x, bool rowwise, bool columnwise, const char* op) {

@@ -302,9 +302,11 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cpu(const at::Tensor& x, const
   TORCH_CHECK(walk == 0 || walk == 2 || walk == 4, op, " takes walk 0 (chosen), 2 (pairs) or 4 (strips); got ", num(walk),
               ".");  // the CPU kernels have no tile walk
   const NvShape s = nv_shape(x, columnwise, block_2d, op);
-  const bool row_scaled = amax.dim() == 1;
+  const bool row_scaled = amax.dim() >= 1;  // per row, or per block (amax [R, C/16])
+  const bool per_block = amax.dim() == 2;
   check_nv_options(fourover6, bound, columnwise, rht, stochastic, block_2d, row_scaled, op);
   check_nv_amax(x, amax, s, op);
+  check_nv_block_amax(amax, columnwise, fourover6, op);
   at::Tensor qdata = at::empty({s.R, s.C / 2}, x.options().dtype(at::kByte));
   at::Tensor scale = at::empty({s.R, s.C / 16}, x.options().dtype(at::kByte));
   const at::Tensor a = amax.contiguous();
@@ -329,8 +331,11 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cpu(const at::Tensor& x, const
       NvScale ts[16];
       for (int64_t t = b; t < e; ++t) {
         const int nr = static_cast<int>(std::min<int64_t>(16, s.R - t * 16));
-        for (int r = 0; r < nr; ++r) ts[r] = row_scaled ? nv_scale(ap[t * 16 + r], o.bound) : ts0;
+        if (!per_block)
+          for (int r = 0; r < nr; ++r) ts[r] = row_scaled ? nv_scale(ap[t * 16 + r], o.bound) : ts0;
         for (int64_t jb = 0; jb < s.C / 16; ++jb) {
+          if (per_block)
+            for (int r = 0; r < nr; ++r) ts[r] = nv_scale(ap[(t * 16 + r) * (s.C / 16) + jb], o.bound);
           load_tile(v, t * 16, nr, jb * 16, rht, buf);
           quantize_tile(buf, nr, ts, o, t * 16, jb, s.C, qp, sp);
         }
@@ -434,6 +439,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hybrid_quantize_cpu(
   TORCH_CHECK(walk == 0 || fourover6 == 0, "qtensor.hybrid_quantize with 4over6 runs as two casts, an MXFP8 and an "
               "NVFP4 one, and takes no tile walk; got walk ", num(walk), " with fourover6 ", num(fourover6),
               ". Pass walk 0.");  // the CUDA op's rule, kept on every device
+  TORCH_CHECK(amax.dim() < 2, "qtensor.hybrid_quantize takes a scalar or per-row amax; got a per-block one of shape ",
+              shape_str(amax), ". Quantize the NVFP4 side with nvfp4_quantize.");
   auto mx = mxfp8_quantize_cpu(x, rule, true, false);
   auto nv = nvfp4_quantize_cpu(x, amax, true, false, fourover6, bound, rht, stochastic, sr_state, 0);
   return {std::get<0>(mx), std::get<1>(mx), std::get<0>(nv), std::get<1>(nv)};

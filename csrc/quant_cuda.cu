@@ -201,6 +201,7 @@ struct TileArgs {
   uint32_t M, K;  // at most 2**31 - 1 each (set_tile_input)
   // NVFP4
   const float* amax;
+  uint32_t amax_rs, amax_bs;  // row-scaled amax: element row * amax_rs + block column * amax_bs
   NvFlags nv;
   int nv_4o6, bound;
   const int64_t* sr_state;  // stochastic rounding's (seed, offset) in device memory, or nullptr
@@ -232,12 +233,14 @@ struct NvShared {
 };
 
 // Scale byte (*sb) and block factor of a block with amax bam: under the CTA's tensor scale, the
-// factor from the table; under row `row`'s own amax when the tensor is row-scaled (rows past
-// `rows` are padding, amax 0).
+// factor from the table; under its own amax when the tensor is row-scaled (row `row`'s, or
+// with a per-block amax the one of block column `blk` of that row; rows past `rows` are
+// padding, amax 0).
 __device__ __forceinline__ float nv_block_scale(const TileArgs& a, const NvShared& nv, bool row_scaled,
-                                                uint32_t row, uint32_t rows, float bam, uint8_t* sb) {
+                                                uint32_t row, uint32_t rows, uint32_t blk, float bam,
+                                                uint8_t* sb) {
   if (row_scaled) {
-    const NvScale ts = nv_scale(row < rows ? a.amax[row] : 0.f, a.bound);
+    const NvScale ts = nv_scale(row < rows ? a.amax[row * a.amax_rs + blk * a.amax_bs] : 0.f, a.bound);
     *sb = e4m3_scale_bits(bam * ts.s_enc_c6);
     return nv_block_enc(*sb, ts.s_dec);
   }
@@ -387,7 +390,7 @@ __device__ __forceinline__ NvColCodes nv_col_codes(const TileArgs& a, const NvFl
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const uint32_t qrow = k0 + 2 * p + c;
-      const float enc = nv_block_scale(a, nv, f.row_scaled, qrow, R, amax[c], &sb[c]);
+      const float enc = nv_block_scale(a, nv, f.row_scaled, qrow, R, qcol0 >> 4, amax[c], &sb[c]);
       // The codes take v[c] * (enc * unit[c]), the same product as the values times enc wherever
       // enc * 0.25 is exact; below 2**-124 (huge inputs) v is brought to unit 1 instead, exactly
       // (the fp32 range test, or the error bound that pinned a run, kept its values normal or
@@ -584,7 +587,7 @@ __device__ __forceinline__ void nv_row_phase(const TileArgs& a, const NvFlags& f
     float v[16];
     load16<T>(tile, r0 + 8 * j, 16 * cb, v);
     const uint32_t qrow = m0 + r0 + 8 * j;
-    const float enc = nv_block_scale(a, nv, false, qrow, R, bam[j], &sb[j]);
+    const float enc = nv_block_scale(a, nv, false, qrow, R, 0u, bam[j], &sb[j]);
     codes[j] = nv_block_codes(nv, f.sr, v, sign_nibbles(v), bam[j], enc, qrow * C + col);  // mod 2**32
   }
   // K % 16 == 0 makes a block wholly in or out, and aligns its 8 code bytes.
@@ -1481,8 +1484,10 @@ TileArgs nv_args(const at::Tensor& amax, bool columnwise, bool block_2d, int64_t
                  int64_t bound, bool rht, bool stochastic, const int64_t* sr_state,
                  at::Tensor& q, at::Tensor& s) {
   TileArgs a{};
-  a.amax = amax.data_ptr<float>();
-  a.nv = NvFlags{columnwise, block_2d, rht, stochastic, amax.dim() == 1};
+  a.amax = amax.data_ptr<float>();  // contiguous
+  a.amax_rs = amax.dim() == 2 ? static_cast<uint32_t>(amax.size(1)) : 1u;
+  a.amax_bs = amax.dim() == 2 ? 1u : 0u;
+  a.nv = NvFlags{columnwise, block_2d, rht, stochastic, amax.dim() >= 1};
   a.nv_4o6 = static_cast<int>(fourover6);
   a.bound = static_cast<int>(bound);
   a.sr_state = sr_state;
@@ -1498,12 +1503,13 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cuda(const at::Tensor& x, cons
                                                        const std::optional<at::Tensor>& sr_state, int64_t walk) {
   const char* op = "qtensor.nvfp4_quantize";
   const NvShape s = nv_shape(x, columnwise, block_2d, op);
-  check_nv_options(fourover6, bound, columnwise, rht, stochastic, block_2d, amax.dim() == 1, op);
+  check_nv_options(fourover6, bound, columnwise, rht, stochastic, block_2d, amax.dim() >= 1, op);
+  check_nv_block_amax(amax, columnwise, fourover6, op);
   TORCH_CHECK(walk == 0 || walk == 2 || walk == 4, op, " takes walk 0 (chosen), 2 (pairs) or 4 (strips); got ", num(walk),
               ".");
   TORCH_CHECK(walk == 0 || columnwise, op, ": walk ", num(walk), " is a columnwise tile walk; the rowwise cast has none. "
               "Pass walk 0.");
-  const int mode = nv_mode(NvFlags{columnwise, block_2d, rht, stochastic, amax.dim() == 1});
+  const int mode = nv_mode(NvFlags{columnwise, block_2d, rht, stochastic, amax.dim() >= 1});
   TORCH_CHECK(walk != 4 || (x.scalar_type() == at::kBFloat16 && fourover6 == 0 &&
                             (mode == kNvCol || mode == kNvColRhtSr || mode == kNvCol2d)),
               op, " walks strips in the bf16 columnwise casts of their own kernel only (plain, 2D, or RHT with "
@@ -1577,6 +1583,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hybrid_quantize_cuda(
   const NvShape s = nv_shape(x, true, false, op);
   check_nv_options(fourover6, bound, true, rht, stochastic, false, amax.dim() == 1, op);
   check_nv_amax(x, amax, s, op);
+  TORCH_CHECK(amax.dim() < 2, op, ": takes a scalar or per-row amax; got a per-block one of shape ", shape_str(amax),
+              ". Quantize the NVFP4 side with nvfp4_quantize.");
   if (fourover6) {  // 4over6's register budget does not fit beside the MXFP8 phase: two passes
     auto mx = mxfp8_quantize_cuda(x, rule, true, false);
     auto nv = nvfp4_quantize_cuda(x, amax, true, false, fourover6, bound, rht, stochastic, sr_state, 0);

@@ -24,7 +24,8 @@ TORCH_LIBRARY(qtensor, m) {
   // max|x| as fp32: a scalar, or one per row of the quantized matrix (per_row); with rht the
   // 16-runs along dim 0 are Hadamard-transformed (and rounded to bf16) first.
   m.def("amax(Tensor x, bool columnwise, bool rht, bool per_row) -> Tensor");
-  // NVFP4 codes uint8 [R, C/2] and E4M3 block scales [R, C/16] given the amax. `walk` picks the
+  // NVFP4 codes uint8 [R, C/2] and E4M3 block scales [R, C/16] given the amax: a scalar, one per
+  // row (row-scaled), or for a plain columnwise cast one per block [R, C/16]. `walk` picks the
   // CUDA columnwise kernel's tile walk for tests and benchmarks (0: chosen by the shape, 2: pairs
   // of tile rows, 4: strips of four, in the bf16 casts of their own kernel); the bytes are the same.
   m.def(

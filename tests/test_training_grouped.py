@@ -14,6 +14,7 @@ SPLITS = [16, 0, 32, 16]  # expert 1 gets no token
 RL_ROW = dict(rht=False, stochastic_rounding=False, weight_2d=False, row_scaled_activation=True)
 RECIPES = {
     "rl_row": NVFP4TrainingRecipe(**RL_ROW),
+    "rl_plain": NVFP4TrainingRecipe(**dict(RL_ROW, row_scaled_activation=False)),
     "rl_row_dgrad_mxfp8": NVFP4TrainingRecipe(dgrad_mxfp8=True, **RL_ROW),
     "rl_row_grad_4over6": NVFP4TrainingRecipe(fourover6_grad=True, fourover6_roles="all",
                                               **RL_ROW),
@@ -280,7 +281,7 @@ def test_stacked_operands_refuse_mixed_layouts():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["rl_row", "rl_row_dgrad_mxfp8", "nvfp4_2d_rht"])
+@pytest.mark.parametrize("name", ["rl_row", "rl_plain", "rl_row_dgrad_mxfp8", "nvfp4_2d_rht"])
 def test_cuda_grouped_matches_independent_linears(name):
     # On the GPU the grouped kernels sum each output in their own order: every expert's
     # output, dX and dW (one product grouped along the tokens) equal an independent
@@ -386,3 +387,52 @@ def _experts_rows_check(spec_kw, device):
         assert torch.equal(whole.qdata[start:start + m], own.qdata)
         start += m
     assert torch.isnan(parts[5].amax) and torch.isfinite(parts[3].amax)
+
+
+COL_SPECS = {"plain": {"columnwise": True}, "row_scaled": {"columnwise": True, "row_scaled": True},
+             "bound256": {"columnwise": True, "e4m3_bound": 256}}
+
+
+@pytest.mark.parametrize("spec_kw", list(COL_SPECS.values()), ids=list(COL_SPECS))
+def test_experts_cols_cast_at_once_are_each_experts_own(spec_kw):
+    _experts_cols_check(spec_kw, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec_kw", list(COL_SPECS.values()), ids=list(COL_SPECS))
+def test_cuda_experts_cols_cast_at_once_are_each_experts_own(spec_kw):
+    _experts_cols_check(spec_kw, "cuda")
+
+
+def _experts_cols_check(spec_kw, device):
+    # One columnwise pass over all tokens with a per-block amax: every expert's columns (codes,
+    # scales) and amax are bitwise its own columnwise cast's; an outlier, a tiny expert and a
+    # NaN stay in their experts.
+    from qtensor.formats.nvfp4 import NVFP4Spec
+    from qtensor.training.experts import cast_expert_cols
+
+    spec = NVFP4Spec(**spec_kw)
+    splits = [32, 0, 16, 48, 0, 16]
+    torch.manual_seed(3)
+    x = torch.randn(sum(splits), 64).bfloat16()
+    x[40, 3] = 300.0
+    x[48:96] *= 1e-20
+    x[100, 5] = float("nan")
+    x = x.to(device)
+    offs = torch.tensor(list(torch.tensor(splits).cumsum(0)), dtype=torch.int32, device=device)
+    whole = cast_expert_cols(x, offs, spec)
+    assert whole.data.shape == (64, sum(splits) // 2) and whole.bound == spec.e4m3_bound
+    assert whole.amax.shape == ((len(splits), 64) if spec.row_scaled else (len(splits),))
+    start = 0
+    for e, m in enumerate(splits):
+        if m == 0:
+            assert not whole.amax[e].any()
+            continue
+        own = NVFP4Tensor.from_spec(x[start:start + m], spec, check_finite=False)
+        assert torch.equal(whole.data[:, start // 2:(start + m) // 2], own.qdata), f"expert {e}"
+        assert torch.equal(whole.scale[:, start // 16:(start + m) // 16].view(torch.uint8),
+                           own.scale.view(torch.uint8)), f"expert {e}"
+        assert torch.equal(whole.amax[e], own.amax) or (
+            torch.isnan(whole.amax[e]).any() and torch.isnan(own.amax).any()), f"expert {e}"
+        start += m

@@ -286,6 +286,18 @@ def _candidate_error(xf, s_b, s_dec, amax_b, spec: NVFP4Spec) -> torch.Tensor:
     return err
 
 
+def _check_block_amax(x: torch.Tensor, spec: NVFP4Spec, amax: torch.Tensor) -> None:
+    if not spec.columnwise or spec.block_2d or spec.rht or spec.stochastic_rounding or \
+            spec.fourover6:
+        raise ValueError(
+            "a per-block amax [R, C/16] is taken by a plain columnwise cast (no block_2d, RHT, "
+            f"stochastic rounding or 4over6); got {spec}.")
+    rows, cols = as_matrix(x, True).shape
+    if tuple(amax.shape) != (rows, cols // BLOCK):
+        raise ValueError(f"a per-block amax must be [R, C/16] = {(rows, cols // BLOCK)} for x "
+                         f"{tuple(x.shape)}; got {tuple(amax.shape)}.")
+
+
 def quantize(
     x: torch.Tensor, spec: NVFP4Spec,
     generator: torch.Generator | SRSeed | torch.Tensor | None = None,
@@ -294,9 +306,14 @@ def quantize(
     """Quantize x (any float dtype, [..., K]) to NVFP4 bytes per docs/formats.md.
 
     `amax` replaces x's own global amax (step 1), e.g. the whole weight's amax when x is one
-    FSDP shard of it: the shard's bytes are then the whole tensor's bytes for those rows.
+    FSDP shard of it: the shard's bytes are then the whole tensor's bytes for those rows. For a
+    plain columnwise spec it may also hold one amax per block, [R, C/16] in the result's layout:
+    each block is quantized as its own tensor's block would be, so the experts' parts of one
+    gradient, side by side, come out in one pass as their own casts' bytes.
     """
     check_shape(x.shape, spec)
+    if amax is not None and amax.dim() == 2:
+        _check_block_amax(x, spec, amax)
     xm = as_matrix(x, spec.columnwise)
     if spec.rht:
         xm = apply_rht(xm)
@@ -304,7 +321,7 @@ def quantize(
     if amax is None:
         amax, amax_b = _global_amax(xf, spec)
     else:
-        amax_b = amax[:, None] if spec.row_scaled else amax
+        amax_b = amax if amax.dim() == 2 else amax[:, None] if spec.row_scaled else amax
     s_enc, s_dec = encode_scale(amax_b, spec.e4m3_bound)
     b_amax = block_amax(xf, spec.block_2d)
     if spec.fourover6:

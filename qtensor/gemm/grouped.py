@@ -24,6 +24,7 @@ from qtensor.gemm.dense import (
     dense_sides,
     operands,
     plan,
+    product_backend,
     quantized_mm_t,
 )
 from qtensor.tensors.base import QuantizedTensor
@@ -149,6 +150,15 @@ def grouped_mm_k(a_parts, b_parts, offs, out_dtype) -> torch.Tensor:
     if backend is GemmBackend.TRITON or a.data.device.type in ("cpu", "meta"):
         return gemm_k.grouped_mm_k(fmt, a, b, offs, out_dtype)
     return gemm_k.reference_grouped_mm_k(fmt, a, b, offs, out_dtype)
+
+
+def grouped_mm_k_sides(fmt: str, a: Side, b: Side, offs, out_dtype, like) -> torch.Tensor:
+    """The product grouped along K of operands already side by side (a grouped linear's experts
+    cast at once); `like`: a quantized tensor of the layer whose GEMM backend the product takes
+    (the emulated one runs the reference on the GPU, as the planner's grouped products do)."""
+    if product_backend(like, like) is GemmBackend.EMULATED and a.data.device.type == "cuda":
+        return gemm_k.reference_grouped_mm_k(fmt, a, b, offs, out_dtype)
+    return gemm_k.grouped_mm_k(fmt, a, b, offs, out_dtype)
 
 
 def _each_expert(a_parts, b_parts, out_dtype) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 from qtensor.formats.mxfp8 import MXFP8Spec
 from qtensor.formats.nvfp4 import NVFP4Spec
 from qtensor.ops import quant
+from qtensor.ops.gemm_operands import Side
 from qtensor.tensors import HybridTensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
 from qtensor.tensors.common import COLUMNWISE, ROWWISE, bytes_spec
 
@@ -179,12 +180,13 @@ def rows_problem(spec) -> str | None:
     return None
 
 
-def cast_expert_rows(x2: torch.Tensor, splits: Sequence[int], offs: torch.Tensor, spec):
-    """(all rows, each expert's rows): x2 [T, C] (experts' tokens one after another, `offs` their
-    int32 cumulative ends on x2's device) quantized rowwise with each expert's own amax in one
-    pass. The first is the grouped GEMM's left operand (row-scaled); the second holds, for each
-    expert with tokens, bitwise the tensor the expert's own quantize_rowwise gives (its rows of
-    the first, with its 0-d amax and `spec`), None for the others.
+def _expert_of(offs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The expert owning each token position (offs: int32 cumulative ends)."""
+    return torch.searchsorted(offs, positions, right=True)
+
+
+def expert_amax(x2: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """[E] fp32: max |x_e| of each expert's rows of x2 [T, C] (0 for an expert without rows).
 
     An expert's amax is the largest of its rows' amax patterns: the kernels reduce max |x| as an
     integer max of the sign-cleared bit patterns (NaN above inf), so the maximum over rows, taken
@@ -192,18 +194,90 @@ def cast_expert_rows(x2: torch.Tensor, splits: Sequence[int], offs: torch.Tensor
     """
     t = x2.shape[0]
     row = quant.nvfp4_row_amax(x2)
-    expert = torch.searchsorted(offs, torch.arange(t, device=x2.device, dtype=torch.int32),
-                                right=True)
-    bits = torch.zeros(len(splits), dtype=torch.int32, device=x2.device)
-    amax = bits.scatter_reduce_(0, expert, row.view(torch.int32), "amax").view(torch.float32)
+    expert = _expert_of(offs, torch.arange(t, device=x2.device, dtype=torch.int32))
+    bits = torch.zeros(offs.shape[0], dtype=torch.int32, device=x2.device)
+    return bits.scatter_reduce_(0, expert, row.view(torch.int32), "amax").view(torch.float32)
+
+
+def cast_expert_rows(x2: torch.Tensor, splits: Sequence[int], offs: torch.Tensor, spec,
+                     amax: torch.Tensor | None = None, parts: bool = True):
+    """(all rows, each expert's rows): x2 [T, C] (experts' tokens one after another, `offs` their
+    int32 cumulative ends on x2's device) quantized rowwise with each expert's own amax in one
+    pass (`amax`: expert_amax(x2, offs) when already known). The first is the grouped GEMM's
+    left operand (row-scaled); the second holds, for each expert with tokens, bitwise the tensor
+    the expert's own quantize_rowwise gives (its rows of the first, with its 0-d amax and
+    `spec`), None for the others; None itself without `parts`.
+    """
+    t = x2.shape[0]
+    amax = expert_amax(x2, offs) if amax is None else amax
+    expert = _expert_of(offs, torch.arange(t, device=x2.device, dtype=torch.int32))
     whole = _nvfp4_rows(x2, spec, amax[expert])
-    parts, start, stored = [], 0, bytes_spec(spec)
+    if not parts:
+        return whole, None
+    out, start, stored = [], 0, bytes_spec(spec)
     for e, m in enumerate(splits):
-        parts.append(None if m == 0 else whole.replace(
+        out.append(None if m == 0 else whole.replace(
             shape=(m, x2.shape[1]), qdata=whole.qdata[start:start + m],
             scale=whole.scale[start:start + m], amax=amax[e], spec=stored))
         start += m
-    return whole, parts
+    return whole, out
+
+
+# ---- all experts' token columns quantized at once ----------------------------------------------
+
+
+def cols_problem(spec) -> str | None:
+    """Why cast_expert_cols cannot cast every expert's columns for this spec, or None."""
+    if not isinstance(spec, NVFP4Spec) or not spec.columnwise or spec.block_2d or spec.rht or \
+            spec.fourover6:
+        return "not a columnwise NVFP4 spec without 2D blocks, RHT or 4over6"
+    if spec.stochastic_rounding:
+        return "stochastic rounding draws each expert's bits from its own seed"
+    return None
+
+
+_BITS = {torch.bfloat16: (torch.int16, 0x7FFF), torch.float16: (torch.int16, 0x7FFF),
+         torch.float32: (torch.int32, 0x7FFFFFFF)}
+CAST_DTYPES = tuple(_BITS)  # the dtypes cast_expert_cols takes
+
+
+def _expert_col_amax(x2: torch.Tensor, experts: int, blocks: torch.Tensor) -> torch.Tensor:
+    """[E, C] fp32: max |x| of each column over each expert's tokens (blocks: the expert of each
+    16-token run), reduced as the kernels reduce a row-scaled columnwise amax: an integer max of
+    the sign-cleared bit patterns (NaN above inf), then the input's value in fp32."""
+    t, c = x2.shape
+    kind, mask = _BITS[x2.dtype]
+    runs = (x2.view(kind) & mask).view(t // 16, 16, c).amax(1).to(torch.int32)
+    bits = torch.zeros(experts, c, dtype=torch.int32, device=x2.device).scatter_reduce_(
+        0, blocks[:, None].expand(-1, c), runs, "amax")
+    if x2.dtype == torch.float32:
+        return bits.view(torch.float32)
+    return bits.to(kind).view(x2.dtype).float()
+
+
+def cast_expert_cols(x2: torch.Tensor, offs: torch.Tensor, spec,
+                     amax: torch.Tensor | None = None) -> Side:
+    """x2 [T, C] (experts' tokens one after another) quantized columnwise, blocks of 16 tokens,
+    with each expert's own amax in one pass, as the product grouped along K takes it
+    (qtensor/ops/gemm_k.py): codes [C, T/2], scales [C, T/16] and the experts' amaxes, [E], or
+    [E, C] for a row-scaled spec (each expert's max |x_e| per column).
+
+    Expert e's columns are bitwise its own columnwise cast: each expert's token count is a
+    multiple of 16, so every block holds one expert's tokens and is quantized with that
+    expert's amax (a per-block amax, docs/formats.md's step 1 per block). `amax`: the experts'
+    [E] amax when known (without RHT a tensor's two usages share it).
+    """
+    t, c = x2.shape
+    blocks = _expert_of(offs, torch.arange(0, t, 16, device=x2.device, dtype=torch.int32))
+    if spec.row_scaled:
+        amax = _expert_col_amax(x2, offs.shape[0], blocks)
+        per_block = amax[blocks].t()
+    else:
+        amax = expert_amax(x2, offs) if amax is None else amax
+        per_block = amax[blocks][None, :].expand(c, -1)
+    plain = dataclasses.replace(spec, row_scaled=False)
+    data, _ = quant.quantize_nvfp4(x2, plain, global_amax=per_block.contiguous())
+    return Side(data.qdata, data.scale, amax, spec.e4m3_bound)
 
 
 # ---- all experts' weights quantized at once ------------------------------------------------------

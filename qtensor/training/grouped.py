@@ -34,11 +34,16 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from qtensor.gemm.grouped import grouped_mm, grouped_mm_k
+from qtensor.gemm.grouped import grouped_mm, grouped_mm_k, grouped_mm_k_sides
+from qtensor.ops.gemm_operands import NVFP4, Side
 from qtensor.training.experts import (
+    CAST_DTYPES,
     ExpertStack,
+    cast_expert_cols,
     cast_expert_rows,
     cat_rows,
+    cols_problem,
+    expert_amax,
     quantize_experts,
     rows_problem,
 )
@@ -85,12 +90,32 @@ def _offsets(splits: Sequence[int], device: torch.device) -> torch.Tensor:
     return ends.to(device)
 
 
+def whole_casts(state: LinearState, splits: Sequence[int], dtype) -> bool:
+    """Whether the input's and the gradient's casts run for all experts at once: a quantized
+    backward whose input and gradient usages cast_expert_rows / cast_expert_cols take (the
+    input's rowwise may be row-scaled), every expert's token count a multiple of 16."""
+    specs = state.specs
+    x_role, g_role = specs.input, specs.grad_output
+    if specs.backward_override is not None or x_role.columnwise is None or \
+            g_role.columnwise is None or dtype not in CAST_DTYPES or \
+            not all(m % 16 == 0 for m in splits):
+        return False
+    x_row = x_role.rowwise
+    return (getattr(x_row, "row_scaled", False) or rows_problem(x_row) is None) and \
+        rows_problem(g_role.rowwise) is None and cols_problem(x_role.columnwise) is None and \
+        cols_problem(g_role.columnwise) is None
+
+
 class GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, w_holder: WeightHolder, state: LinearState, splits, dtype,
                 backward, sr):
         override = state.specs.backward_override
         stack: ExpertStack = w_holder.op
+        ctx.whole = stack.cols is not None and x.shape[0] > 0 and whole_casts(state, splits, dtype)
+        if ctx.whole:
+            return _whole_forward(ctx, x, weight, bias, stack, state, splits, dtype,
+                                  backward and ctx.needs_input_grad[1])
         # dgrad multiplies the stacked columnwise weight when the backward is quantized; the
         # overrides multiply each expert's saved operands (or its high-precision weight).
         grouped_dgrad = override is None and stack.cols is not None
@@ -129,15 +154,15 @@ class GroupedLinearFunction(torch.autograd.Function):
                 y = grouped_mm(left, stack.rows.transpose(-1, -2), offs, b, dtype)
         ctx.save_for_backward(*x_saved, *w_saved, sr, offs,
                               stack.cols if grouped_dgrad else None)
-        ctx.state, ctx.splits, ctx.dtype, ctx.x_dtype = state, splits, dtype, x.dtype
-        ctx.w_meta = (weight.shape, weight.dtype)
-        ctx.b_dtype = bias.dtype if bias is not None else None
+        _meta(ctx, state, splits, dtype, x, weight, bias)
         if not rows:
             return x2.new_zeros(0, weight.shape[1])
         return y
 
     @staticmethod
     def backward(ctx, dy):
+        if ctx.whole:
+            return _whole_backward(ctx, dy)
         saved = ctx.saved_tensors
         n_exp = len(ctx.splits)
         x_saved, w_saved = saved[:n_exp], saved[n_exp:2 * n_exp]
@@ -173,10 +198,7 @@ class GroupedLinearFunction(torch.autograd.Function):
             if need[1] and rows:
                 # Every expert's wgrad in one product grouped along the tokens.
                 dw = grouped_mm_k(dy_ops, x_saved, offs, w_dtype)
-            db = None
-            if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
-                db = torch.stack([dy2[s:s + m].float().sum(0) for s, m in _bounds(ctx.splits)])
-                db = db.to(ctx.b_dtype)
+            db = _bias_grad(ctx, dy2)
             dx = None
             if need[0]:
                 k = w_shape[-1]
@@ -190,6 +212,67 @@ class GroupedLinearFunction(torch.autograd.Function):
                     dx = dy2.new_zeros(0, k)
                 dx = dx.to(ctx.x_dtype)
         return dx, dw, db, None, None, None, None, None, None
+
+
+def _meta(ctx, state, splits, dtype, x, weight, bias) -> None:
+    ctx.state, ctx.splits, ctx.dtype, ctx.x_dtype = state, splits, dtype, x.dtype
+    ctx.w_meta = (weight.shape, weight.dtype)
+    ctx.b_dtype = bias.dtype if bias is not None else None
+
+
+def _whole_forward(ctx, x, weight, bias, stack: ExpertStack, state: LinearState, splits, dtype,
+                   want_cols: bool):
+    """The forward with every expert's input cast at once: the rowwise usage (row-scaled, or
+    cast_expert_rows) for the grouped fprop, the columnwise one (cast_expert_cols) saved whole
+    for the grouped wgrad."""
+    specs = state.specs
+    with torch.autocast(x.device.type, enabled=False):
+        x2 = x.to(dtype)
+        offs = _offsets(splits, x.device)
+        left, amax = shared_input_rowwise(x2, state), None
+        if left is None:
+            amax = expert_amax(x2, offs)
+            left, _ = cast_expert_rows(x2, splits, offs, specs.input.rowwise, amax, parts=False)
+        cols = None
+        if want_cols:
+            col_spec = specs.input.columnwise
+            cols = cast_expert_cols(x2, offs, col_spec, None if col_spec.row_scaled else amax)
+        b = bias.to(dtype) if bias is not None else None
+        y = grouped_mm(left, stack.rows.transpose(-1, -2), offs, b, dtype)
+    ctx.save_for_backward(*((cols.data, cols.scale, cols.amax) if cols else (None,) * 3), offs,
+                          stack.cols)
+    ctx.x_bound = None if cols is None else cols.bound
+    _meta(ctx, state, splits, dtype, x, weight, bias)
+    return y
+
+
+def _bias_grad(ctx, dy2):
+    if ctx.b_dtype is None or not ctx.needs_input_grad[2]:
+        return None
+    db = torch.stack([dy2[s:s + m].float().sum(0) for s, m in _bounds(ctx.splits)])
+    return db.to(ctx.b_dtype)
+
+
+def _whole_backward(ctx, dy):
+    """dgrad and wgrad as one grouped product each, the gradient cast for all experts at once
+    (its rowwise usage with each expert's amax, then its columnwise one with the same amax: no
+    RHT, so both usages of a tensor share it)."""
+    x_data, x_scale, x_amax, offs, w_cols = ctx.saved_tensors
+    specs, splits, dtype = ctx.state.specs, ctx.splits, ctx.dtype
+    dx = dw = None
+    with torch.autocast(dy.device.type, enabled=False):
+        dy2 = dy.to(dtype)
+        amax = expert_amax(dy2, offs)
+        if ctx.needs_input_grad[0]:
+            rows, _ = cast_expert_rows(dy2, splits, offs, specs.grad_output.rowwise, amax,
+                                       parts=False)
+            dx = grouped_mm(rows, w_cols, offs, None, dtype).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            cols = cast_expert_cols(dy2, offs, specs.grad_output.columnwise, amax)
+            x_cols = Side(x_data, x_scale, x_amax, ctx.x_bound)
+            dw = grouped_mm_k_sides(NVFP4, cols, x_cols, offs, ctx.w_meta[1], w_cols)
+        db = _bias_grad(ctx, dy2)
+    return dx, dw, db, None, None, None, None, None, None
 
 
 class GroupedLinear(nn.Module):
