@@ -14,12 +14,13 @@ own tokens: one product grouped along the tokens for all experts ([Note: grouped
 qtensor/ops/gemm_k.py), bitwise each expert's own product on the CPU and equal to it up to the
 fp32 summation order on the GPU.
 
-Row-scaled activations (`row_scaled_activation`) are what make the input side grouped: a
-per-token amax depends on nothing outside the token's row, so the input's rowwise (fprop)
-operand is quantized once for all T tokens and sliced per expert without touching a byte. Its
-columnwise (wgrad) operand has one amax per column of x_e, so it is quantized per expert.
-Without row scaling each expert's input has its own per-tensor amax and is quantized per
-expert, as Transformer Engine's GroupedLinear does.
+The input's and gradient's casts run once for all experts where nothing but the amax depends
+on the expert (`whole_casts`; experts.py): the rowwise usages with a per-token amax or each
+row its expert's, the columnwise usages with a per-block amax, each 16-token block its
+expert's. Each expert's bytes are then its own cast's, produced in one pass. RHT and
+stochastically rounded columnwise usages (the amax after the transform, each expert's seed)
+and 4over6 ones are still cast per expert, as Transformer Engine's GroupedLinear casts every
+expert, and their bytes put side by side for the grouped products.
 
 Every NVFP4 columnwise operand blocks along tokens, so each expert's token count must be a
 multiple of 16 (32 with MXFP8 columnwise usages) for a quantized backward: pad per expert.
