@@ -115,7 +115,8 @@ def _cat(fmt: str, sides, parts) -> Side:
     [E, R] for row-scaled parts), 0 for an expert without parts."""
     first = sides[0]
     data = torch.cat([s.data for s in sides], dim=1)
-    scale = torch.cat([s.scale for s in sides], dim=1)
+    # As bytes: CUDA has no cat for float8_e8m0fnu (the MXFP8 scales).
+    scale = torch.cat([s.scale.view(torch.uint8) for s in sides], dim=1).view(first.scale.dtype)
     if fmt != NVFP4:
         return Side(data, scale)
     zero, it = first.amax.new_zeros(first.amax.shape), iter(sides)
