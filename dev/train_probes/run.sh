@@ -23,6 +23,8 @@
 #   gluepinned: glue_probe.py with the process pinned to one core (taskset), engine's thread too
 #   (thread_probe.py, the same question on the CPU with a worker thread, needs no GPU)
 #   codesgpu: codes_gpu_probe.py, products on codes vs decoded first, GPU time alone (graphed)
+#   moeprof: moe_profile.py row and nvfp4, where a GroupedLinear MoE step's time goes
+#   kgrouped: the wgrad kernel grouped along K's CUDA tests, then grouped_k_probe.py (configs)
 #   codes: the dense GEMM's CUDA tests, then codes_probe.py --gpt (products on codes vs decoded
 #          first, the persistent kernels' direct launch, the small GPT's eager step each way)
 set -uo pipefail
@@ -58,6 +60,9 @@ for p in "$@"; do
     syncs) timeout 200 python dev/train_probes/sync_probe.py ${SYNC_RECIPES:-} >"$r/syncs.log" 2>&1; echo "syncs rc=$?"; cat "$r/syncs.log" | tail -60 ;;
     gluepinned) timeout 150 taskset -c "${PIN_CORE:-2}" python dev/train_probes/glue_probe.py >"$r/glue_pinned.log" 2>&1; echo "gluepinned rc=$?"; grep "^|" "$r/glue_pinned.log" ;;
     codesgpu) timeout 150 python dev/train_probes/codes_gpu_probe.py >"$r/codesgpu.log" 2>&1; echo "codesgpu rc=$?"; cat "$r/codesgpu.log" | tail -20 ;;
+    moeprof) for m in row nvfp4; do timeout 120 python dev/train_probes/moe_profile.py $m >"$r/moeprof_$m.log" 2>&1; echo "moeprof $m rc=$?"; head -1 "$r/moeprof_$m.log"; done ;;
+    kgrouped) timeout 120 python -m pytest -q -m cuda tests/test_grouped_mm_k.py >"$r/kgrouped_tests.log" 2>&1; echo "kgrouped tests rc=$?"; tail -2 "$r/kgrouped_tests.log"
+              timeout 150 python dev/train_probes/grouped_k_probe.py >"$r/kgrouped.log" 2>&1; echo "kgrouped rc=$?"; cat "$r/kgrouped.log" ;;
     fp8) timeout 120 python dev/train_probes/fp8_block_probe.py "$r" >"$r/fp8.log" 2>&1; echo "fp8 rc=$?"; grep -c MATCH "$r/fp8.log"; tail -8 "$r/fp8.log" ;;
     gemm) timeout 200 python dev/train_probes/gemm_probe.py "$r" >"$r/gemm.log" 2>&1; echo "gemm rc=$?"; grep "^|" "$r/gemm.log" | tail -10; grep -i "failed\|error" "$r/gemm.log" | head -5 ;;
   esac
