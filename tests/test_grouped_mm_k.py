@@ -54,7 +54,7 @@ def _experts(kind: str, m_out=48, n_out=80, device="cpu", seed=0, splits=SPLITS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_cpu_is_each_experts_own_product(kind):
     dys, xs, offs = _experts(kind)
-    out = grouped_mm_k(dys, xs, offs, torch.float32)
+    out = grouped_mm_k(dys, xs, torch.float32)
     assert out.shape == (len(SPLITS), 48, 80)
     for e, (dy, x) in enumerate(zip(dys, xs)):
         if dy is None:
@@ -68,7 +68,7 @@ def test_cpu_is_each_experts_own_product(kind):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_reference_is_the_fp64_product_of_the_dequantized_parts(kind, out_dtype):
     dys, xs, offs = _experts(kind, seed=1)
-    out = grouped_mm_k(dys, xs, offs, out_dtype)
+    out = grouped_mm_k(dys, xs, out_dtype)
     assert out.dtype == out_dtype
     for e, (dy, x) in enumerate(zip(dys, xs)):
         if dy is None:
@@ -113,20 +113,24 @@ def test_op_checks_its_arguments():
 
 
 def test_layer_checks_its_arguments():
-    dys, xs, offs = _experts("nvfp4")
+    dys, xs, _ = _experts("nvfp4")
     with pytest.raises(ValueError, match="one .a, b. pair per expert"):
-        grouped_mm_k(dys[:-1], xs, offs, torch.float32)
+        grouped_mm_k(dys[:-1], xs, torch.float32)
     with pytest.raises(ValueError, match="no expert holds operands"):
-        grouped_mm_k([None] * 6, [None] * 6, offs, torch.float32)
+        grouped_mm_k([None] * 6, [None] * 6, torch.float32)
+    with pytest.raises(ValueError, match="expert 2's parts must both be None or hold the same"):
+        grouped_mm_k(dys, xs[:2] + [xs[0]] + xs[3:], torch.float32)
+    with pytest.raises(ValueError, match="expert 1's parts must both be None"):
+        grouped_mm_k(dys, xs[:1] + [xs[0]] + xs[2:], torch.float32)
     _, mx, _ = _experts("mxfp8")
     with pytest.raises(TypeError, match="one format"):
-        grouped_mm_k(dys, mx, offs, torch.float32)
+        grouped_mm_k(dys, mx, torch.float32)
 
 
 def test_high_precision_parts_run_expert_by_expert():
     dys, xs, offs = _experts("nvfp4")
     hp = [None if x is None else x.dequantize(torch.float32).bfloat16() for x in xs]
-    out = grouped_mm_k(dys, hp, offs, torch.float32)
+    out = grouped_mm_k(dys, hp, torch.float32)
     for e, (dy, x) in enumerate(zip(dys, hp)):
         if dy is not None:
             assert torch.equal(out[e], quantized_mm_t(dy, x, out_dtype=torch.float32, a_t=True))
@@ -134,9 +138,9 @@ def test_high_precision_parts_run_expert_by_expert():
 
 def test_compiles_fullgraph():
     dys, xs, offs = _experts("nvfp4_rowscaled")
-    fn = torch.compile(lambda d, x: grouped_mm_k(d, x, offs, torch.float32), fullgraph=True,
+    fn = torch.compile(lambda d, x: grouped_mm_k(d, x, torch.float32), fullgraph=True,
                        backend="aot_eager")
-    assert torch.equal(fn(dys, xs), grouped_mm_k(dys, xs, offs, torch.float32))
+    assert torch.equal(fn(dys, xs), grouped_mm_k(dys, xs, torch.float32))
 
 
 @pytest.mark.cuda
@@ -149,7 +153,7 @@ def test_cuda_kernel_matches_reference_and_each_expert(kind):
     splits = [128, 0, 32, 256, 0, 96, 160, 64]
     dys, xs, offs = _experts(kind, m_out=208, n_out=144, device="cuda", seed=2, splits=splits)
     for out_dtype in (torch.float32, torch.bfloat16):
-        out = grouped_mm_k(dys, xs, offs, out_dtype)
+        out = grouped_mm_k(dys, xs, out_dtype)
         from qtensor.gemm.grouped import _cat, _k_parts
 
         fmt, a_sides, b_sides, _ = _k_parts(dys, xs)

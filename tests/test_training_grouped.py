@@ -360,6 +360,19 @@ def test_cuda_experts_rows_cast_at_once_are_each_experts_own(spec_kw):
     _experts_rows_check(spec_kw, "cuda")
 
 
+def _experts_tokens(device, seed):
+    """(splits, x [T, 64] bf16, offs): six experts, two of them empty; an outlier in expert 3, an
+    expert of tiny values (4) and a NaN in expert 5."""
+    splits = [32, 0, 16, 48, 0, 16]
+    torch.manual_seed(seed)
+    x = torch.randn(sum(splits), 64).bfloat16()
+    x[40, 3] = 300.0
+    x[48:96] *= 1e-20
+    x[100, 5] = float("nan")
+    offs = torch.tensor(splits).cumsum(0).to(device=device, dtype=torch.int32)
+    return splits, x.to(device), offs
+
+
 def _experts_rows_check(spec_kw, device):
     # One pass over all tokens with each expert's amax: every expert's rows are bitwise its own
     # cast (bytes, spec, 0-d amax), zero-token experts included; a NaN poisons only its expert.
@@ -367,14 +380,7 @@ def _experts_rows_check(spec_kw, device):
     from qtensor.training.experts import cast_expert_rows
 
     spec = NVFP4Spec(**spec_kw)
-    splits = [32, 0, 16, 48, 0, 16]
-    torch.manual_seed(2)
-    x = torch.randn(sum(splits), 64).bfloat16()
-    x[40, 3] = 300.0
-    x[48:96] *= 1e-20
-    x[100, 5] = float("nan")
-    x = x.to(device)
-    offs = torch.tensor(list(torch.tensor(splits).cumsum(0)), dtype=torch.int32, device=device)
+    splits, x, offs = _experts_tokens(device, seed=2)
     whole, parts = cast_expert_rows(x, splits, offs, spec)
     assert whole.row_scaled and whole.shape == x.shape
     start = 0
@@ -413,14 +419,7 @@ def _experts_cols_check(spec_kw, device):
     from qtensor.training.experts import cast_expert_cols
 
     spec = NVFP4Spec(**spec_kw)
-    splits = [32, 0, 16, 48, 0, 16]
-    torch.manual_seed(3)
-    x = torch.randn(sum(splits), 64).bfloat16()
-    x[40, 3] = 300.0
-    x[48:96] *= 1e-20
-    x[100, 5] = float("nan")
-    x = x.to(device)
-    offs = torch.tensor(list(torch.tensor(splits).cumsum(0)), dtype=torch.int32, device=device)
+    splits, x, offs = _experts_tokens(device, seed=3)
     whole = cast_expert_cols(x, offs, spec)
     assert whole.data.shape == (64, sum(splits) // 2) and whole.bound == spec.e4m3_bound
     assert whole.amax.shape == ((len(splits), 64) if spec.row_scaled else (len(splits),))

@@ -10,6 +10,8 @@ factor of a row-scaled operand is per token, the right one per expert (and colum
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from qtensor.backends import GemmBackend
@@ -127,10 +129,19 @@ def _cat(fmt: str, sides, parts) -> Side:
     return Side(data, scale, amax, first.bound)
 
 
-def grouped_mm_k(a_parts, b_parts, offs, out_dtype) -> torch.Tensor:
+def expert_offsets(counts, device) -> torch.Tensor:
+    """The grouped ops' int32 [E] cumulative ends of host counts, copied to the device without a
+    host sync (a pageable copy would wait for the queue); traced, a constant of the graph."""
+    ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
+    if torch.device(device).type == "cuda" and not torch.compiler.is_compiling():
+        return ends.pin_memory().to(device, non_blocking=True)
+    return ends.to(device)
+
+
+def grouped_mm_k(a_parts, b_parts, out_dtype) -> torch.Tensor:
     """[E, M, N]: out[e] = a_e.t() @ b_e for expert e's a_e [m_e, M] and b_e [m_e, N], a grouped
-    linear's weight gradients (dY_e^T @ X_e); zeros for an expert whose parts are None. offs:
-    the int32 [E] cumulative ends of the m_e, each a multiple of the format's block.
+    linear's weight gradients (dY_e^T @ X_e); zeros for an expert whose parts are None. The
+    experts' K ranges come from the parts' own token counts (whole blocks of their format).
 
     Each pair multiplies as quantized_mm_t(a_e, b_e, a_t=True) would (the columnwise parts),
     but all in one product grouped along K ([Note: grouped along K]): the parts' bytes put side
@@ -138,16 +149,24 @@ def grouped_mm_k(a_parts, b_parts, offs, out_dtype) -> torch.Tensor:
     on the GPU it equals it up to the order of the fp32 sums. Parts that cannot be put side by
     side (high precision, another format, the native scaled_mm backend) run expert by expert.
     """
-    if len(a_parts) != len(b_parts) or len(a_parts) != offs.shape[0]:
-        raise ValueError(
-            f"grouped_mm_k needs one (a, b) pair per expert and offs [E]; got {len(a_parts)} "
-            f"and {len(b_parts)} parts, offs {tuple(offs.shape)}.")
+    if len(a_parts) != len(b_parts):
+        raise ValueError(f"grouped_mm_k needs one (a, b) pair per expert; got {len(a_parts)} "
+                         f"and {len(b_parts)} parts.")
+    counts = []
+    for e, (a, b) in enumerate(zip(a_parts, b_parts)):
+        if (a is None) != (b is None) or (a is not None and a.shape[0] != b.shape[0]):
+            raise ValueError(
+                f"grouped_mm_k: expert {e}'s parts must both be None or hold the same tokens; "
+                f"got {None if a is None else tuple(a.shape)} and "
+                f"{None if b is None else tuple(b.shape)}.")
+        counts.append(0 if a is None else a.shape[0])
     found = _k_parts(a_parts, b_parts)
     backend = None if found is None else plan(*found[3], None, out_dtype)
     if found is None or backend is GemmBackend.SCALED_MM:
         return _each_expert(a_parts, b_parts, out_dtype)
     fmt, a_sides, b_sides, _ = found
     a, b = _cat(fmt, a_sides, a_parts), _cat(fmt, b_sides, a_parts)
+    offs = expert_offsets(counts, a.data.device)
     if backend is GemmBackend.TRITON or a.data.device.type in ("cpu", "meta"):
         return gemm_k.grouped_mm_k(fmt, a, b, offs, out_dtype)
     return gemm_k.reference_grouped_mm_k(fmt, a, b, offs, out_dtype)
@@ -155,8 +174,10 @@ def grouped_mm_k(a_parts, b_parts, offs, out_dtype) -> torch.Tensor:
 
 def grouped_mm_k_sides(fmt: str, a: Side, b: Side, offs, out_dtype, like) -> torch.Tensor:
     """The product grouped along K of operands already side by side (a grouped linear's experts
-    cast at once); `like`: a quantized tensor of the layer whose GEMM backend the product takes
-    (the emulated one runs the reference on the GPU, as the planner's grouped products do)."""
+    cast at once), offs on whole blocks of the format as the caller's counts guarantee (the CUDA
+    kernel relies on it unchecked); `like`: a quantized tensor of the layer whose GEMM backend
+    the product takes (the emulated one runs the reference on the GPU, as the planner's grouped
+    products do)."""
     if product_backend(like, like) is GemmBackend.EMULATED and a.data.device.type == "cuda":
         return gemm_k.reference_grouped_mm_k(fmt, a, b, offs, out_dtype)
     return gemm_k.grouped_mm_k(fmt, a, b, offs, out_dtype)

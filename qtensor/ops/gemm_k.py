@@ -18,6 +18,10 @@ expert and row, [E, M] / [E, N] (row-scaled parts). A grouped linear's wgrad is 
 its experts' gradient and input parts put side by side along the tokens (each a block-aligned
 range, so no block straddles two experts), and an expert without tokens gets exact zeros.
 
+The ranges start and end on whole blocks (16 NVFP4 elements, 32 MXFP8): the CPU op and the
+reference check it; the CUDA kernel relies on it unchecked, as a check would wait for the GPU
+(qtensor.gemm.grouped derives offs from host counts that guarantee it).
+
 Implementations: on the CPU each expert's K range through the dense CPU product (`cpu_mm`), so
 out[e] is bitwise that expert's own dense product; on CUDA both operands decoded to exact bf16
 once and one Triton launch for every expert (qtensor/kernels/grouped_qgemm.py), equal to the

@@ -28,14 +28,13 @@ multiple of 16 (32 with MXFP8 columnwise usages) for a quantized backward: pad p
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from qtensor.gemm.grouped import grouped_mm, grouped_mm_k, grouped_mm_k_sides
+from qtensor.gemm.grouped import expert_offsets, grouped_mm, grouped_mm_k, grouped_mm_k_sides
 from qtensor.ops.gemm_operands import NVFP4, Side
 from qtensor.training.experts import (
     CAST_DTYPES,
@@ -82,13 +81,6 @@ def shared_input_rowwise(x2: torch.Tensor, state: LinearState):
     return quantize_rowwise(x2, state.specs.input, "input")
 
 
-def _offsets(splits: Sequence[int], device: torch.device) -> torch.Tensor:
-    """The grouped GEMM's int32 [E] cumulative row ends, copied to the device without a host
-    sync (a pageable copy would wait for the queue); traced, a constant of the graph."""
-    ends = torch.tensor(list(itertools.accumulate(splits)), dtype=torch.int32)
-    if device.type == "cuda" and not torch.compiler.is_compiling():
-        return ends.pin_memory().to(device, non_blocking=True)
-    return ends.to(device)
 
 
 def whole_casts(state: LinearState, splits: Sequence[int], dtype) -> bool:
@@ -124,7 +116,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         x_saved, w_saved, rows = [], [], []
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.to(dtype)
-            offs = _offsets(splits, x.device) if x2.shape[0] else None
+            offs = expert_offsets(splits, x.device) if x2.shape[0] else None
             shared, parts = shared_input_rowwise(x2, state), None
             if shared is None and offs is not None and \
                     rows_problem(state.specs.input.rowwise) is None:
@@ -198,7 +190,7 @@ class GroupedLinearFunction(torch.autograd.Function):
                     dw[e] = dw_e
             if need[1] and rows:
                 # Every expert's wgrad in one product grouped along the tokens.
-                dw = grouped_mm_k(dy_ops, x_saved, offs, w_dtype)
+                dw = grouped_mm_k(dy_ops, x_saved, w_dtype)
             db = _bias_grad(ctx, dy2)
             dx = None
             if need[0]:
@@ -229,7 +221,7 @@ def _whole_forward(ctx, x, weight, bias, stack: ExpertStack, state: LinearState,
     specs = state.specs
     with torch.autocast(x.device.type, enabled=False):
         x2 = x.to(dtype)
-        offs = _offsets(splits, x.device)
+        offs = expert_offsets(splits, x.device)
         left, amax = shared_input_rowwise(x2, state), None
         if left is None:
             amax = expert_amax(x2, offs)
