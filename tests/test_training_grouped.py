@@ -348,16 +348,6 @@ def test_graph_safe_cache_rewrites_the_stacks_in_place(name):
 ROW_SPECS = {"nvfp4": {}, "4over6": dict(fourover6="mae"), "bound256": dict(e4m3_bound=256)}
 
 
-@pytest.mark.parametrize("spec_kw", list(ROW_SPECS.values()), ids=list(ROW_SPECS))
-def test_experts_rows_cast_at_once_are_each_experts_own(spec_kw):
-    _experts_rows_check(spec_kw, "cpu")
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("spec_kw", list(ROW_SPECS.values()), ids=list(ROW_SPECS))
-def test_cuda_experts_rows_cast_at_once_are_each_experts_own(spec_kw):
-    _experts_rows_check(spec_kw, "cuda")
 
 
 def _experts_tokens(device, seed):
@@ -397,18 +387,22 @@ def _experts_rows_check(spec_kw, device):
 
 COL_SPECS = {"plain": {"columnwise": True}, "row_scaled": {"columnwise": True, "row_scaled": True},
              "bound256": {"columnwise": True, "e4m3_bound": 256}}
+# (which usage, spec): the experts' casts at once, rowwise (cast_expert_rows) and columnwise
+# (cast_expert_cols)
+AT_ONCE = [("rows", kw) for kw in ROW_SPECS.values()] + [("cols", kw) for kw in COL_SPECS.values()]
+AT_ONCE_IDS = [f"rows-{k}" for k in ROW_SPECS] + [f"cols-{k}" for k in COL_SPECS]
 
 
-@pytest.mark.parametrize("spec_kw", list(COL_SPECS.values()), ids=list(COL_SPECS))
-def test_experts_cols_cast_at_once_are_each_experts_own(spec_kw):
-    _experts_cols_check(spec_kw, "cpu")
+@pytest.mark.parametrize("usage,spec_kw", AT_ONCE, ids=AT_ONCE_IDS)
+def test_experts_cast_at_once_are_each_experts_own(usage, spec_kw):
+    (_experts_rows_check if usage == "rows" else _experts_cols_check)(spec_kw, "cpu")
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("spec_kw", list(COL_SPECS.values()), ids=list(COL_SPECS))
-def test_cuda_experts_cols_cast_at_once_are_each_experts_own(spec_kw):
-    _experts_cols_check(spec_kw, "cuda")
+@pytest.mark.parametrize("usage,spec_kw", AT_ONCE, ids=AT_ONCE_IDS)
+def test_cuda_experts_cast_at_once_are_each_experts_own(usage, spec_kw):
+    (_experts_rows_check if usage == "rows" else _experts_cols_check)(spec_kw, "cuda")
 
 
 def _experts_cols_check(spec_kw, device):
