@@ -81,8 +81,6 @@ def shared_input_rowwise(x2: torch.Tensor, state: LinearState):
     return quantize_rowwise(x2, state.specs.input, "input")
 
 
-
-
 def whole_casts(state: LinearState, splits: Sequence[int], dtype) -> bool:
     """Whether the input's and the gradient's casts run for all experts at once: a quantized
     backward whose input and gradient usages cast_expert_rows / cast_expert_cols take (the
@@ -163,7 +161,10 @@ class GroupedLinearFunction(torch.autograd.Function):
         (w_shape, w_dtype), dtype = ctx.w_meta, ctx.dtype
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         dxs, rows, dy_ops = [], [], [None] * n_exp
-        dw = torch.zeros(w_shape, dtype=w_dtype, device=dy.device) if need[1] else None
+        # The overrides fill dW expert by expert; the quantized backward's grouped wgrad makes
+        # all of it (zeros for experts without tokens) in one product.
+        dw = torch.zeros(w_shape, dtype=w_dtype, device=dy.device) \
+            if need[1] and w_cols is None else None
         state = ctx.state
         with torch.autocast(dy.device.type, enabled=False):
             dy2 = dy.to(dtype)
@@ -188,9 +189,10 @@ class GroupedLinearFunction(torch.autograd.Function):
                     dw_e = None
                 if dw is not None and dw_e is not None:
                     dw[e] = dw_e
-            if need[1] and rows:
+            if need[1] and w_cols is not None:
                 # Every expert's wgrad in one product grouped along the tokens.
-                dw = grouped_mm_k(dy_ops, x_saved, w_dtype)
+                dw = grouped_mm_k(dy_ops, x_saved, w_dtype) if rows else \
+                    torch.zeros(w_shape, dtype=w_dtype, device=dy.device)
             db = _bias_grad(ctx, dy2)
             dx = None
             if need[0]:
