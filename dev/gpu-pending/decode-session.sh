@@ -11,11 +11,14 @@
 #
 #   here:   dev/gpu-pending/decode-session.sh pack
 #           the series applied to HEAD as temporary commits and packed (HEAD is left as it
-#           was; carry [".whl"] with the torchao and expecttest wheels).
-#   there, run P (about 7 minutes with the build of four trees): each tree's times beside
-#           bf16's: main's, half-stages', main's kernel with its consumers reduced to waiting
-#           for each stage (the stream alone), and with its producer copying one stage that the
-#           consumers decode over and over (the consumers alone): which side bounds the rate.
+#           was; carry [".whl"] with the torchao and expecttest wheels). Removing the probes'
+#           two archives from .whl/decode leaves main and the three series to land: four trees.
+#   there, run P (about 7 minutes with the build of four trees): each tree's times at 1, 4, 8
+#           and 16 tokens beside bf16's (the wg-* trees, whose kernels up to 32 tokens are
+#           main's, skip it): main's, half-stages', main's kernel with its consumers reduced to
+#           waiting for each stage (the stream alone), and with its producer copying one stage
+#           that the consumers decode over and over (the consumers alone): which side bounds
+#           the rate.
 #           export QTENSOR_CUDA_ARCHS=90a MAX_JOBS=16
 #           dev/compare_builds.sh run .whl/decode "bash dev/gpu-pending/decode-session.sh P"
 #   there, run S (the next call, while the machine is warm: the trees stay built under
@@ -25,9 +28,9 @@
 #           decode session"); where the consumers bound (the H200), so may the kernel:
 #           PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" bash dev/gpu-pending/decode-session.sh S
 #   there, run T (the next call, while the machine is warm: the trees stay built under
-#           $TMPDIR/compare; about 4 minutes a tree): every decode CUDA test in the trees of
-#           half-stages, wg-sets and wg-late-fence (or those named after T), and the wgmma
-#           A-register check of the latter two:
+#           $TMPDIR/compare; about 4 minutes a tree, the trees at once on the one GPU): every
+#           decode CUDA test in the trees of half-stages, wg-sets and wg-late-fence (or those
+#           named after T), and the wgmma A-register check of the latter two:
 #           bash dev/gpu-pending/decode-session.sh T [SERIES...]
 #   there, run W (the next call after P while the machine is warm, or alone after
 #           `dev/compare_builds.sh run DIR true`, which only builds the trees; for any series of
@@ -94,8 +97,11 @@ case "${1:-}" in
     ;;
   P)
     echo "series: $(series)"
-    timeout 100 python3 dev/experiments/decode_launches.py times \
-      --shapes 28672x8192,8192x8192,8192x28672,4096x4096,4096x14336 --ms 1,4,16
+    case "$(series)" in
+      wg-*) echo "(its kernels up to 32 tokens are main's: run W times it)"; exit 0 ;;
+    esac
+    timeout 120 python3 dev/experiments/decode_launches.py times \
+      --shapes 28672x8192,8192x8192,8192x28672,4096x4096,4096x14336 --ms 1,4,8,16
     ;;
   S)
     echo "series: $(series)"
@@ -109,14 +115,19 @@ case "${1:-}" in
       (cd "$t" || exit 0
        [[ $want == *" $(series) "* ]] || exit 0
        tests="tests/test_decode_gemm.py tests/test_decode_weight.py tests/test_decode_fusion.py"
-       echo "== series: $(series)"
-       case "$(series)" in
-         wg-*) obj=$(find build -name 'decode_gemm_cuda*.o' | head -1)
-               python3 csrc/tools/wgmma_a_hazards.py "$obj" | tail -n 9 ;;
-       esac
-       PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 330 python3 -m pytest -m cuda -q \
-         $tests 2>&1 | tail -n 5)
+       log="${TMPDIR:-/tmp}/T-$(series).log"
+       {
+         echo "== series: $(series)"
+         case "$(series)" in
+           wg-*) obj=$(find build -name 'decode_gemm_cuda*.o' | head -1)
+                 python3 csrc/tools/wgmma_a_hazards.py "$obj" | tail -n 9 ;;
+         esac
+         PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 480 python3 -m pytest -m cuda -q \
+           $tests 2>&1 | tail -n 5
+       } > "$log" 2>&1) &
     done
+    wait
+    cat "${TMPDIR:-/tmp}"/T-*.log
     ;;
   W)
     here=$(pwd)
